@@ -1,0 +1,172 @@
+"""entmax15 against the `entmax` package (values, gradients), gradcheck, masks, dtypes and errors."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import entmax as entmax_pkg
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vitattn.functional import entmax15
+from vitattn.functional.entmax15 import entmax15_threshold
+
+NEG_INF = float("-inf")
+
+
+@st.composite
+def rows_with_masks(draw, max_dims: int = 3, max_size: int = 24):
+    """A float64 tensor with random -inf entries (every slice along ``dim`` keeps one finite entry)."""
+    ndim = draw(st.integers(1, max_dims))
+    shape = tuple(draw(st.lists(st.integers(1, max_size), min_size=ndim, max_size=ndim)))
+    dim = draw(st.integers(-ndim, ndim - 1))
+    scale = draw(st.sampled_from([1e-3, 0.1, 1.0, 3.0, 30.0, 1e4]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    ties = draw(st.booleans())
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * scale
+    if ties:  # few distinct values: many exact ties, also at the threshold
+        x = torch.randint(-2, 3, shape, generator=g).to(torch.float64) * scale
+    if draw(st.booleans()):
+        drop = torch.rand(shape, generator=g) < 0.4
+        keep_one = torch.zeros(shape, dtype=torch.bool)
+        keep_one.select(dim, 0).fill_(True)
+        x = x.masked_fill(drop & ~keep_one, NEG_INF)
+    return x, dim
+
+
+@given(rows_with_masks())
+def test_matches_entmax_package_float64(case):
+    x, dim = case
+    ours = entmax15(x, dim=dim)
+    ref = entmax_pkg.entmax15(x, dim=dim)
+    torch.testing.assert_close(ours, ref, atol=1e-10, rtol=0)
+    torch.testing.assert_close(ours.sum(dim), torch.ones_like(ours.sum(dim)), atol=1e-12, rtol=0)
+
+
+@given(rows_with_masks())
+def test_gradients_match_entmax_package(case):
+    x, dim = case
+    g = torch.randn(x.shape, dtype=torch.float64)
+    a = x.clone().requires_grad_()
+    b = x.clone().requires_grad_()
+    entmax15(a, dim=dim).backward(g)
+    entmax_pkg.entmax15(b, dim=dim).backward(g)
+    torch.testing.assert_close(a.grad, b.grad.masked_fill(torch.isneginf(x), 0.0), atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 197, 197), (1, 2, 785, 785)])
+@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])
+def test_attention_sized_rows_float32_and_float64(shape, scale):
+    x = torch.randn(shape, dtype=torch.float64) * scale
+    ref = entmax_pkg.entmax15(x, dim=-1)
+    torch.testing.assert_close(entmax15(x), ref, atol=1e-8, rtol=0)
+    torch.testing.assert_close(entmax15(x.float()), ref.float(), atol=1e-5, rtol=0)
+
+
+def test_support_is_exact_not_approximate():
+    # A row where many entries sit just below the threshold: a converged-but-approximate threshold
+    # would put them on the support; the exact one does not.
+    x = torch.tensor([[2.0, 1.0] + [0.0 - 1e-9 * i for i in range(50)]], dtype=torch.float64)
+    ours = entmax15(x)
+    ref = entmax_pkg.entmax15(x)
+    assert torch.equal(ours > 0, ref > 0)
+    torch.testing.assert_close(ours, ref, atol=1e-14, rtol=0)
+
+
+def test_threshold_closed_form_holds():
+    z = torch.randn(5, 40, dtype=torch.float64) * 2
+    x, tau = entmax15_threshold(z)
+    p = (x - tau).clamp_min(0) ** 2
+    torch.testing.assert_close(p.sum(-1), torch.ones(5, dtype=torch.float64), atol=1e-14, rtol=0)
+
+
+def test_fully_masked_rows_give_zeros_and_zero_grads():
+    x = torch.randn(3, 4, 9, dtype=torch.float64)
+    x[0, 1] = NEG_INF
+    x[2, :] = NEG_INF
+    x.requires_grad_()
+    p = entmax15(x)
+    assert not p.isnan().any()
+    assert torch.equal(p[0, 1], torch.zeros(9, dtype=torch.float64))
+    assert torch.equal(p[2], torch.zeros(4, 9, dtype=torch.float64))
+    torch.testing.assert_close(p[1].sum(-1), torch.ones(4, dtype=torch.float64))
+    p.backward(torch.randn_like(p))
+    assert not x.grad.isnan().any()
+    assert torch.equal(x.grad[2], torch.zeros(4, 9, dtype=torch.float64))
+
+
+def test_single_element_and_uniform_rows():
+    assert torch.equal(entmax15(torch.tensor([[3.0]])), torch.tensor([[1.0]]))
+    n = 37
+    torch.testing.assert_close(entmax15(torch.zeros(2, n)), torch.full((2, n), 1.0 / n))
+
+
+@pytest.mark.parametrize("magnitude", [1e6, 1e20, 1e30])
+def test_huge_magnitudes_float32(magnitude):
+    x = torch.randn(4, 33) * magnitude
+    p = entmax15(x)
+    assert torch.isfinite(p).all()
+    torch.testing.assert_close(p, entmax_pkg.entmax15(x.double()).float(), atol=1e-6, rtol=0)
+
+
+def test_gradcheck_float64():
+    x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: entmax15(t, dim=-1), (x,))
+    y = torch.randn(6, 4, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: entmax15(t, dim=1), (y,))
+    # masked entries: gradcheck perturbs finite entries only where -inf is kept out
+    z = torch.randn(4, 6, dtype=torch.float64)
+    z[:, :2] = -50.0  # far off the support: zero gradient, like a mask
+    assert torch.autograd.gradcheck(entmax15, (z.requires_grad_(),))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_computed_in_float32(dtype):
+    x = (torch.randn(3, 5, 50) * 3).to(dtype)
+    x.requires_grad_()
+    p = entmax15(x)
+    assert p.dtype == dtype
+    ref = entmax_pkg.entmax15(x.detach().float())
+    torch.testing.assert_close(p.float(), ref, atol=4e-3, rtol=0)
+    p.float().pow(2).sum().backward()
+    assert x.grad.dtype == dtype and torch.isfinite(x.grad.float()).all()
+
+
+def test_many_chunks_match_single_chunk(monkeypatch):
+    mod = importlib.import_module("vitattn.functional.entmax15")  # the module, not the function
+
+    x = torch.randn(3, 40, 50, dtype=torch.float64, requires_grad=True)
+    g = torch.randn_like(x)
+    whole = entmax15(x)
+    (gw,) = torch.autograd.grad(whole, x, g)
+    monkeypatch.setattr(mod, "_CHUNK_ELEMENTS", 7 * 50)  # 7 rows per chunk, ragged last chunk
+    pieces = entmax15(x)
+    (gp,) = torch.autograd.grad(pieces, x, g)
+    torch.testing.assert_close(whole, pieces, atol=0, rtol=0)
+    torch.testing.assert_close(gw, gp, atol=1e-15, rtol=0)
+
+
+def test_sparsity_grows_with_scale():
+    x = torch.randn(64, 100, dtype=torch.float64)
+    nnz = [int((entmax15(x * s) > 0).sum()) for s in (0.1, 1.0, 10.0)]
+    assert nnz[0] > nnz[1] > nnz[2] >= 64
+    assert math.isclose(float(entmax15(x * 1e3).max(-1).values.min()), 1.0)
+
+
+def test_compiles_without_graph_breaks():
+    compiled = torch.compile(entmax15, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, 3, 29, dtype=torch.float64)
+    torch.testing.assert_close(compiled(x), entmax_pkg.entmax15(x, dim=-1), atol=1e-10, rtol=0)
+
+
+def test_errors_name_argument_and_shape():
+    with pytest.raises(TypeError, match="floating-point"):
+        entmax15(torch.arange(4))
+    with pytest.raises(ValueError, match=r"dim=3 is out of range for x of shape \(2, 3\)"):
+        entmax15(torch.randn(2, 3), dim=3)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        entmax15([1.0, 2.0])  # type: ignore[arg-type]

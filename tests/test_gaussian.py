@@ -1,0 +1,106 @@
+"""GaussianBias.dense() against a direct, unoptimized statement of the GAug formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vitattn.functional import GaussianBias, gaussian_clamp, gaussian_eps
+
+from .reference_formulas import naive_gaug_bias
+
+
+@st.composite
+def bias_cases(draw):
+    gh, gw = draw(st.integers(1, 7)), draw(st.integers(1, 7))
+    prefix = draw(st.sampled_from([0, 1, 5]))
+    b, h = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    resize = draw(st.sampled_from([None, (1, 1), (2, 3), (4, 4)]))
+    initial = (gh, gw) if resize is None else (max(1, gh - resize[0]), max(1, gw - resize[1]))
+    log_sigma = draw(st.floats(-6, 6))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    sigma = torch.exp(torch.randn(b, h, gh * gw, 2, generator=g, dtype=torch.float64) * 2 + log_sigma)
+    alpha = torch.rand(b, h, gh * gw, 1, generator=g, dtype=torch.float64) * 3
+    return sigma, alpha, (gh, gw), prefix, initial
+
+
+@given(bias_cases())
+def test_dense_matches_naive_formula(case):
+    sigma, alpha, grid, prefix, initial = case
+    bias = GaussianBias(sigma, alpha, grid, num_prefix_tokens=prefix, initial_grid_size=initial)
+    got = bias.dense()
+    assert got.shape == (
+        sigma.shape[0],
+        sigma.shape[1],
+        prefix + grid[0] * grid[1],
+        prefix + grid[0] * grid[1],
+    )
+    torch.testing.assert_close(
+        got, naive_gaug_bias(sigma, alpha, grid, prefix, initial), atol=1e-12, rtol=1e-10
+    )
+
+
+def test_float32_inputs_stay_close_to_float64():
+    sigma = torch.rand(2, 3, 48, 2) * 10
+    alpha = torch.rand(2, 3, 48, 1) * 3
+    got = GaussianBias(sigma, alpha, (6, 8), 2).dense()
+    assert got.dtype == torch.float32
+    ref = naive_gaug_bias(sigma, alpha, (6, 8), 2, (6, 8))
+    torch.testing.assert_close(got.double(), ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("grid", "eps", "clamp"),
+    [
+        ((8, 8), 0.1, -24.5),
+        ((14, 14), 0.1, -84.5),
+        ((32, 32), 0.2, -480.5),
+        ((64, 48), 0.4, -1984.5),
+        ((200, 200), 0.8, -6550.0),
+    ],
+)
+def test_eps_and_clamp_rules(grid, eps, clamp):
+    assert gaussian_eps(grid) == pytest.approx(eps)
+    assert gaussian_clamp(grid) == pytest.approx(clamp)
+
+
+def test_resolution_change_scales_sigma_and_keeps_initial_rules():
+    sigma = torch.rand(1, 2, 16 * 16, 2, dtype=torch.float64) * 4
+    alpha = torch.ones(1, 2, 256, 1, dtype=torch.float64)
+    bias = GaussianBias(sigma, alpha, (16, 16), initial_grid_size=(8, 8))
+    assert bias.resolution_scale == 2.0 and bias.eps == 0.1 and bias.clamp == -24.5
+    torch.testing.assert_close(bias.dense(), naive_gaug_bias(sigma, alpha, (16, 16), 0, (8, 8)))
+    # far keys hit the clamp of the initial grid: exp(-24.5 / (2 sigma + eps)) per axis at most
+    far = bias.dense()[0, 0, 0, 255]
+    expected = torch.exp(-24.5 / (2 * sigma[0, 0, 0, 0] + 0.1) - 24.5 / (2 * sigma[0, 0, 0, 1] + 0.1))
+    torch.testing.assert_close(far, expected)
+
+
+def test_gradients_reach_sigma_and_alpha():
+    sigma = (torch.rand(1, 2, 12, 2, dtype=torch.float64) + 0.5).requires_grad_()
+    alpha = torch.rand(1, 2, 12, 1, dtype=torch.float64).requires_grad_()
+    fn = lambda s, a: GaussianBias(s, a, (3, 4), num_prefix_tokens=1).dense()  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (sigma, alpha))
+
+
+def test_prefix_rows_and_columns_are_zero():
+    bias = GaussianBias(torch.rand(1, 1, 9, 2) + 0.1, torch.rand(1, 1, 9, 1) + 0.5, (3, 3), 4).dense()
+    assert torch.equal(bias[..., :4, :], torch.zeros(1, 1, 4, 13))
+    assert torch.equal(bias[..., :, :4], torch.zeros(1, 1, 13, 4))
+    assert (bias[..., 4:, 4:] > 0).all()
+
+
+def test_errors_name_shapes():
+    s, a = torch.rand(1, 2, 12, 2), torch.rand(1, 2, 12, 1)
+    with pytest.raises(ValueError, match=r"Np = 4\*4 = 16 .* got shape \(1, 2, 12, 2\)"):
+        GaussianBias(s, a, (4, 4))
+    with pytest.raises(ValueError, match=r"alpha must be \(B, H, Np, 1\)"):
+        GaussianBias(s, torch.rand(1, 2, 12, 2), (3, 4))
+    with pytest.raises(ValueError, match="sigma must be 4-D"):
+        GaussianBias(torch.rand(12, 2), a, (3, 4))
+    with pytest.raises(ValueError, match="grid_size must be two positive ints"):
+        GaussianBias(s, a, (0, 12))
+    with pytest.raises(ValueError, match="num_prefix_tokens must be >= 0"):
+        GaussianBias(s, a, (3, 4), num_prefix_tokens=-1)

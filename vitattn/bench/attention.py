@@ -1,0 +1,68 @@
+"""Suite ``entmax``: entmax-1.5 attention, forward + backward, ours vs the `entmax` package vs softmax."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..functional import attention
+from .harness import SuiteResult, compare, register_suite
+
+SHAPES = [(8, 6, 197, 64), (2, 6, 785, 64)]
+
+
+def _fwd_bwd(forward, q, k, v, grad):
+    def step() -> None:
+        for t in (q, k, v):
+            t.grad = None
+        forward(q, k, v).backward(grad)
+
+    return step
+
+
+def _materialized(normalize):
+    def forward(q, k, v):
+        scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        return normalize(scores) @ v
+
+    return forward
+
+
+@register_suite(
+    "entmax", "entmax-1.5 attention fwd+bwd: vitattn vs the entmax package vs softmax (CPU, float32)"
+)
+def entmax_suite(quick: bool = False) -> SuiteResult:
+    from entmax import entmax15 as package_entmax15
+
+    rows = []
+    for shape in SHAPES:
+        q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+        grad = torch.randn(shape)
+        impls = {
+            "vitattn entmax15": _fwd_bwd(
+                lambda q, k, v: attention(q, k, v, normalizer="entmax15"), q, k, v, grad
+            ),
+            "entmax pkg entmax15": _fwd_bwd(
+                _materialized(lambda s: package_entmax15(s, dim=-1)), q, k, v, grad
+            ),
+            "softmax (materialized)": _fwd_bwd(_materialized(lambda s: s.softmax(-1)), q, k, v, grad),
+            "softmax SDPA": _fwd_bwd(F.scaled_dot_product_attention, q, k, v, grad),
+        }
+        case = "(" + ", ".join(map(str, shape)) + ")"
+        rows += compare(case, impls, warmup=1 if quick else 3, repeat=3 if quick else 15)
+    result = SuiteResult(
+        name="entmax",
+        title="entmax-1.5 attention, forward+backward, float32, (B, H, N, D), ratio = ms / vitattn entmax15",
+        reference="vitattn entmax15",
+        rows=rows,
+    )
+    for shape in SHAPES:
+        case = "(" + ", ".join(map(str, shape)) + ")"
+        by = {r.impl: r.ms for r in rows if r.case == case}
+        result.notes.append(
+            f"{case}: entmax package / vitattn = {by['entmax pkg entmax15'] / by['vitattn entmax15']:.2f}x; "
+            f"vitattn / softmax materialized = {by['vitattn entmax15'] / by['softmax (materialized)']:.2f}x; "
+            f"entmax package / softmax materialized = "
+            f"{by['entmax pkg entmax15'] / by['softmax (materialized)']:.2f}x"
+        )
+    return result

@@ -1,0 +1,153 @@
+"""Side-by-side timing: every implementation of a case runs in the same process, interleaved in
+rounds so that drift (thermal, other load) hits all of them alike, and results print as ratios."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Measurement:
+    """One implementation on one case: median and best milliseconds per call."""
+
+    case: str
+    impl: str
+    ms: float
+    ms_min: float
+    repeats: int
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class SuiteResult:
+    """All measurements of a suite, with the implementation the ratios are relative to."""
+
+    name: str
+    title: str
+    reference: str
+    rows: list[Measurement]
+    notes: list[str] = field(default_factory=list)
+
+    def ratio(self, row: Measurement) -> float:
+        """``row.ms / reference.ms`` within the same case."""
+        ref = next(r for r in self.rows if r.case == row.case and r.impl == self.reference)
+        return row.ms / ref.ms
+
+    def render(self) -> str:
+        """A plain-text table: case, implementation, median ms, best ms, ratio to the reference."""
+        impl_w = max(len(r.impl) for r in self.rows)
+        case_w = max(max(len(r.case) for r in self.rows), 4)
+        head = f"{'case':<{case_w}}  {'implementation':<{impl_w}}  {'median ms':>10}  {'best ms':>9}  " + (
+            f"{'× ' + self.reference:>{len(self.reference) + 4}}"
+        )
+        lines = [self.title, machine_line(), head, "-" * len(head)]
+        last_case = None
+        for r in self.rows:
+            case = r.case if r.case != last_case else ""
+            last_case = r.case
+            lines.append(
+                f"{case:<{case_w}}  {r.impl:<{impl_w}}  {r.ms:>10.2f}  {r.ms_min:>9.2f}  "
+                f"{self.ratio(r):>{len(self.reference) + 3}.2f}×"
+            )
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        rows = [dict(asdict(r), ratio=self.ratio(r)) for r in self.rows]
+        return {
+            "suite": self.name,
+            "title": self.title,
+            "reference": self.reference,
+            "machine": machine(),
+            "rows": rows,
+            "notes": self.notes,
+        }
+
+
+def machine() -> dict[str, str | int]:
+    """What the numbers were measured on."""
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+    }
+
+
+def machine_line() -> str:
+    m = machine()
+    return f"[{m['platform']}, torch {m['torch']}, {m['threads']} threads, cuda: {m['cuda']}]"
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def compare(
+    case: str,
+    impls: dict[str, Callable[[], object]],
+    *,
+    warmup: int = 2,
+    repeat: int = 10,
+) -> list[Measurement]:
+    """Time each callable of ``impls`` on one case, interleaved: ``repeat`` rounds of one call each."""
+    for fn in impls.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in impls}
+    for _ in range(repeat):
+        for name, fn in impls.items():
+            _sync()
+            t0 = time.perf_counter()
+            fn()
+            _sync()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return [Measurement(case, name, statistics.median(t), min(t), repeat) for name, t in times.items()]
+
+
+SuiteFn = Callable[[bool], SuiteResult]
+_SUITES: dict[str, tuple[SuiteFn, str]] = {}
+
+
+def register_suite(name: str, help: str) -> Callable[[SuiteFn], SuiteFn]:
+    """Decorator: make ``fn(quick) -> SuiteResult`` available as ``vitattn bench NAME``."""
+
+    def deco(fn: SuiteFn) -> SuiteFn:
+        _SUITES[name] = (fn, help)
+        return fn
+
+    return deco
+
+
+def suites() -> dict[str, str]:
+    """Registered suite names and their one-line descriptions."""
+    return {name: help for name, (_, help) in _SUITES.items()}
+
+
+def run_suites(
+    names: Iterable[str], *, quick: bool = False, json_path: str | Path | None = None
+) -> list[SuiteResult]:
+    """Run suites by name, print their tables, and optionally write all results as JSON."""
+    results = []
+    for name in names:
+        if name not in _SUITES:
+            raise ValueError(f"unknown benchmark suite {name!r}; known: {sorted(_SUITES)}")
+        result = _SUITES[name][0](quick)
+        print(result.render(), end="\n\n", flush=True)
+        results.append(result)
+    if json_path is not None:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
+    return results

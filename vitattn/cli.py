@@ -1,0 +1,78 @@
+"""The ``vitattn`` command: ``bench`` and ``info`` (``study`` and ``analyze`` arrive with their modules)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import sys
+from collections.abc import Sequence
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """Print versions, devices and attention backends."""
+    import torch
+
+    from . import __version__
+    from .functional import available_backends
+
+    print(f"vitattn {__version__}")
+    for dist in ("torch", "timm", "entmax", "einops", "triton", "safetensors"):
+        print(f"  {dist:<12} {_version(dist)}")
+    print(f"  python       {sys.version.split()[0]}")
+    print(f"  cpu threads  {torch.get_num_threads()}")
+    cuda = torch.cuda.get_device_name() if torch.cuda.is_available() else "not available"
+    print(f"  cuda         {cuda}")
+    print(f"  backends     {', '.join(available_backends())}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run benchmark suites side by side and print ratio tables."""
+    from .bench import run_suites, suites
+
+    known = suites()
+    if args.list:
+        for name, help in known.items():
+            print(f"{name:<10} {help}")
+        return 0
+    names = args.suites or list(known)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        print(f"vitattn bench: unknown suite(s) {unknown}; known: {sorted(known)}", file=sys.stderr)
+        return 2
+    run_suites(names, quick=args.quick, json_path=args.json)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vitattn", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="versions, devices and attention backends")
+    info.set_defaults(func=cmd_info)
+
+    bench = sub.add_parser("bench", help="benchmark suites, side by side, printed as ratios")
+    bench.add_argument("suites", nargs="*", help="suites to run (default: all; see --list)")
+    bench.add_argument(
+        "--quick", action="store_true", help="fewer repetitions (a smoke run, noisier numbers)"
+    )
+    bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    bench.add_argument("--list", action="store_true", help="list the suites and exit")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,51 @@
+"""Argument checks shared by the functional API: every message names the argument and its shape."""
+
+from __future__ import annotations
+
+import torch
+
+
+def shape_str(t: torch.Tensor) -> str:
+    """Format a tensor's shape as ``(a, b, c)``."""
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def check_tensor(name: str, t: object) -> torch.Tensor:
+    """Raise ``TypeError`` unless ``t`` is a tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def check_rank(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
+    """Raise ``ValueError`` unless ``t`` has ``rank`` dims; ``layout`` names them, e.g. "(B, H, N, D)"."""
+    check_tensor(name, t)
+    if t.dim() != rank:
+        raise ValueError(f"{name} must be {rank}-D {layout}, got shape {shape_str(t)}")
+
+
+def check_floating(name: str, t: torch.Tensor) -> None:
+    """Raise ``TypeError`` unless ``t`` holds floating-point values."""
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+
+
+def normalize_dim(name: str, t: torch.Tensor, dim: int) -> int:
+    """Return ``dim`` as a non-negative index into ``t``, or raise ``ValueError`` naming ``name``."""
+    nd = max(t.dim(), 1)
+    if not -nd <= dim < nd:
+        raise ValueError(f"dim={dim} is out of range for {name} of shape {shape_str(t)}")
+    return dim % nd
+
+
+def check_broadcastable(name: str, t: torch.Tensor, target: tuple[int, ...], target_name: str) -> None:
+    """Raise ``ValueError`` unless ``t`` broadcasts to ``target`` without growing it."""
+    try:
+        out = torch.broadcast_shapes(tuple(t.shape), target)
+    except RuntimeError:
+        out = None
+    if out != tuple(target):
+        raise ValueError(
+            f"{name} of shape {shape_str(t)} does not broadcast to {target_name} "
+            f"({', '.join(str(s) for s in target)})"
+        )

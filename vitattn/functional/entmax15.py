@@ -1,0 +1,160 @@
+"""Exact 1.5-entmax without sorting.
+
+``entmax15(z)_i = (z_i / 2 - tau)_+^2`` with the threshold ``tau`` chosen so the row sums to 1.
+
+How ``tau`` is found (in the shifted scale ``x = max(z - max(z), -2) / 2``, so ``x <= 0``):
+
+1. ``f(tau) = sum_i (x_i - tau)_+^2 - 1`` is convex, decreasing and piecewise quadratic.
+   The root lies in ``[lo, hi]`` with ``lo = max(-1, mean(x) - 1/sqrt(n))`` (the top element alone, and
+   Jensen's inequality) and ``hi = -1/sqrt(n)``. Clamping ``x`` at ``-1`` changes nothing for
+   ``tau >= -1`` and removes ``-inf`` from masked entries.
+2. Newton steps on ``h(tau) = ||(x - tau)_+||_2 - 1`` (same root, also convex and decreasing, and
+   nearly linear far from the root) from ``lo`` never overshoot, so every iterate stays a lower
+   bound; the safeguard keeps it in ``[lo, hi]`` under rounding. They stop once the largest step
+   in any row is below ``sqrt(machine eps)``.
+3. On the support ``S = {x_i > tau}`` the equation is an exact quadratic; its root (in a
+   cancellation-free form) gives ``tau``, so the result is exact once the support is right, not a
+   converged approximation.
+
+Rows that are entirely ``-inf`` give zeros. Half-precision inputs are computed in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import check_floating, check_tensor, normalize_dim
+from ._entmax_common import compute_dtype, support_jvp
+
+__all__ = ["entmax15", "entmax15_threshold"]
+
+_MAX_NEWTON_STEPS = 64  # far more than ever needed (typically 2-8); a bound, not a tuning knob
+_COMPILED_NEWTON_STEPS = 12  # fixed count under torch.compile (no data-dependent exit)
+
+
+def _clamped_shifted(z: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x = max(z - max(z), -2) / 2`` in a fresh buffer; rows of all ``-inf`` become all ``-1``."""
+    m = z.amax(dim, keepdim=True)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    x = torch.sub(z, m)
+    return x.clamp_(min=-2.0).mul_(0.5)
+
+
+def _newton_threshold(x: torch.Tensor, dim: int, work: torch.Tensor) -> torch.Tensor:
+    """Lower bound of ``tau`` within ``sqrt(eps)`` of the root; ``work`` is scratch of ``x``'s shape."""
+    n = x.shape[dim]
+    inv_sqrt_n = 1.0 / math.sqrt(n)
+    tau = (x.mean(dim, keepdim=True) - inv_sqrt_n).clamp_(min=-1.0)
+    hi = -inv_sqrt_n
+    tol = math.sqrt(torch.finfo(x.dtype).eps)
+    steps = _COMPILED_NEWTON_STEPS if torch.compiler.is_compiling() else _MAX_NEWTON_STEPS
+    for _ in range(steps):
+        d = torch.sub(x, tau, out=work).clamp_(min=0.0)
+        s1 = d.sum(dim, keepdim=True)
+        norm = torch.linalg.vector_norm(d, dim=dim, keepdim=True)
+        # Newton on h = ||(x - tau)_+|| - 1 (convex and decreasing like f, nearly linear far from the
+        # root, so fewer steps): h / -h' = (norm - 1) norm / s1 >= 0 left of the root.
+        # Empty rows (s1 = 0) give nan -> 0.
+        step = torch.nan_to_num_((norm - 1.0) * norm / s1, nan=0.0).clamp_(min=0.0)
+        tau = (tau + step).clamp_(max=hi)
+        if not torch.compiler.is_compiling() and not bool((step > tol).any()):
+            break
+    return tau
+
+
+def _closed_form(x: torch.Tensor, tau: torch.Tensor, dim: int, work: torch.Tensor) -> torch.Tensor:
+    """Exact ``tau`` from the support ``{x > tau}`` of a lower bound ``tau``.
+
+    With ``d = (x - tau)_+``, ``k = |S|``, ``s1 = sum d``, ``s2 = sum d^2``, the shift ``delta``
+    solves ``k delta^2 - 2 s1 delta + s2 - 1 = 0``; its smaller root, written without cancellation,
+    is ``(s2 - 1) / (s1 + sqrt(s1^2 - k (s2 - 1)))``.
+    """
+    d = torch.sub(x, tau, out=work).clamp_(min=0.0)
+    s1 = d.sum(dim, keepdim=True)
+    s2 = torch.linalg.vector_norm(d, dim=dim, keepdim=True).square_()
+    k = d.sign_().sum(dim, keepdim=True)
+    disc = (s1 * s1 - k * (s2 - 1.0)).clamp_(min=0.0)
+    delta = (s2 - 1.0) / (s1 + disc.sqrt())
+    return tau + torch.nan_to_num(delta, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def entmax15_threshold(z: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(x, tau)``: the shifted, clamped input ``x = max(z - max z, -2) / 2`` and the exact
+    threshold ``tau`` (keepdim along ``dim``), so that ``entmax15(z) = (x - tau)_+^2``."""
+    x = _clamped_shifted(z, dim)
+    work = torch.empty_like(x)
+    tau = _newton_threshold(x, dim, work)
+    return x, _closed_form(x, tau, dim, work)
+
+
+# Rows are processed in chunks of about this many elements (4 MiB of float32), so that the few
+# passes of the threshold search run in cache instead of streaming the whole (B, H, N, N) tensor.
+_CHUNK_ELEMENTS = 1 << 20
+
+
+def _row_chunks(rows: int, row_len: int) -> list[tuple[int, int]]:
+    per = max(1, _CHUNK_ELEMENTS // max(row_len, 1))
+    return [(s, min(s + per, rows)) for s in range(0, rows, per)]
+
+
+def _as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``(rows, n)`` view of ``t`` with ``dim`` last (a copy only when ``dim`` is not last/contiguous)."""
+    return t.movedim(dim, -1).reshape(-1, t.shape[dim])
+
+
+def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
+    shape = list(like.shape)
+    shape.append(shape.pop(dim))
+    return rows.view(shape).movedim(-1, dim)
+
+
+def _entmax15_rows(z: torch.Tensor) -> torch.Tensor:
+    """1.5-entmax of each row of a contiguous ``(rows, n)`` tensor, chunk by chunk."""
+    out = torch.empty_like(z)
+    for a, b in _row_chunks(z.shape[0], z.shape[1]):
+        x, tau = entmax15_threshold(z[a:b], dim=-1)
+        torch.sub(x, tau, out=out[a:b]).clamp_(min=0.0).square_()
+    return out
+
+
+def _support_jvp_rows(grad: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Backward of 1.5-entmax on ``(rows, n)`` tensors, chunk by chunk (``g = sqrt(p)``)."""
+    out = torch.empty_like(p)
+    for a, b in _row_chunks(p.shape[0], p.shape[1]):
+        support_jvp(grad[a:b], p[a:b].sqrt(), -1, out=out[a:b])
+    return out
+
+
+class _Entmax15Function(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, dim: int) -> torch.Tensor:  # type: ignore[override]
+        work_dtype = compute_dtype(z.dtype)
+        p = _from_rows(_entmax15_rows(_as_rows(z.to(work_dtype), dim)), z, dim)
+        ctx.dim = dim
+        ctx.save_for_backward(p)
+        return p.to(z.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        (p,) = ctx.saved_tensors
+        dim = ctx.dim
+        # d p_i / d z_j = sqrt(p_i) (delta_ij - sqrt(p_j) / sum sqrt(p)) on the support
+        grad = _support_jvp_rows(_as_rows(grad_out.to(p.dtype), dim), _as_rows(p, dim))
+        return _from_rows(grad, p, dim).to(grad_out.dtype), None
+
+
+def entmax15(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Exact 1.5-entmax of ``x`` along ``dim`` (any shape); rows of all ``-inf`` give zeros.
+
+    float16 / bfloat16 are computed in float32 and returned in the input dtype.
+    """
+    check_tensor("x", x)
+    check_floating("x", x)
+    d = normalize_dim("x", x, dim)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension, got a 0-d tensor")
+    if x.shape[d] == 0:
+        return x.clone()
+    return _Entmax15Function.apply(x, d)

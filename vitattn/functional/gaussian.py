@@ -1,0 +1,166 @@
+"""The Gaussian locality bias of GAug (LocAt) attention, described once and computed separably.
+
+For a query patch ``p`` and a key patch ``t`` on a ``(gh, gw)`` grid::
+
+    D_m   = max(-(coord_p,m - coord_t,m)^2 / 2, clamp)          m in {row, column}
+    S_pt  = alpha_p * exp(sum_m D_m / (r * sigma_p,m + eps))
+
+where ``r = min(grid) / min(initial_grid)`` rescales the variances when the resolution changes, and
+``eps`` and ``clamp`` depend only on the initial grid (see :func:`gaussian_eps` and
+:func:`gaussian_clamp`). Rows and columns of prefix tokens (class / register tokens) get ``S = 0``.
+
+Because the exponent is a sum over the two axes, ``S_pt = alpha_p * R_p[row_t] * C_p[col_t]`` with
+one factor per axis: no ``(N, N, 2)`` tensor is ever needed, and a fused kernel needs no ``N x N``
+tensor at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import check_floating, check_rank, shape_str
+
+__all__ = ["GaussianBias", "gaussian_eps", "gaussian_clamp"]
+
+_FP16_HALF_MAX = 32500.0  # half of float16's largest value (65000 / 2): the exponent's bound per axis
+_CLAMP_FLOOR = -6550.0  # float16-safe floor of D_m at the smallest eps
+
+
+def _pair(name: str, value: tuple[int, int] | list[int] | int) -> tuple[int, int]:
+    if isinstance(value, int):
+        value = (value, value)
+    out = tuple(int(v) for v in value)
+    if len(out) != 2 or min(out) < 1:
+        raise ValueError(f"{name} must be two positive ints (rows, columns), got {value!r}")
+    return out  # type: ignore[return-value]
+
+
+def gaussian_eps(initial_grid_size: tuple[int, int]) -> float:
+    """eps added to the variances: 0.1, doubled while ``(max(grid) - 1)^2 / 2 / eps^2 > 32500``."""
+    eps = 0.1
+    numerator = 0.5 * (max(initial_grid_size) - 1) ** 2
+    while numerator / eps**2 > _FP16_HALF_MAX:
+        eps *= 2.0
+    return eps
+
+
+def gaussian_clamp(initial_grid_size: tuple[int, int]) -> float:
+    """Lower clamp of ``D_m``: ``max(-(max(initial grid) - 1)^2 / 2, -6550)``."""
+    return max(-0.5 * (max(initial_grid_size) - 1) ** 2, _CLAMP_FLOOR)
+
+
+@dataclass(frozen=True)
+class GaussianBias:
+    """Description of the GAug additive bias for one attention call.
+
+    Args:
+        sigma: ``(B, H, Np, 2)`` variances per spatial query, (row, column), after the layer's
+            activation, as predicted for the initial grid.
+        alpha: ``(B, H, Np, 1)`` non-negative amplitudes per spatial query.
+        grid_size: current patch grid ``(gh, gw)`` with ``gh * gw == Np``.
+        num_prefix_tokens: class / register tokens before the patches (their rows/columns get 0).
+        initial_grid_size: the grid the model was built for; defaults to ``grid_size``. It fixes
+            eps and the clamp, and the variances are scaled by ``min(grid) / min(initial_grid)``.
+    """
+
+    sigma: torch.Tensor
+    alpha: torch.Tensor
+    grid_size: tuple[int, int]
+    num_prefix_tokens: int = 0
+    initial_grid_size: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grid_size", _pair("grid_size", self.grid_size))
+        init = self.grid_size if self.initial_grid_size is None else self.initial_grid_size
+        object.__setattr__(self, "initial_grid_size", _pair("initial_grid_size", init))
+        if int(self.num_prefix_tokens) < 0:
+            raise ValueError(f"num_prefix_tokens must be >= 0, got {self.num_prefix_tokens}")
+        object.__setattr__(self, "num_prefix_tokens", int(self.num_prefix_tokens))
+        check_rank("sigma", self.sigma, 4, "(B, H, Np, 2)")
+        check_rank("alpha", self.alpha, 4, "(B, H, Np, 1)")
+        check_floating("sigma", self.sigma)
+        check_floating("alpha", self.alpha)
+        gh, gw = self.grid_size
+        if self.sigma.shape[-1] != 2 or self.sigma.shape[-2] != gh * gw:
+            raise ValueError(
+                f"sigma must be (B, H, Np, 2) with Np = {gh}*{gw} = {gh * gw} for grid_size "
+                f"{self.grid_size}, got shape {shape_str(self.sigma)}"
+            )
+        if self.alpha.shape[-1] != 1 or self.alpha.shape[:-1] != self.sigma.shape[:-1]:
+            raise ValueError(
+                f"alpha must be (B, H, Np, 1) matching sigma {shape_str(self.sigma)}, "
+                f"got shape {shape_str(self.alpha)}"
+            )
+
+    # ---- scalars fixed by the grids -------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        """N = prefix tokens + patches."""
+        return self.num_prefix_tokens + self.grid_size[0] * self.grid_size[1]
+
+    @property
+    def eps(self) -> float:
+        return gaussian_eps(self.initial_grid_size)  # type: ignore[arg-type]
+
+    @property
+    def clamp(self) -> float:
+        return gaussian_clamp(self.initial_grid_size)  # type: ignore[arg-type]
+
+    @property
+    def resolution_scale(self) -> float:
+        """``min(grid) / min(initial_grid)``: 1 at the resolution the model was built for."""
+        return min(self.grid_size) / min(self.initial_grid_size)  # type: ignore[arg-type]
+
+    # ---- tensors --------------------------------------------------------------------------------
+    def _work_dtype(self) -> torch.dtype:
+        return torch.float64 if self.sigma.dtype == torch.float64 else torch.float32
+
+    def denominators(self) -> torch.Tensor:
+        """``(B, H, Np, 2)`` effective denominators ``r * sigma + eps`` in float32 (float64 stays)."""
+        sigma = self.sigma.to(self._work_dtype())
+        scale = self.resolution_scale
+        if scale != 1.0:
+            sigma = sigma * scale
+        return sigma + self.eps
+
+    def axis_numerators(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clamped ``D`` per axis: ``(gh, gh)`` for rows and ``(gw, gw)`` for columns."""
+        device = self.sigma.device if device is None else device
+        out = []
+        for n in self.grid_size:
+            pos = torch.arange(n, device=device, dtype=self._work_dtype())
+            d = -0.5 * (pos[:, None] - pos[None, :]) ** 2
+            out.append(d.clamp_min(self.clamp))
+        return out[0], out[1]
+
+    def axis_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Separable factors ``R: (B, H, Np, gh)`` and ``C: (B, H, Np, gw)``.
+
+        ``R[..., p, i] = exp(D_row(row_p, i) / den_p,row)``, likewise for columns, so that
+        ``S[p, t] = alpha_p * R[p, row_t] * C[p, col_t]``.
+        """
+        gh, gw = self.grid_size
+        den = self.denominators()
+        d_row, d_col = self.axis_numerators()
+        rows = torch.arange(gh, device=den.device).repeat_interleave(gw)  # row index of each patch
+        cols = torch.arange(gw, device=den.device).repeat(gh)  # column index of each patch
+        r = torch.exp(d_row[rows] / den[..., 0:1])  # (B, H, Np, gh)
+        c = torch.exp(d_col[cols] / den[..., 1:2])  # (B, H, Np, gw)
+        return r, c
+
+    def patch_bias(self) -> torch.Tensor:
+        """``(B, H, Np, Np)`` bias between patches only, in float32 (float64 stays)."""
+        r, c = self.axis_factors()
+        alpha = self.alpha.to(r.dtype)
+        s = (r * alpha).unsqueeze(-1) * c.unsqueeze(-2)  # (B, H, Np, gh, gw)
+        return s.flatten(-2)
+
+    def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``(B, H, N, N)`` additive bias with zero rows and columns for the prefix tokens."""
+        s = self.patch_bias()
+        p = self.num_prefix_tokens
+        if p:
+            s = torch.nn.functional.pad(s, (p, 0, p, 0))
+        return s if dtype is None else s.to(dtype)
