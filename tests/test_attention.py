@@ -197,3 +197,23 @@ def test_errors():
         attention(q, q, q, dropout_p=1.5)
     with pytest.raises(TypeError, match="share a dtype"):
         attention(q, q.double(), q)
+
+
+def test_capture_sees_the_weights_of_every_call_and_changes_nothing():
+    from vitattn.functional import capture_attention_weights
+
+    q, k, v, mask, bias, _ = make_case("entmax15", "bool", "gaussian")
+    plain_out = attention(q, k, v, normalizer="softmax", mask=mask, bias=bias)
+    seen, outer = [], []
+    with capture_attention_weights(outer.append):
+        with capture_attention_weights(seen.append):
+            out = attention(q, k, v, normalizer="softmax", mask=mask, bias=bias)
+            attention(q, k, v, normalizer="entmax15")
+        attention(q, k, v)
+    assert len(seen) == 2 and len(outer) == 3
+    torch.testing.assert_close(out, plain_out, atol=1e-12, rtol=0)
+    _, ref_p = plain_attention(q, k, v, "softmax", mask=mask, bias=bias.dense())
+    torch.testing.assert_close(seen[0], ref_p, atol=1e-12, rtol=0)
+    assert not seen[0].requires_grad
+    attention(q, k, v)
+    assert len(seen) == 2  # nothing after the block

@@ -1,6 +1,7 @@
 """Pure tensor functions of the attention pipeline (no nn.Module, no parameters)."""
 
 from .attention import attention
+from .capture import capture_attention_weights
 from .dispatch import available_backends, explain, register_backend
 from .entmax15 import entmax15
 from .entmax_alpha import entmax, sparsemax
@@ -13,6 +14,7 @@ __all__ = [
     "Normalizer",
     "attention",
     "available_backends",
+    "capture_attention_weights",
     "entmax",
     "entmax15",
     "explain",

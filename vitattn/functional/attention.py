@@ -8,6 +8,7 @@ import torch
 
 from . import torch_backend as _torch_backend  # noqa: F401  (registers the reference backend)
 from ._checks import check_broadcastable, check_floating, check_rank, shape_str
+from .capture import active_callbacks
 from .dispatch import AttentionCall, select_backend
 from .gaussian import GaussianBias
 from .normalize import Normalizer, resolve_normalizer
@@ -128,6 +129,7 @@ def attention(
         ``return_weights=True``.
     """
     _validate(q, k, v, mask, bias, dropout_p)
+    callbacks = active_callbacks()
     call = AttentionCall(
         q=q,
         k=k,
@@ -136,10 +138,14 @@ def attention(
         scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
         mask=mask,
         bias=bias,
-        return_weights=bool(return_weights),
+        return_weights=bool(return_weights) or bool(callbacks),
         dropout_p=float(dropout_p),
     )
     out, probs = select_backend(call, backend).run(call)
+    if callbacks:
+        assert probs is not None
+        for callback in callbacks:
+            callback(probs.detach())
     if return_weights:
         assert probs is not None
         return out, probs
