@@ -1,8 +1,11 @@
 """vitattn: drop-in local and selective attention layers for Vision Transformers."""
 
-from . import functional
+from . import functional, models
 from .functional import GaussianBias, attention, entmax, entmax15, prr, sparsemax
+from .layers import PRR, Attention, EntmaxAttention, LocAtAttention
+from .patch import patch
 
 __version__ = "0.1.0"
 
 __all__ = ["GaussianBias", "__version__", "attention", "entmax", "entmax15", "functional", "prr", "sparsemax"]
+__all__ += ["PRR", "Attention", "EntmaxAttention", "LocAtAttention", "models", "patch"]

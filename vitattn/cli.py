@@ -1,4 +1,4 @@
-"""The ``vitattn`` command: ``bench`` and ``info`` (``study`` and ``analyze`` arrive with their modules)."""
+"""The ``vitattn`` command: ``analyze``, ``bench`` and ``info``."""
 
 from __future__ import annotations
 
@@ -51,6 +51,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_analyze(args: argparse.Namespace) -> int:
+    """Locality report (MAD, entropy per layer and head) of a model: table, JSON and PNGs."""
+    from .analysis.command import run_analyze
+
+    try:
+        return run_analyze(args)
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        print(f"vitattn analyze: {err}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vitattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +77,26 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     bench.add_argument("--list", action="store_true", help="list the suites and exit")
     bench.set_defaults(func=cmd_bench)
+
+    an = sub.add_parser("analyze", help="attention locality (MAD, entropy per head): table, JSON, plots")
+    an.add_argument("model", help="timm model name, e.g. vit_tiny_patch16_224 or locatvit_tiny")
+    an.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="builder kwarg (repeatable)")
+    an.add_argument("--attention", choices=("softmax", "entmax15", "locat"), help="vitattn.patch the model")
+    an.add_argument("--checkpoint", metavar="PATH", help=".safetensors or weights-only torch state dict")
+    src = an.add_mutually_exclusive_group()
+    src.add_argument("--images", metavar="DIR", help="image folder (ImageFolder layout or flat)")
+    src.add_argument("--dataset", choices=("digits",), default="digits", help="built-in data (default)")
+    an.add_argument("--max-images", type=int, default=64, help="images to average over (default 64)")
+    an.add_argument("--batch-size", type=int, default=16)
+    an.add_argument("--layers", help="block indices, e.g. '0,5,-1' (default: all)")
+    an.add_argument("--map-layer", type=int, help="block of the attention-map plot (default: last analysed)")
+    an.add_argument("--query", help="query of the map plot: ROW,COL, patch index or 'cls' (default: centre)")
+    an.add_argument("--compare", metavar="REPORT_JSON", help="an earlier report to diff against and plot")
+    an.add_argument("--out", default="vitattn-analysis", metavar="DIR", help="output folder")
+    an.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    an.add_argument("--seed", type=int, default=0, help="seed of the random init (default 0)")
+    an.add_argument("--no-progress", action="store_true", help="no progress bar")
+    an.set_defaults(func=cmd_analyze)
     return parser
 
 

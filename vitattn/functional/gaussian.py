@@ -26,6 +26,7 @@ __all__ = ["GaussianBias", "gaussian_eps", "gaussian_clamp"]
 
 _FP16_HALF_MAX = 32500.0  # half of float16's largest value (65000 / 2): the exponent's bound per axis
 _CLAMP_FLOOR = -6550.0  # float16-safe floor of D_m at the smallest eps
+_EXPONENT_FLOOR = -40.0  # per-axis exponent floor, see axis_factors
 
 
 def _pair(name: str, value: tuple[int, int] | list[int] | int) -> tuple[int, int]:
@@ -146,21 +147,40 @@ class GaussianBias:
         d_row, d_col = self.axis_numerators()
         rows = torch.arange(gh, device=den.device).repeat_interleave(gw)  # row index of each patch
         cols = torch.arange(gw, device=den.device).repeat(gh)  # column index of each patch
-        r = torch.exp(d_row[rows] / den[..., 0:1])  # (B, H, Np, gh)
-        c = torch.exp(d_col[cols] / den[..., 1:2])  # (B, H, Np, gw)
+        # Each exponent is floored at -40 before exp: e^-40 ~ 4e-18, so the bias moves by at most
+        # alpha * 4e-18 where it was smaller still (invisible next to any score), while exp and the
+        # products stay clear of denormals, which are ~10x slower on CPUs.
+        r = torch.exp((d_row[rows] / den[..., 0:1]).clamp_min_(_EXPONENT_FLOOR))  # (B, H, Np, gh)
+        c = torch.exp((d_col[cols] / den[..., 1:2]).clamp_min_(_EXPONENT_FLOOR))  # (B, H, Np, gw)
         return r, c
 
     def patch_bias(self) -> torch.Tensor:
         """``(B, H, Np, Np)`` bias between patches only, in float32 (float64 stays)."""
         r, c = self.axis_factors()
-        alpha = self.alpha.to(r.dtype)
-        s = (r * alpha).unsqueeze(-1) * c.unsqueeze(-2)  # (B, H, Np, gh, gw)
-        return s.flatten(-2)
+        ra = r * self.alpha.to(r.dtype)
+        return (ra.unsqueeze(-1) * c.unsqueeze(-2)).flatten(-2)  # (B, H, Np, gh * gw)
 
     def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``(B, H, N, N)`` additive bias with zero rows and columns for the prefix tokens."""
-        s = self.patch_bias()
         p = self.num_prefix_tokens
+        needs_grad = torch.is_grad_enabled() and (self.sigma.requires_grad or self.alpha.requires_grad)
+        if needs_grad:
+            s = self.patch_bias()
+            if p:
+                s = torch.nn.functional.pad(s, (p, 0, p, 0))
+            return s if dtype is None else s.to(dtype)
+        # No autograd: write the outer product straight into the result, no temporaries.
+        r, c = self.axis_factors()
+        out_dtype = r.dtype if dtype is None else dtype
+        ra = (r * self.alpha.to(r.dtype)).to(out_dtype)
+        b, h, n_p, _ = r.shape
+        n = p + n_p
+        out = torch.empty(b, h, n, n, dtype=out_dtype, device=r.device)
         if p:
-            s = torch.nn.functional.pad(s, (p, 0, p, 0))
-        return s if dtype is None else s.to(dtype)
+            out[:, :, :p].zero_()
+            out[:, :, p:, :p].zero_()
+        gh, gw = self.grid_size
+        torch.mul(
+            ra.unsqueeze(-1), c.to(out_dtype).unsqueeze(-2), out=out[:, :, p:, p:].unflatten(-1, (gh, gw))
+        )
+        return out

@@ -1,0 +1,146 @@
+"""vitattn.patch: attention swapped in place in timm ViTs, weights kept, errors named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+import vitattn
+from vitattn.layers import Attention, EntmaxAttention, LocAtAttention
+from vitattn.models import LocAtViT
+
+from .test_layers import stress_gaug
+
+LAYOUTS = {
+    "cls": dict(),
+    "reg": dict(reg_tokens=3),
+    "avg": dict(class_token=False, global_pool="avg"),
+    "dynamic": dict(dynamic_img_size=True),
+    "qk_norm": dict(qk_norm=True, reg_tokens=1),
+}
+
+
+TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=2, num_classes=5)
+
+
+def tiny_vit(**kw) -> VisionTransformer:
+    return VisionTransformer(**{**TINY, **kw}).eval()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_softmax_patch_leaves_outputs_unchanged(layout: str) -> None:
+    model = tiny_vit(**LAYOUTS[layout])
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        before = model(x)
+        assert vitattn.patch(model, "softmax") is model
+        torch.testing.assert_close(model(x), before)
+    assert all(type(b.attn) is Attention for b in model.blocks)
+
+
+@pytest.mark.parametrize("attention", ["entmax15", "locat"])
+def test_patch_keeps_weights(attention: str) -> None:
+    model = tiny_vit(reg_tokens=2)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    qkv = model.blocks[0].attn.qkv.weight
+    vitattn.patch(model, attention)
+    new_state = model.state_dict()
+    assert all(torch.equal(new_state[k], v) for k, v in state.items())
+    extra = set(new_state) - set(state)
+    assert all(".attn.gaug." in k for k in extra) and (bool(extra) == (attention == "locat"))
+    assert model.blocks[0].attn.qkv.weight is qkv  # the very same parameter: optimizers keep working
+    assert model(torch.randn(1, 3, 32, 32)).shape == (1, 5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_locat_patch_equals_locatvit(layout: str) -> None:
+    """A patched timm ViT computes what a LocAtViT with the same weights computes."""
+    torch.manual_seed(0)
+    model = tiny_vit(**LAYOUTS[layout])
+    vitattn.patch(model, "locat", prr=True)
+    stress_gaug(model)
+    twin = LocAtViT(**{**TINY, **LAYOUTS[layout]})
+    twin.load_state_dict(model.state_dict(), strict=True)
+    twin.eval()
+    sizes = [(32, 32), (48, 24)] if layout == "dynamic" else [(32, 32)]
+    with torch.no_grad():
+        for h, w in sizes:
+            x = torch.randn(2, 3, h, w)
+            torch.testing.assert_close(model(x), twin(x), atol=1e-5, rtol=1e-5)
+            assert model.blocks[0].attn.grid_size == (h // 8, w // 8)
+
+
+def test_fresh_gaug_init_matches_model() -> None:
+    model = vitattn.patch(tiny_vit(), "locat")
+    for block in model.blocks:
+        g = block.attn.gaug
+        assert torch.all(g.log_var.bias == 0) and torch.all(g.log_alpha.bias == 0)
+        assert 0.005 < g.log_var.weight.std() < 0.05
+        assert block.attn.grid_size == (4, 4) and block.attn.num_prefix_tokens == 1
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(
+    blocks=st.lists(st.integers(-3, 2), min_size=1, max_size=3),
+    attention=st.sampled_from(["entmax15", "locat"]),
+)
+def test_patch_selected_blocks(blocks: list[int], attention: str) -> None:
+    model = vitattn.patch(tiny_vit(), attention, blocks=blocks)
+    chosen = {i % 3 for i in blocks}
+    cls = EntmaxAttention if attention == "entmax15" else LocAtAttention
+    for i, block in enumerate(model.blocks):
+        assert isinstance(block.attn, cls) == (i in chosen)
+        assert isinstance(block.attn, cls) or type(block.attn).__module__.startswith("timm")
+
+
+def test_patch_twice_keeps_gaug_and_single_hook() -> None:
+    model = vitattn.patch(tiny_vit(dynamic_img_size=True), "locat")
+    gaug = model.blocks[1].attn.gaug
+    vitattn.patch(model, "locat", blocks=[1])
+    assert model.blocks[1].attn.gaug is gaug
+    assert len(model.patch_embed._forward_pre_hooks) == 1
+
+
+def test_prr_patch_matches_timm_prr_pool() -> None:
+    model = tiny_vit()
+    x = torch.randn(2, 3, 32, 32) * 2
+    try:
+        ref = tiny_vit(global_pool="prr")
+    except AssertionError:
+        pytest.skip("this timm has no global_pool='prr'")
+    ref.load_state_dict(model.state_dict(), strict=True)
+    vitattn.patch(model, "softmax", prr=True)
+    vitattn.patch(model, "softmax", prr=True)  # idempotent
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), atol=1e-5, rtol=1e-5)
+
+
+def test_prr_patch_on_locatvit_sets_its_prr() -> None:
+    model = LocAtViT(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, prr=False)
+    vitattn.patch(model, "locat", prr=True)
+    assert model.prr is not None and model.attn_pool is None
+
+
+def test_patch_errors() -> None:
+    with pytest.raises(TypeError, match="VisionTransformer"):
+        vitattn.patch(nn.Linear(3, 3), "locat")
+    with pytest.raises(TypeError, match="VisionTransformer"):
+        vitattn.patch("vit", "locat")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="attention must be one of"):
+        vitattn.patch(tiny_vit(), "flash")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="out of range"):
+        vitattn.patch(tiny_vit(), "locat", blocks=[3])
+    with pytest.raises(TypeError, match="block indices"):
+        vitattn.patch(tiny_vit(), "locat", blocks=["0"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="patch dropout"):
+        vitattn.patch(tiny_vit(patch_drop_rate=0.3), "locat")
+    odd = tiny_vit()
+    odd.blocks[0].attn = nn.Identity()
+    with pytest.raises(TypeError, match=r"blocks\[0\]\.attn is Identity"):
+        vitattn.patch(odd, "entmax15")
+    with pytest.raises(ValueError, match="pool"):
+        vitattn.patch(tiny_vit(global_pool="map"), "softmax", prr=True)

@@ -1,0 +1,41 @@
+"""Attention analysis: maps from any ViT, locality metrics per head, reports and plots.
+
+``attention_maps`` reads ``(B, H, N, N)`` probabilities of a timm or vitattn ViT; the metrics
+``mean_attention_distance`` and ``attention_entropy`` turn them into ``(B, H)``;
+``locality_report`` averages them over images per layer and head. Plots (``plot_*``) need
+matplotlib, progress bars tqdm and the digits data scikit-learn (the ``study`` extra).
+"""
+
+from .checkpoint import load_checkpoint, read_state_dict
+from .data import InputSpec, digits_images, image_folder_batches, input_spec
+from .layout import model_grid_size, model_num_prefix_tokens, resolve_layout
+from .maps import attention_maps, record_attention, resolve_layers, timm_attention_probs
+from .metrics import attention_entropy, grid_diagonal, grid_distances, mean_attention_distance
+from .plots import plot_locality_plane, plot_mad_per_layer, plot_query_attention
+from .report import LocalityReport, ReportDiff, locality_report
+
+__all__ = [
+    "InputSpec",
+    "LocalityReport",
+    "ReportDiff",
+    "attention_entropy",
+    "attention_maps",
+    "digits_images",
+    "grid_diagonal",
+    "grid_distances",
+    "image_folder_batches",
+    "input_spec",
+    "load_checkpoint",
+    "locality_report",
+    "mean_attention_distance",
+    "model_grid_size",
+    "model_num_prefix_tokens",
+    "plot_locality_plane",
+    "plot_mad_per_layer",
+    "plot_query_attention",
+    "read_state_dict",
+    "record_attention",
+    "resolve_layers",
+    "resolve_layout",
+    "timm_attention_probs",
+]

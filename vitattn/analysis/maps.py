@@ -1,0 +1,209 @@
+"""Read the attention probabilities of a ViT's blocks, whatever path its attention runs.
+
+vitattn layers call :func:`vitattn.functional.attention`, so :func:`capture_attention_weights` hands
+over their probabilities (softmax, entmax, GAug bias, any backend). timm's own ``Attention`` runs
+fused SDPA, which returns no weights: for it the probabilities are recomputed beside the forward from
+the module's input with timm's own math, ``softmax(q·scale @ kᵀ + mask)`` after ``qkv``, ``q_norm`` and
+``k_norm``. Either way the model's forward is left to run as it is and every hook is removed after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..functional import capture_attention_weights
+
+__all__ = ["attention_maps", "evaluating", "record_attention", "resolve_layers", "timm_attention_probs"]
+
+MapSink = Callable[[int, torch.Tensor], None]
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.Module):
+        raise TypeError(
+            f"model must be a ViT with a `blocks` sequence (a timm VisionTransformer or a vitattn model), "
+            f"got {type(model).__name__}"
+        )
+    return list(blocks)  # type: ignore[arg-type]
+
+
+def resolve_layers(model: nn.Module, layers: int | Iterable[int] | None = None) -> list[int]:
+    """Sorted, de-duplicated block indices into ``model.blocks`` (negatives count from the end)."""
+    depth = len(_blocks(model))
+    if layers is None:
+        return list(range(depth))
+    items = [layers] if isinstance(layers, int) else list(layers)
+    out = set()
+    for i in items:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"layers must be block indices (ints), got {i!r} of type {type(i).__name__}")
+        if not -depth <= i < depth:
+            raise ValueError(f"layer index {i} is out of range for a model with {depth} blocks")
+        out.add(i % depth)
+    if not out:
+        raise ValueError("layers is empty: give block indices, or None for every block")
+    return sorted(out)
+
+
+def _timm_attention_cls() -> type[nn.Module] | None:
+    try:
+        from timm.layers import Attention
+    except ImportError:  # pragma: no cover - timm is a dependency
+        return None
+    return Attention
+
+
+def _is_timm_attention(module: nn.Module) -> bool:
+    cls = _timm_attention_cls()
+    return cls is not None and isinstance(module, cls) and type(module).forward is cls.forward
+
+
+def timm_attention_probs(
+    attn: nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
+) -> torch.Tensor:
+    """Probabilities ``(B, H, N, N)`` of timm's ``Attention`` on its input ``x: (B, N, C)``.
+
+    timm's own formula: ``softmax(q·scale @ kᵀ + mask)`` with q, k from ``qkv``, ``q_norm``, ``k_norm``
+    (``attn_mask``: bool keep-mask or additive; ``is_causal`` takes precedence). Float32 at least.
+    """
+    b, n, _ = x.shape
+    qkv = attn.qkv(x).reshape(b, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    q, k, _ = qkv.unbind(0)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    scores = (q.to(dtype) * attn.scale) @ k.to(dtype).transpose(-2, -1)
+    if is_causal:
+        scores = scores + scores.new_full((n, n), float("-inf")).triu_(1)
+    elif attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.to(dtype)
+    return scores.softmax(dim=-1)
+
+
+def _call_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any, bool]:
+    x = args[0] if args else kwargs["x"]
+    mask = args[1] if len(args) > 1 else kwargs.get("attn_mask")
+    causal = args[2] if len(args) > 2 else kwargs.get("is_causal", False)
+    return x, mask, bool(causal)
+
+
+@contextmanager
+def record_attention(
+    model: nn.Module, sink: MapSink, layers: int | Iterable[int] | None = None
+) -> Iterator[list[int]]:
+    """Within the block, every forward of a chosen block's ``attn`` calls ``sink(block_index, probs)``.
+
+    ``probs`` is the detached ``(B, H, N, N)`` probability tensor of that forward. Yields the chosen
+    block indices. The model runs unchanged (no_grad and eval are the caller's choice); all hooks
+    are removed on exit, also after an error.
+
+    Raises (during the forward) ``TypeError`` for a block whose ``attn`` neither is timm's
+    ``Attention`` nor calls :func:`vitattn.functional.attention`, and ``RuntimeError`` for one that
+    calls it more than once per forward.
+    """
+    blocks = _blocks(model)
+    chosen = resolve_layers(model, layers)
+    state: dict[str, Any] = {"block": None, "probs": []}
+    handles = []
+
+    def on_probs(probs: torch.Tensor) -> None:
+        if state["block"] is not None:
+            state["probs"].append(probs)
+
+    def make_hooks(i: int, attn: nn.Module) -> tuple[Callable[..., None], Callable[..., None]]:
+        timm_attn = _is_timm_attention(attn)
+
+        def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            state["block"], state["probs"] = i, []
+
+        def post_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+            state["block"] = None
+            probs: list[torch.Tensor] = state["probs"]
+            if timm_attn:
+                with torch.no_grad():
+                    sink(i, timm_attention_probs(module, *_call_args(args, kwargs)))
+            elif len(probs) == 1:
+                sink(i, probs[0])
+            elif not probs:
+                raise TypeError(
+                    f"blocks[{i}].attn is {type(module).__name__}, which neither is timm's Attention nor "
+                    "calls vitattn.functional.attention; its attention maps cannot be read "
+                    "(vitattn.patch(model) converts timm-style attention to vitattn layers)"
+                )
+            else:
+                raise RuntimeError(
+                    f"blocks[{i}].attn made {len(probs)} vitattn.functional.attention calls in one forward; "
+                    "attention maps are defined for one call per block"
+                )
+
+        return pre_hook, post_hook
+
+    try:
+        for i in chosen:
+            attn = getattr(blocks[i], "attn", None)
+            if not isinstance(attn, nn.Module):
+                raise TypeError(f"blocks[{i}] has no `attn` module (got {type(attn).__name__})")
+            pre_hook, post_hook = make_hooks(i, attn)
+            handles.append(attn.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            handles.append(attn.register_forward_hook(post_hook, with_kwargs=True))
+        with capture_attention_weights(on_probs):
+            yield chosen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def evaluating(model: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Put ``model`` in eval mode inside the block, then restore every submodule's own mode."""
+    modes = [(m, m.training) for m in model.modules()]
+    if enabled:
+        model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def attention_maps(
+    model: nn.Module,
+    x: torch.Tensor,
+    layers: int | Iterable[int] | None = None,
+    *,
+    eval_mode: bool = True,
+) -> dict[int, torch.Tensor]:
+    """Attention probabilities of the chosen blocks for the input batch ``x`` (e.g. ``(B, 3, H, W)``).
+
+    Args:
+        model: a timm ``VisionTransformer`` (fused attention is fine) or a vitattn model / patched ViT.
+        x: the model's input.
+        layers: block indices into ``model.blocks`` (negatives count from the end); None = all.
+        eval_mode: run in eval mode (no dropout); every module's training flag is restored afterwards.
+
+    Returns:
+        ``{block index: (B, H, N, N) probabilities}`` in block order, detached, float32 at least,
+        on the model's device; rows are queries, ``N`` counts prefix (class/register) tokens too.
+        The forward runs under ``torch.no_grad()``; no hook is left behind.
+    """
+    maps: dict[int, torch.Tensor] = {}
+
+    def sink(i: int, probs: torch.Tensor) -> None:
+        if i in maps:
+            raise RuntimeError(f"blocks[{i}].attn ran more than once in one forward of the model")
+        maps[i] = probs
+
+    with record_attention(model, sink, layers) as chosen, torch.no_grad(), evaluating(model, eval_mode):
+        model(x)
+    missing = [i for i in chosen if i not in maps]
+    if missing:
+        raise RuntimeError(f"blocks {missing} did not run their attention in the model's forward")
+    return {i: maps[i] for i in chosen}

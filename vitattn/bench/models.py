@@ -1,0 +1,73 @@
+"""Suite ``models``: LocAtViT-Tiny vs timm ViT-Tiny, inference and train step, 224 and 448 px, CPU float32."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import timm
+import torch
+from torch import nn
+
+from ..models import LocAtViT
+from .harness import SuiteResult, compare, register_suite
+
+REFERENCE = "timm vit_tiny"
+CASES = [(224, 16), (448, 2)]  # (image size, batch)
+GOALS = {("inference", 224): 1.15, ("train", 224): 1.15, ("inference", 448): 1.15, ("train", 448): 1.30}
+TINY = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3)
+
+
+def _step(model: nn.Module, x: torch.Tensor, train: bool) -> Callable[[], None]:
+    """One inference forward, or one training step (forward + backward, no optimizer)."""
+    if train:
+
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            model(x).logsumexp(-1).mean().backward()
+
+    else:
+
+        def step() -> None:
+            with torch.inference_mode():
+                model(x)
+
+    return step
+
+
+def _models(size: int) -> dict[str, nn.Module]:
+    torch.manual_seed(0)
+    return {
+        REFERENCE: timm.create_model("vit_tiny_patch16_224", img_size=size),
+        "locatvit_tiny": LocAtViT(img_size=size, **TINY),
+        "locatvit_tiny prr=False": LocAtViT(img_size=size, prr=False, **TINY),
+    }
+
+
+@register_suite(
+    "models",
+    "LocAtViT-Tiny vs timm ViT-Tiny: inference and train step at 224 px (b16) and 448 px (b2), CPU float32",
+)
+def models_suite(quick: bool = False) -> SuiteResult:
+    rows = []
+    for size, batch in CASES:
+        models = _models(size)
+        x = torch.randn(batch, 3, size, size)
+        for mode in ("inference", "train"):
+            train = mode == "train"
+            impls = {name: _step(m.train(train), x, train) for name, m in models.items()}
+            case = f"{mode} {size}px b{batch}"
+            rows += compare(case, impls, warmup=1 if quick else 2, repeat=3 if quick else 10)
+    result = SuiteResult(
+        name="models",
+        title=f"LocAtViT-Tiny vs timm ViT-Tiny, float32, CPU, ratio = ms / {REFERENCE}",
+        reference=REFERENCE,
+        rows=rows,
+    )
+    for (mode, size), goal in GOALS.items():
+        row = next(r for r in rows if r.impl == "locatvit_tiny" and r.case.startswith(f"{mode} {size}px"))
+        ratio = result.ratio(row)
+        result.notes.append(
+            f"{row.case}: locatvit_tiny / {REFERENCE} = {ratio:.2f}x (goal <= {goal:.2f}x: "
+            f"{'met' if ratio <= goal else 'MISSED'})"
+        )
+    return result

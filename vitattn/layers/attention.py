@@ -1,0 +1,121 @@
+"""Multi-head self-attention, a drop-in for timm's ``Attention`` with a choice of normalizer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..functional import GaussianBias, attention
+from ..functional.normalize import Normalizer, resolve_normalizer
+
+__all__ = ["Attention", "EntmaxAttention", "resolve_attn_mask"]
+
+
+def resolve_attn_mask(
+    n: int, attn_mask: torch.Tensor | None, is_causal: bool, device: torch.device
+) -> torch.Tensor | None:
+    """The mask handed to :func:`vitattn.functional.attention`, with timm's semantics.
+
+    ``attn_mask`` is a boolean keep-mask (``True`` = attend) or an additive float mask broadcastable
+    to ``(B, H, N, N)``; ``is_causal=True`` takes precedence and gives a lower-triangular keep-mask.
+    """
+    if is_causal:
+        return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return attn_mask
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention ``proj(normalize(q kᵀ / √d + bias) v)`` on ``(B, N, C)`` tokens.
+
+    Same constructor arguments, submodules and state-dict keys (``qkv``, ``q_norm``, ``k_norm``,
+    ``norm``, ``gate``, ``proj``) as ``timm.layers.Attention``, plus ``normalizer`` (``"softmax"``,
+    ``"entmax15"``, ``"sparsemax"`` or a float alpha > 1). The attention itself is
+    :func:`vitattn.functional.attention`.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        attn_head_dim: int | None = None,
+        dim_out: int | None = None,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        scale_norm: bool = False,
+        proj_bias: bool = True,
+        gated: bool = False,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        norm_layer: type[nn.Module] | None = None,
+        normalizer: Normalizer = "softmax",
+        device: Any = None,
+        dtype: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        kwargs.pop("depth", None)  # timm passes the block index to some attention layers
+        if kwargs:
+            raise TypeError(f"{type(self).__name__} got unexpected arguments {sorted(kwargs)}")
+        dd = {"device": device, "dtype": dtype}
+        if attn_head_dim is None:
+            if num_heads < 1 or dim % num_heads:
+                raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+            attn_head_dim = dim // num_heads
+        if (qk_norm or scale_norm) and norm_layer is None:
+            norm_layer = nn.LayerNorm
+        self.num_heads = num_heads
+        self.head_dim = attn_head_dim
+        self.attn_dim = num_heads * attn_head_dim
+        self.scale = attn_head_dim**-0.5
+        self.normalizer = resolve_normalizer(normalizer)
+
+        self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias, **dd)
+        self.q_norm = norm_layer(attn_head_dim, **dd) if qk_norm else nn.Identity()  # type: ignore[misc]
+        self.k_norm = norm_layer(attn_head_dim, **dd) if qk_norm else nn.Identity()  # type: ignore[misc]
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.norm = norm_layer(self.attn_dim, **dd) if scale_norm else nn.Identity()  # type: ignore[misc]
+        self.gate = nn.Linear(dim, self.attn_dim, bias=qkv_bias, **dd) if gated else None
+        self.proj = nn.Linear(self.attn_dim, dim_out or dim, bias=proj_bias, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, head_dim={self.head_dim}, normalizer={self.normalizer!r}"
+
+    def attention_bias(self, q: torch.Tensor) -> torch.Tensor | GaussianBias | None:
+        """Additive score bias from the normalized queries ``q: (B, H, N, d)``; none here."""
+        return None
+
+    def forward(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
+    ) -> torch.Tensor:
+        """``x: (B, N, C)`` -> ``(B, N, dim_out)``; ``attn_mask`` as in timm (bool keep-mask or additive)."""
+        b, n, _ = x.shape
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        out = attention(
+            q,
+            k,
+            v,
+            normalizer=self.normalizer,
+            scale=self.scale,
+            mask=resolve_attn_mask(n, attn_mask, is_causal, x.device),
+            bias=self.attention_bias(q),
+            dropout_p=self.attn_drop.p if self.training else 0.0,
+        )
+        out = self.norm(out.transpose(1, 2).reshape(b, n, self.attn_dim))
+        if gate is not None:
+            out = out * gate
+        return self.proj_drop(self.proj(out))
+
+
+class EntmaxAttention(Attention):
+    """:class:`Attention` with entmax-1.5 in place of softmax (sparse attention, no new parameters)."""
+
+    def __init__(
+        self, dim: int, num_heads: int = 8, *, normalizer: Normalizer = "entmax15", **kwargs: Any
+    ) -> None:
+        super().__init__(dim, num_heads, normalizer=normalizer, **kwargs)

@@ -1,0 +1,148 @@
+"""LocAt attention: self-attention with the Gaussian locality bias of GAug (LocAtViT)."""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..functional import GaussianBias
+from ..functional.normalize import Normalizer
+from .attention import Attention
+
+__all__ = ["GaussianAugment", "LocAtAttention", "grid_pair"]
+
+
+def grid_pair(name: str, value: int | Sequence[int]) -> tuple[int, int]:
+    """``value`` as ``(rows, columns)`` of positive ints, or a ``ValueError`` naming ``name``."""
+    try:
+        items = value if isinstance(value, Sequence) else (value, value)
+        pair = tuple(operator.index(v) for v in items)
+    except TypeError:
+        pair = ()
+    if len(pair) != 2 or min(pair) < 1:
+        raise ValueError(f"{name} must be a positive int or two positive ints (rows, columns), got {value!r}")
+    return int(pair[0]), int(pair[1])
+
+
+class GaussianAugment(nn.Module):
+    """GAug's heads: per spatial query, two variances (row, column) and one amplitude.
+
+    ``log_var = Linear(head_dim, 2)`` and ``log_alpha = Linear(head_dim, 1)`` are shared across heads
+    (the official parameter names). The bias itself is :class:`vitattn.functional.GaussianBias`.
+    """
+
+    def __init__(self, head_dim: int, device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        dd = {"device": device, "dtype": dtype}
+        self.log_var = nn.Linear(head_dim, 2, **dd)
+        self.log_alpha = nn.Linear(head_dim, 1, **dd)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """timm's ViT init for linears: truncated normal (std 0.02), zero bias; so σ ≈ 1, α ≈ ln 2."""
+        for layer in (self.log_var, self.log_alpha):
+            nn.init.trunc_normal_(layer.weight, std=0.02)
+            nn.init.zeros_(layer.bias)
+
+    def forward(
+        self,
+        q_sp: torch.Tensor,
+        grid_size: tuple[int, int],
+        num_prefix_tokens: int,
+        initial_grid_size: tuple[int, int],
+    ) -> GaussianBias:
+        """Spatial queries ``q_sp: (B, H, gh*gw, d)`` (after q_norm, unscaled) -> the bias description.
+
+        σ = c · sigmoid(log_var(q) − ln(c − 1)) with c = max(initial grid)² (no shift when c ≤ 2), and
+        α = softplus(log_alpha(q)); both in float32 with autocast off.
+        """
+        c = float(max(initial_grid_size) ** 2)
+        shift = math.log(c - 1.0) if c > 2.0 else 0.0
+        work = torch.promote_types(q_sp.dtype, torch.float32)
+        # both heads in one matmul: q_sp is a strided view, so this reads (and copies) it once
+        weight = torch.cat([self.log_var.weight, self.log_alpha.weight]).to(work)
+        bias = torch.cat([self.log_var.bias, self.log_alpha.bias]).to(work)
+        with torch.autocast(device_type=q_sp.device.type, enabled=False):
+            out = F.linear(q_sp.to(work), weight, bias)  # (B, H, Np, 3)
+            sigma = torch.sigmoid(out[..., :2] - shift) * c
+            alpha = F.softplus(out[..., 2:])
+        return GaussianBias(sigma, alpha, grid_size, num_prefix_tokens, initial_grid_size)
+
+
+class LocAtAttention(Attention):
+    """:class:`Attention` whose scores get GAug's Gaussian locality bias (LocAtViT).
+
+    Takes every :class:`Attention` argument (so ``normalizer="entmax15"`` gives Gaussian-biased
+    entmax) plus the token layout: ``grid_size`` (patch rows, columns), ``num_prefix_tokens``
+    (class + register tokens before the patches) and ``initial_grid_size`` (the grid the model was
+    built for, which fixes c, eps and the clamp). A model sets them with :meth:`set_grid`, and
+    again whenever the input resolution changes.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        *,
+        grid_size: int | Sequence[int] | None = None,
+        num_prefix_tokens: int = 1,
+        initial_grid_size: int | Sequence[int] | None = None,
+        normalizer: Normalizer = "softmax",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(dim, num_heads, normalizer=normalizer, **kwargs)
+        self.gaug = GaussianAugment(self.head_dim, device=self.qkv.weight.device, dtype=self.qkv.weight.dtype)
+        self.grid_size: tuple[int, int] | None = None
+        self.initial_grid_size: tuple[int, int] | None = None
+        self.num_prefix_tokens = int(num_prefix_tokens)
+        if grid_size is not None:
+            self.set_grid(grid_size, num_prefix_tokens, initial_grid_size)
+
+    def set_grid(
+        self,
+        grid_size: int | Sequence[int],
+        num_prefix_tokens: int | None = None,
+        initial_grid_size: int | Sequence[int] | None = None,
+    ) -> None:
+        """Set the current patch grid (and optionally the prefix count and the initial grid).
+
+        The initial grid defaults to the first grid ever set and then stays fixed.
+        """
+        self.grid_size = grid_pair("grid_size", grid_size)
+        if num_prefix_tokens is not None:
+            if int(num_prefix_tokens) < 0:
+                raise ValueError(f"num_prefix_tokens must be >= 0, got {num_prefix_tokens}")
+            self.num_prefix_tokens = int(num_prefix_tokens)
+        if initial_grid_size is not None:
+            self.initial_grid_size = grid_pair("initial_grid_size", initial_grid_size)
+        elif self.initial_grid_size is None:
+            self.initial_grid_size = self.grid_size
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, grid_size={self.grid_size}, "
+            f"num_prefix_tokens={self.num_prefix_tokens}, initial_grid_size={self.initial_grid_size}"
+        )
+
+    def attention_bias(self, q: torch.Tensor) -> GaussianBias:
+        """GAug bias from ``q: (B, H, N, d)``, ``N = num_prefix_tokens + gh * gw``."""
+        if self.grid_size is None or self.initial_grid_size is None:
+            raise RuntimeError(
+                "LocAtAttention has no patch grid: call set_grid(grid_size, num_prefix_tokens) or build it "
+                "through vitattn.models.LocAtViT / vitattn.patch"
+            )
+        p = self.num_prefix_tokens
+        gh, gw = self.grid_size
+        if q.shape[2] != p + gh * gw:
+            raise ValueError(
+                f"LocAtAttention got N = {q.shape[2]} tokens (q of shape {tuple(q.shape)}), but its "
+                f"grid_size {self.grid_size} with num_prefix_tokens={p} needs "
+                f"N = {p} + {gh}*{gw} = {p + gh * gw}"
+            )
+        return self.gaug(q[:, :, p:], self.grid_size, p, self.initial_grid_size)

@@ -1,0 +1,61 @@
+"""PRR: parameter-free patch representation refinement before a ViT's head."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..functional import prr
+
+__all__ = ["PRR"]
+
+_POOLS = (None, "token", "avg")
+
+
+class PRR(nn.Module):
+    """Parameter-free multi-head self-attention with q = k = v = x, over all tokens, no residual.
+
+    Numerically the same as ``timm.layers.AttentionPoolPrr`` (timm >= 1.0.2x) with the same options:
+    optional ``pre_norm`` / ``post_norm`` (``norm_layer``, LayerNorm by default) and ``pool``:
+    ``None`` keeps ``(B, N, C)``, ``"token"`` takes token 0, ``"avg"`` averages all tokens, giving ``(B, C)``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        pool: str | None = None,
+        pre_norm: bool = False,
+        post_norm: bool = False,
+        norm_layer: type[nn.Module] | None = None,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__()
+        if pool not in _POOLS:
+            raise ValueError(f"pool must be one of {_POOLS}, got {pool!r}")
+        if num_heads < 1 or dim % num_heads:
+            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        norm_layer = norm_layer or nn.LayerNorm
+        dd = {"device": device, "dtype": dtype}
+        self.dim = dim
+        self.num_heads = num_heads
+        self.pool = pool
+        self.pre_norm = norm_layer(dim, **dd) if pre_norm else nn.Identity()
+        self.post_norm = norm_layer(dim, **dd) if post_norm else nn.Identity()
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, num_heads={self.num_heads}, pool={self.pool!r}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: (B, N, C)`` -> ``(B, N, C)``, or ``(B, C)`` when pooling."""
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"PRR expects x of shape (B, N, {self.dim}), got {tuple(x.shape)}")
+        x = self.post_norm(prr(self.pre_norm(x), self.num_heads))
+        if self.pool == "token":
+            return x[:, 0]
+        if self.pool == "avg":
+            return x.mean(1)
+        return x

@@ -1,0 +1,53 @@
+"""Keep the LocAt layers of a timm ViT told the current patch grid, whatever the input size."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..layers.locat import LocAtAttention
+
+__all__ = ["GridSync", "attach_grid_sync", "feat_size"]
+
+_ATTR = "_vitattn_grid_sync"
+
+
+def feat_size(patch_embed: nn.Module, img_size: tuple[int, int]) -> tuple[int, int]:
+    """Patch grid ``(gh, gw)`` that ``patch_embed`` makes from an ``img_size = (H, W)`` input."""
+    dynamic = getattr(patch_embed, "dynamic_feat_size", None)
+    if callable(dynamic):
+        gh, gw = dynamic(img_size)
+        return int(gh), int(gw)
+    gh, gw = patch_embed.grid_size  # type: ignore[misc]
+    return int(gh), int(gw)
+
+
+class GridSync:
+    """Forward pre-hook on ``patch_embed``: sets the grid of every LocAt layer in ``blocks``.
+
+    Computed from the static input shape, so the same compiled graph serves one resolution and a
+    new resolution (``dynamic_img_size=True``) gets its own grid before any block runs.
+    """
+
+    def __init__(self, blocks: nn.Module) -> None:
+        self.blocks = blocks
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        x = args[0]
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            return
+        grid = feat_size(module, (int(x.shape[-2]), int(x.shape[-1])))
+        for block in self.blocks:
+            attn = getattr(block, "attn", None)
+            if isinstance(attn, LocAtAttention) and attn.grid_size != grid:
+                attn.set_grid(grid)
+
+
+def attach_grid_sync(model: nn.Module) -> None:
+    """Register :class:`GridSync` on ``model.patch_embed`` once (idempotent)."""
+    if getattr(model, _ATTR, False):
+        return
+    model.patch_embed.register_forward_pre_hook(GridSync(model.blocks))  # type: ignore[union-attr]
+    setattr(model, _ATTR, True)

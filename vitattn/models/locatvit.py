@@ -1,0 +1,139 @@
+"""LocAtViT: timm's VisionTransformer with GAug (LocAt) attention and PRR, registered with timm."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
+
+from ..functional.normalize import Normalizer, resolve_normalizer
+from ..layers import PRR, Attention, LocAtAttention, convert_attention, convertible_attention
+from ._grid import attach_grid_sync
+
+__all__ = ["LocAtViT", "locatvit_base", "locatvit_small", "locatvit_tiny"]
+
+
+class LocAtViT(VisionTransformer):
+    """Locality-Attending ViT: every timm ``VisionTransformer`` argument, plus
+
+    Args:
+        gaug: Gaussian-augmented (LocAt) attention in every block (``blocks.N.attn.gaug.*`` params).
+        prr: parameter-free patch representation refinement after ``forward_features`` (after the
+            final norm), before the model's own pooling and head.
+        normalizer: the attention normalizer of every block (``"softmax"``, ``"entmax15"``, ...).
+
+    ``forward_features`` returns ``(B, N, C)`` before PRR, as the official release does. The patch
+    grid the model is built for fixes GAug's constants; with ``dynamic_img_size=True`` the grid of
+    each input is computed from its size and σ is rescaled by ``min(grid) / min(initial grid)``.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        gaug: bool = True,
+        prr: bool = True,
+        normalizer: Normalizer = "softmax",
+        **kwargs: Any,
+    ) -> None:
+        if prr and kwargs.get("global_pool") == "prr":
+            raise ValueError("global_pool='prr' already applies PRR: pass prr=False with it, or another pool")
+        if gaug and kwargs.get("patch_drop_rate", 0.0):
+            raise ValueError(
+                f"patch_drop_rate={kwargs['patch_drop_rate']} drops patches, which breaks GAug's patch grid; "
+                "use patch_drop_rate=0 with gaug=True"
+            )
+        super().__init__(*args, **kwargs)
+        self.use_gaug = bool(gaug)
+        self.normalizer = resolve_normalizer(normalizer)
+        if self.use_gaug or self.normalizer != "softmax":
+            self._convert_blocks()
+        heads = self.blocks[0].attn.num_heads if len(self.blocks) else int(kwargs.get("num_heads", 12))
+        self.prr = PRR(self.embed_dim, heads) if prr else None
+
+    def _convert_blocks(self) -> None:
+        grid = tuple(int(g) for g in self.patch_embed.grid_size)
+        cls = LocAtAttention if self.use_gaug else Attention
+        extra = dict(grid_size=grid, num_prefix_tokens=self.num_prefix_tokens) if self.use_gaug else {}
+        for i, block in enumerate(self.blocks):
+            attn = getattr(block, "attn", None)
+            if attn is None or not convertible_attention(attn):
+                raise TypeError(
+                    f"LocAtViT needs timm's Attention at blocks[{i}].attn, got {type(attn).__name__} "
+                    "(check block_fn / attn_layer)"
+                )
+            block.attn = convert_attention(attn, cls, normalizer=self.normalizer, **extra)
+        if self.use_gaug:
+            attach_grid_sync(self)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """``x: (B, N, C)`` from ``forward_features`` -> PRR (if on) -> timm's pooling and head."""
+        if self.prr is not None:
+            x = self.prr(x)
+        return super().forward_head(x, pre_logits=pre_logits)
+
+
+def _cfg(**kwargs: Any) -> dict[str, Any]:
+    return {
+        "url": "",
+        "num_classes": 1000,
+        "input_size": (3, 224, 224),
+        "pool_size": None,
+        "crop_pct": 0.875,
+        "interpolation": "bicubic",
+        "fixed_input_size": True,
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "patch_embed.proj",
+        "classifier": "head",
+        **kwargs,
+    }
+
+
+_ARCHS = {
+    "locatvit_tiny": dict(patch_size=16, embed_dim=192, depth=12, num_heads=3),
+    "locatvit_small": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
+    "locatvit_base": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12),
+}
+default_cfgs = generate_default_cfgs({name: _cfg() for name in _ARCHS})
+
+
+def _create(variant: str, pretrained: bool, **kwargs: Any) -> LocAtViT:
+    kwargs = dict(_ARCHS[variant], **kwargs)
+    overlay = dict(kwargs.pop("pretrained_cfg_overlay", None) or {})
+    if pretrained and not overlay.get("file"):
+        raise ValueError(
+            f"{variant}: vitattn hosts no pretrained weights; give a local checkpoint with "
+            "pretrained_cfg_overlay=dict(file='path/to/weights.safetensors')"
+        )
+    if overlay.get("file"):  # a local file is taken to have the head asked for (else timm would drop it)
+        overlay.setdefault("num_classes", kwargs.get("num_classes", 1000))
+    return build_model_with_cfg(
+        LocAtViT,
+        variant,
+        pretrained,
+        pretrained_cfg_overlay=overlay or None,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=3, feature_cls="getter"),
+        **kwargs,
+    )
+
+
+@register_model
+def locatvit_tiny(pretrained: bool = False, **kwargs: Any) -> LocAtViT:
+    """LocAtViT-Tiny: ViT-Ti/16 (dim 192, depth 12, 3 heads) at 224 px with GAug and PRR."""
+    return _create("locatvit_tiny", pretrained, **kwargs)
+
+
+@register_model
+def locatvit_small(pretrained: bool = False, **kwargs: Any) -> LocAtViT:
+    """LocAtViT-Small: ViT-S/16 (dim 384, depth 12, 6 heads) at 224 px with GAug and PRR."""
+    return _create("locatvit_small", pretrained, **kwargs)
+
+
+@register_model
+def locatvit_base(pretrained: bool = False, **kwargs: Any) -> LocAtViT:
+    """LocAtViT-Base: ViT-B/16 (dim 768, depth 12, 12 heads) at 224 px with GAug and PRR."""
+    return _create("locatvit_base", pretrained, **kwargs)
