@@ -1,11 +1,13 @@
 """vitattn: drop-in local and selective attention layers for Vision Transformers."""
 
-from . import functional, models
+from . import functional, kernels, models
 from .functional import GaussianBias, attention, entmax, entmax15, prr, sparsemax
 from .layers import PRR, Attention, EntmaxAttention, LocAtAttention
 from .patch import patch
 
 __version__ = "0.1.0"
+
+kernels.register()  # the "triton" backend; triton itself is imported on first use only
 
 __all__ = ["GaussianBias", "__version__", "attention", "entmax", "entmax15", "functional", "prr", "sparsemax"]
 __all__ += ["PRR", "Attention", "EntmaxAttention", "LocAtAttention", "models", "patch"]

@@ -1,7 +1,9 @@
 """Backend registry for :func:`vitattn.functional.attention`.
 
 Each backend states what it supports through :meth:`AttentionBackend.unsupported`, which returns
-``None`` when it can run a call and otherwise a short reason. ``backend="auto"`` takes the first
+``None`` when it can run a call and otherwise a short reason. ``explicit`` tells it whether the user
+named it (``backend="triton"``) or ``"auto"`` is asking: a backend may accept a call only when
+named (the Triton interpreter on CPU tensors, a debugging aid, is never picked by ``"auto"``). ``backend="auto"`` takes the first
 backend in preference order that supports the call; an explicit backend that cannot run a call
 raises a ``ValueError`` carrying its reason. The pure-PyTorch backend supports everything and is
 the reference every other backend is tested against.
@@ -35,8 +37,8 @@ class AttentionCall:
 class AttentionBackend(Protocol):
     name: str
 
-    def unsupported(self, call: AttentionCall) -> str | None:
-        """``None`` if this backend can run ``call``, else why not."""
+    def unsupported(self, call: AttentionCall, explicit: bool = False) -> str | None:
+        """``None`` if this backend can run ``call``, else why not (``explicit``: named by the user)."""
 
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return ``(out, probs or None)``."""
@@ -63,22 +65,22 @@ def available_backends() -> list[str]:
 
 
 def explain(call: AttentionCall) -> dict[str, str | None]:
-    """For each backend, ``None`` if it supports ``call`` or the reason it does not."""
-    return {name: _REGISTRY[name].unsupported(call) for name in _AUTO_ORDER}
+    """For each backend, ``None`` if ``backend="auto"`` could pick it for ``call``, or why not."""
+    return {name: _REGISTRY[name].unsupported(call, explicit=False) for name in _AUTO_ORDER}
 
 
 def select_backend(call: AttentionCall, backend: str) -> AttentionBackend:
     """Resolve ``backend`` ("auto" or a registered name) for ``call``."""
     if backend == "auto":
         for name in _AUTO_ORDER:
-            if _REGISTRY[name].unsupported(call) is None:
+            if _REGISTRY[name].unsupported(call, explicit=False) is None:
                 return _REGISTRY[name]
         reasons = "; ".join(f"{n}: {r}" for n, r in explain(call).items())
         raise ValueError(f"no attention backend supports this call ({reasons})")
     if backend not in _REGISTRY:
         raise ValueError(f"backend must be 'auto' or one of {available_backends()}, got {backend!r}")
     chosen = _REGISTRY[backend]
-    reason = chosen.unsupported(call)
+    reason = chosen.unsupported(call, explicit=True)
     if reason is not None:
         raise ValueError(f"backend={backend!r} cannot run this call: {reason}")
     return chosen

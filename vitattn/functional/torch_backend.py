@@ -51,7 +51,7 @@ class TorchBackend:
 
     name = "torch"
 
-    def unsupported(self, call: AttentionCall) -> str | None:
+    def unsupported(self, call: AttentionCall, explicit: bool = False) -> str | None:
         return None
 
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,0 +1,332 @@
+"""The Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1) against the torch reference path.
+
+How the interpreter flag is read (triton 3.8): ``@triton.jit`` reads ``TRITON_INTERPRET`` when a function
+is *defined*, returning an ``InterpretedFunction`` instead of a ``JITFunction``, and that includes
+triton's own ``triton.language`` helpers (``tl.zeros``, ``tl.sum``...), defined when triton is first
+imported. So the variable must be set before anything imports triton (torchvision, and through it timm,
+do). This module sets it at import when triton is not imported yet (``pytest tests/test_kernels.py``);
+otherwise (the whole suite, where earlier test modules imported timm) its tests are skipped here and
+``test_interpreter_suite_in_subprocess`` runs this file in a fresh interpreter with the variable set.
+
+Every case checks the forward output and every gradient (q, k, v, and sigma, alpha, the additive mask
+where present) against ``backend="torch"`` run in float64 on the same (rounded) inputs.
+Tolerances, as the max-abs error relative to the reference's max-abs (forward / gradients): float32
+1e-5 / 2e-5 (observed <= 2.5e-6), float16 3e-3 / 4e-3 (observed <= 8e-4), bfloat16 2.5e-2 / 4e-2
+(observed <= 1.2e-2; the interpreter loads bf16 and upcasts, p and dS are rounded to bf16 as on a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from unittest import mock
+
+if "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+from vitattn.functional import GaussianBias, attention, explain
+from vitattn.functional.dispatch import AttentionCall
+from vitattn.kernels import configs
+from vitattn.kernels.backend import TritonBackend
+
+triton = pytest.importorskip("triton")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+INTERPRETED = isinstance(triton.language.zeros, InterpretedFunction)
+interpreted = pytest.mark.skipif(
+    not INTERPRETED,
+    reason="triton was imported before TRITON_INTERPRET=1 was set: see test_interpreter_suite_in_subprocess",
+)
+
+TOL = {  # dtype -> (forward, gradients): max-abs error relative to the reference's max-abs
+    torch.float32: (1e-5, 2e-5),
+    torch.float16: (3e-3, 4e-3),
+    torch.bfloat16: (2.5e-2, 4e-2),
+}
+
+
+def test_interpreter_suite_in_subprocess():
+    if INTERPRETED:
+        pytest.skip("this process runs the interpreter tests itself")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert res.returncode == 0, res.stdout[-20000:] + res.stderr[-5000:]
+
+
+@dataclass
+class Case:
+    normalizer: str
+    kind: str  # none | gaussian | gaussian_keep | add | add_full | keep | key_padding | bias_and_mask
+    n: int = 37
+    d: int = 16
+    dtype: torch.dtype = torch.float32
+    b: int = 2
+    h: int = 2
+    prefix: int = 1
+    grid: tuple[int, int] = (6, 6)
+    initial: tuple[int, int] | None = None
+    mag: float = 2.0  # scale of q, k, v: larger gives sparser entmax rows and more Newton passes
+    seed: int = 0
+
+
+def _make(case: Case):
+    """Leaves for the kernel (``ours``) and float64 copies for the reference (``ref``), plus the kwargs."""
+    g = torch.Generator().manual_seed(case.seed)
+    b, h, n, d = case.b, case.h, case.n, case.d
+    base = [torch.randn(b, h, n, d, generator=g, dtype=torch.float64) * case.mag for _ in range(3)]
+    ours = {name: t.to(case.dtype).requires_grad_() for name, t in zip("qkv", base, strict=True)}
+    mask = None
+    extra: dict[str, torch.Tensor] = {}
+    if case.kind in ("gaussian", "gaussian_keep"):
+        n_p = case.grid[0] * case.grid[1]
+        assert n == case.prefix + n_p
+        gb = 1 if case.prefix == 1 else b  # broadcast over the batch (stride 0) or not
+        extra["sigma"] = torch.exp(torch.randn(gb, h, n_p, 2, generator=g) * 0.7)
+        extra["alpha"] = torch.rand(gb, h, n_p, 1, generator=g) * 3
+    if case.kind in ("add", "bias_and_mask"):
+        extra["add"] = (torch.randn(1, h, n, n, generator=g) * 2).to(case.dtype)
+        extra["add"][..., 3] = float("-inf")
+    if case.kind == "add_full":
+        extra["add"] = (torch.randn(b, h, n, n, generator=g) * 2).to(case.dtype)
+    if case.kind in ("keep", "gaussian_keep"):
+        mask = torch.rand(b, 1, n, n, generator=g) < 0.6
+        mask[..., 0] = True
+    if case.kind == "key_padding":
+        mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
+        mask[0, ..., -5:] = False
+    if case.kind == "bias_and_mask":
+        extra["bias"] = torch.randn(b, 1, 1, n, generator=g).to(case.dtype)
+    ours.update({k: t.detach().clone().requires_grad_() for k, t in extra.items()})
+    ref = {k: t.detach().double().requires_grad_() for k, t in ours.items()}
+    return ours, ref, mask
+
+
+def _kwargs(leaves, case: Case, mask):
+    kw = dict(normalizer=case.normalizer, mask=mask)
+    if "sigma" in leaves:
+        kw["bias"] = GaussianBias(
+            leaves["sigma"], leaves["alpha"], case.grid, case.prefix, initial_grid_size=case.initial
+        )
+    if "add" in leaves:
+        kw["mask"] = leaves["add"]
+    if "bias" in leaves:
+        kw["bias"] = leaves["bias"]
+    return kw
+
+
+def check(case: Case) -> None:
+    ours, ref, mask = _make(case)
+    out = attention(ours["q"], ours["k"], ours["v"], backend="triton", **_kwargs(ours, case, mask))
+    expect = attention(ref["q"], ref["k"], ref["v"], backend="torch", **_kwargs(ref, case, mask))
+    assert out.dtype == case.dtype and out.shape == expect.shape
+    fwd_tol, grad_tol = TOL[case.dtype]
+    err = ((out.double() - expect).abs().max() / expect.abs().max()).item()
+    assert err <= fwd_tol, f"out: relative error {err:.2e} > {fwd_tol:.0e}"
+    grad = torch.randn(expect.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got = torch.autograd.grad(out, list(ours.values()), grad.to(case.dtype))
+    want = torch.autograd.grad(expect, list(ref.values()), grad)
+    for name, a, w in zip(ours, got, want, strict=True):
+        assert a.shape == w.shape and torch.isfinite(a).all(), name
+        top = w.abs().max().clamp_min(1e-6)
+        err = ((a.double() - w).abs().max() / top).item()
+        assert err <= grad_tol, f"d{name}: relative error {err:.2e} > {grad_tol:.0e}"
+
+
+# A representative subset of normalizer x bias x shape (N in 37 / 77 / 130, D in 16 / 32 / 64,
+# prefix 0 / 1 / 2, non-square grids, a resolution change whose clamp binds).
+F32_CASES = [
+    Case("softmax", "none", n=77, d=32, prefix=0, grid=(7, 11)),
+    Case("softmax", "gaussian", n=37, d=16, prefix=1, grid=(6, 6)),
+    Case("softmax", "gaussian", n=130, d=64, prefix=2, grid=(8, 16), b=1),
+    Case("softmax", "gaussian_keep", n=77, d=32, prefix=0, grid=(7, 11), initial=(4, 4)),
+    Case("softmax", "add", n=77, d=16),
+    Case("softmax", "add_full", n=37, d=32),
+    Case("softmax", "keep", n=130, d=16, b=1),
+    Case("softmax", "key_padding", n=37, d=64),
+    Case("softmax", "bias_and_mask", n=37, d=16),
+    Case("entmax15", "none", n=130, d=16, b=1),
+    Case("entmax15", "gaussian", n=77, d=32, prefix=0, grid=(7, 11)),
+    Case("entmax15", "gaussian", n=37, d=64, prefix=1, grid=(6, 6), initial=(4, 4)),
+    Case("entmax15", "gaussian_keep", n=130, d=16, prefix=2, grid=(8, 16), b=1),
+    Case("entmax15", "add", n=37, d=32),
+    Case("entmax15", "add_full", n=37, d=16),
+    Case("entmax15", "keep", n=77, d=64),
+    Case("entmax15", "key_padding", n=37, d=16),
+    Case("entmax15", "bias_and_mask", n=77, d=16),
+    Case("softmax", "keep", n=37, d=128, b=1, mag=1.0),
+    Case("entmax15", "gaussian", n=37, d=128, b=1, mag=1.0),
+    Case("softmax", "add", n=77, d=24, mag=6.0),
+    Case("entmax15", "key_padding", n=77, d=40, mag=6.0),
+    Case("entmax15", "none", n=37, d=16, mag=0.2),
+]
+
+HALF_CASES = [
+    Case("softmax", "gaussian", n=77, d=32, prefix=0, grid=(7, 11), dtype=torch.float16),
+    Case("softmax", "add", n=37, d=64, dtype=torch.float16),
+    Case("entmax15", "gaussian_keep", n=37, d=32, dtype=torch.float16),
+    Case("entmax15", "key_padding", n=77, d=16, dtype=torch.float16),
+    Case("entmax15", "gaussian", n=130, d=64, prefix=2, grid=(8, 16), b=1, dtype=torch.float16),
+    Case("softmax", "gaussian", n=37, d=16, dtype=torch.bfloat16),
+    Case("entmax15", "gaussian", n=37, d=32, dtype=torch.bfloat16),
+]
+
+
+def _id(case: Case) -> str:
+    return f"{case.normalizer}-{case.kind}-N{case.n}-D{case.d}-P{case.prefix}-{str(case.dtype)[6:]}"
+
+
+@interpreted
+@pytest.mark.parametrize("case", F32_CASES, ids=_id)
+def test_float32_matches_reference(case):
+    check(case)
+
+
+@interpreted
+@pytest.mark.parametrize("case", HALF_CASES, ids=_id)
+def test_half_precision_matches_reference(case):
+    check(case)
+
+
+@interpreted
+@pytest.mark.parametrize("tiles", [(16, 32), (32, 16)], ids=["M16xN32", "M32xN16"])
+@pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
+def test_unequal_tiles(normalizer, tiles, monkeypatch):
+    monkeypatch.setattr(configs, "INTERPRET", configs.TileConfig(*tiles, 4, 1))
+    check(Case(normalizer, "gaussian_keep", n=37, d=16, b=1))
+
+
+@interpreted
+@pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
+def test_cross_attention_strides_and_value_dim(normalizer):
+    g = torch.Generator().manual_seed(3)
+    q = (torch.randn(2, 21, 3, 24, generator=g) * 2).transpose(1, 2)  # (B, H, Nq, D), not contiguous
+    k = (torch.randn(2, 3, 24, 50, generator=g) * 2).transpose(-1, -2)  # (B, H, Nk, D), D-stride != 1
+    v = torch.randn(2, 3, 50, 40, generator=g)  # Dv = 40 != D
+    mask = torch.ones(2, 1, 1, 50, dtype=torch.bool)
+    mask[1, ..., :7] = False
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out = attention(*leaves, normalizer=normalizer, mask=mask, scale=0.3, backend="triton")
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = attention(*ref_leaves, normalizer=normalizer, mask=mask, scale=0.3, backend="torch")
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
+    grad = torch.randn(ref.shape, dtype=torch.float64)
+    got = torch.autograd.grad(out, leaves, grad.float())
+    for a, w in zip(got, torch.autograd.grad(ref, ref_leaves, grad), strict=True):
+        torch.testing.assert_close(a.double(), w, atol=1e-4, rtol=0)
+
+
+@interpreted
+@pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_fully_masked_rows_give_zeros(normalizer, mask_dtype):
+    q, k, v = (torch.randn(1, 2, 37, 16, requires_grad=True) for _ in range(3))
+    keep = torch.rand(1, 2, 37, 37) < 0.5
+    keep[..., 0] = True
+    keep[0, 1, 5] = False
+    keep[0, 0, 30:] = False
+    mask = keep if mask_dtype == torch.bool else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    if mask_dtype != torch.bool:
+        mask.requires_grad_()
+    out = attention(q, k, v, normalizer=normalizer, mask=mask, backend="triton")
+    assert torch.equal(out[0, 1, 5], torch.zeros(16)) and torch.equal(out[0, 0, 30:], torch.zeros(7, 16))
+    assert not out.isnan().any()
+    leaves = [q, k, v] + ([mask] if mask.requires_grad else [])
+    grads = torch.autograd.grad(out.sum(), leaves)
+    for t in grads:
+        assert torch.isfinite(t).all()
+    assert torch.equal(grads[0][0, 1, 5], torch.zeros(16))
+    ref = attention(q, k, v, normalizer=normalizer, mask=mask, backend="torch")
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+
+
+@interpreted
+@pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
+def test_inference_without_gradients(normalizer):
+    q, k, v = (torch.randn(1, 2, 37, 32) * 2 for _ in range(3))
+    with torch.no_grad():
+        out = attention(q, k, v, normalizer=normalizer, backend="triton")
+    ref = attention(q, k, v, normalizer=normalizer, backend="torch")
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+
+
+# ---- dispatch -----------------------------------------------------------------------------------------
+
+
+def _call(q, **kw) -> AttentionCall:
+    base = dict(normalizer="softmax", scale=0.5, mask=None, bias=None, return_weights=False, dropout_p=0.0)
+    base.update(kw)
+    return AttentionCall(q, q, q, **base)
+
+
+@interpreted
+def test_reasons_name_the_failed_condition(monkeypatch):
+    backend = TritonBackend()
+    q = torch.randn(1, 2, 5, 16)
+    assert backend.unsupported(_call(q), explicit=True) is None
+    assert "backend='auto' runs the Triton kernels on CUDA only" in backend.unsupported(_call(q))
+    assert "float64" in backend.unsupported(_call(q.double()), explicit=True)
+    assert "head dim" in backend.unsupported(_call(torch.randn(1, 1, 4, 160)), explicit=True)
+    assert "return_weights=True" in backend.unsupported(_call(q, return_weights=True), explicit=True)
+    assert "dropout_p" in backend.unsupported(_call(q, dropout_p=0.1), explicit=True)
+    assert "not softmax or entmax15" in backend.unsupported(_call(q, normalizer="sparsemax"), explicit=True)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert "not CUDA, and TRITON_INTERPRET is unset" in backend.unsupported(_call(q), explicit=True)
+    with pytest.raises(ValueError, match="backend='triton' cannot run this call: q is on cpu, not CUDA"):
+        attention(q, q, q, backend="triton")
+
+
+@interpreted
+def test_explicit_backend_errors_say_why():
+    q = torch.randn(1, 2, 5, 16)
+    with pytest.raises(ValueError, match=r"backend='triton' cannot run this call: return_weights=True"):
+        attention(q, q, q, backend="triton", return_weights=True)
+    with pytest.raises(ValueError, match="dtype torch.float64 is not one of"):
+        attention(q.double(), q.double(), q.double(), backend="triton")
+    with pytest.raises(ValueError, match=r"normalizer 1.3 is not softmax or entmax15"):
+        attention(q, q, q, backend="triton", normalizer=1.3)
+
+
+@interpreted
+def test_auto_uses_torch_on_cpu_even_when_interpreting():
+    q = torch.randn(1, 2, 5, 16)
+    with mock.patch.object(TritonBackend, "run", side_effect=AssertionError("auto chose triton on CPU")):
+        attention(q, q, q, backend="auto")
+        attention(q, q, q, backend="auto", normalizer="entmax15")
+    assert "backend='auto' runs the Triton kernels on CUDA only" in explain(_call(q))["triton"]
+    assert TritonBackend().unsupported(_call(q), explicit=True) is None  # by name, the interpreter runs it
+
+
+def test_package_imports_and_falls_back_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, vitattn\n"
+        "from vitattn.functional import attention, explain\n"
+        "from vitattn.functional.dispatch import AttentionCall\n"
+        "q = torch.randn(1, 2, 5, 8)\n"
+        "assert attention(q, q, q).shape == q.shape\n"
+        "r = explain(AttentionCall(q, q, q, 'softmax', 0.5, None, None, False, 0.0))['triton']\n"
+        "assert r == 'triton is not installed', r\n"
+        "assert 'vitattn.kernels.ops' not in sys.modules\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+
+
+def test_kernels_are_not_imported_until_used():
+    code = (
+        "import sys, torch, vitattn\n"
+        "from vitattn.functional import attention\n"
+        "q = torch.randn(1, 2, 5, 8)\n"
+        "attention(q, q, q)\n"
+        "loaded = [m for m in sys.modules if m.startswith('vitattn.kernels.')]\n"
+        "assert loaded == ['vitattn.kernels.backend'], loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

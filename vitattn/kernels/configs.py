@@ -1,0 +1,69 @@
+"""Block-size lists the kernels are autotuned over (all power-of-two tiles, >= 16 in every dim).
+
+Plain data, no triton import: :mod:`vitattn.kernels.ops` turns them into ``triton.Config`` objects and
+:mod:`vitattn.kernels.aot` compiles every one of them for sm_80 and sm_90 ahead of time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # query rows per tile
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+    max_head_dim: int = 128  # used only for padded head dims up to this (larger ones spill)
+    max_head_dim_masked: int | None = None  # the same with an additive / boolean mask tile to load
+
+    def head_dim_limit(self, masked: bool) -> int:
+        return self.max_head_dim_masked if masked and self.max_head_dim_masked else self.max_head_dim
+
+    def __str__(self) -> str:
+        return f"M{self.block_m}xN{self.block_n} w{self.num_warps} s{self.num_stages}"
+
+
+# Kernel name -> autotune list. Every entry fits sm_80's 163 KiB of shared memory at its largest head
+# dim and compiles without register spills on sm_90 there (checked by ``python -m vitattn.kernels.aot``;
+# some spill a little on sm_80 at head dim 128, see docs/kernels.md).
+AUTOTUNE: dict[str, tuple[TileConfig, ...]] = {
+    "fwd_softmax": (
+        TileConfig(128, 64, 8, 3, max_head_dim_masked=64),
+        TileConfig(128, 32, 8, 3),
+        TileConfig(64, 64, 4, 3, max_head_dim_masked=64),
+        TileConfig(64, 32, 4, 2),
+    ),
+    "fwd_entmax15": (
+        TileConfig(128, 32, 8, 2, max_head_dim_masked=64),
+        TileConfig(64, 32, 8, 2),
+        TileConfig(64, 64, 8, 3),
+        TileConfig(128, 64, 8, 3, max_head_dim=64),
+    ),
+    "bwd_dkdv": (
+        TileConfig(32, 64, 8, 2),
+        TileConfig(64, 32, 8, 2),
+        TileConfig(32, 64, 8, 3),
+        TileConfig(32, 128, 8, 2, max_head_dim=64),
+    ),
+    "bwd_dq": (
+        TileConfig(128, 32, 8, 2),
+        TileConfig(64, 32, 8, 2),
+        TileConfig(128, 32, 8, 3, max_head_dim=64),
+        TileConfig(64, 32, 4, 2, max_head_dim=64),
+    ),
+}
+
+
+def autotune_list(kernel: str, block_d: int, masked: bool) -> tuple[TileConfig, ...]:
+    """The configs of ``kernel`` usable at padded head dim ``block_d`` (with a mask tile if ``masked``)."""
+    return tuple(c for c in AUTOTUNE[kernel] if block_d <= c.head_dim_limit(masked))
+
+
+# The row-term kernel of the backward needs no tuning.
+DELTA_ROWS = 64
+
+# Under TRITON_INTERPRET=1 (CPU, numpy) small tiles keep the tests fast and every edge ragged.
+INTERPRET = TileConfig(32, 32, 4, 1)
+INTERPRET_DELTA_ROWS = 16
