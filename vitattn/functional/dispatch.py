@@ -3,10 +3,11 @@
 Each backend states what it supports through :meth:`AttentionBackend.unsupported`, which returns
 ``None`` when it can run a call and otherwise a short reason. ``explicit`` tells it whether the user
 named it (``backend="triton"``) or ``"auto"`` is asking: a backend may accept a call only when
-named (the Triton interpreter on CPU tensors, a debugging aid, is never picked by ``"auto"``). ``backend="auto"`` takes the first
-backend in preference order that supports the call; an explicit backend that cannot run a call
-raises a ``ValueError`` carrying its reason. The pure-PyTorch backend supports everything and is
-the reference every other backend is tested against.
+named (the Triton interpreter on CPU tensors, a debugging aid, is never picked by ``"auto"``).
+
+``backend="auto"`` takes the first backend in preference order that supports the call; an explicit
+backend that cannot run a call raises a ``ValueError`` carrying its reason. The pure-PyTorch backend
+supports everything and is the reference every other backend is tested against.
 """
 
 from __future__ import annotations
