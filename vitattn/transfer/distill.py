@@ -1,0 +1,103 @@
+"""AttentionDistill: the student learns to match a frozen teacher's attention scores (Li et al. 2024)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .base import AttentionTransfer, TransferOutput, check_tokens
+from .intercept import layer_scores, override_attention, plain_rule
+from .loss import CHUNK_ELEMENTS, attention_distill_loss
+
+__all__ = ["AttentionDistill", "DEFAULT_SKIP_LAST"]
+
+DEFAULT_SKIP_LAST = 6  # the released recipe distills all blocks but the last 6
+
+
+def _default_layers(depth: int) -> range:
+    return range(depth - DEFAULT_SKIP_LAST) if depth > DEFAULT_SKIP_LAST else range(depth)
+
+
+class AttentionDistill(AttentionTransfer):
+    """Student ViT trained with an attention-distillation loss against a frozen teacher.
+
+    While training, ``forward(x)`` runs the teacher (no grad, up to its last chosen block) and the
+    student on ``x`` and returns ``TransferOutput(logits, attn_loss)`` with::
+
+        attn_loss = weight · Σ_layers mean over (batch, heads, queries) of
+                    −Σ_j softmax(T)_ij · log_softmax(S)_ij
+
+    where ``S`` and ``T`` are the student's and teacher's scores ``q kᵀ · scale + bias`` (q, k after
+    ``q_norm`` / ``k_norm``; the bias is the layer's own, i.e. GAug's Gaussian bias for a LocAt
+    layer and none for plain layers). Add ``attn_loss`` to the task loss. In eval mode only the
+    student runs and ``attn_loss`` is ``None``.
+
+    Args:
+        teacher: a trained timm ViT or vitattn model; frozen by this wrapper.
+        student: a model of the same depth, heads per block and token count (head dim may differ).
+        layers: block indices, or a negative int ``-n`` for all blocks but the last ``n``; by
+            default all blocks but the last 6 (all blocks when depth <= 6).
+        weight: factor on the summed per-layer losses (3.0 in the released recipe).
+        recompute: compute each layer's loss without keeping its N x N maps for backward (default);
+            ``False`` keeps them (plain autograd), for reference.
+        chunk_elements: with ``recompute``, score elements rebuilt at once in backward.
+    """
+
+    def __init__(
+        self,
+        teacher: nn.Module,
+        student: nn.Module,
+        layers: int | Iterable[int] | None = None,
+        weight: float = 3.0,
+        *,
+        recompute: bool = True,
+        chunk_elements: int = CHUNK_ELEMENTS,
+    ) -> None:
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, (int, float))
+            or not math.isfinite(weight)
+            or weight < 0
+        ):
+            raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
+        if isinstance(chunk_elements, bool) or not isinstance(chunk_elements, int) or chunk_elements < 1:
+            raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
+        super().__init__(teacher, student, layers, default=_default_layers)
+        self.weight = float(weight)
+        self.recompute = bool(recompute)
+        self.chunk_elements = int(chunk_elements)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, weight={self.weight}, recompute={self.recompute}"
+
+    def forward(self, x: torch.Tensor) -> TransferOutput:
+        """``x: (B, C, H, W)`` -> ``TransferOutput(logits (B, num_classes), attn_loss (0-d) or None)``."""
+        if not self.training:
+            return TransferOutput(self.student(x), None)
+        self.check_student()
+        teacher = self.teacher_layers(x)
+        losses: list[torch.Tensor] = []
+
+        def rule(i: int, attn: nn.Module, q: Any, k: Any, v: torch.Tensor) -> torch.Tensor:
+            scores = layer_scores(attn, q, k)
+            target = teacher.pop(i).scores
+            check_tokens(i, q, target)
+            losses.append(
+                attention_distill_loss(
+                    scores, target, recompute=self.recompute, chunk_elements=self.chunk_elements
+                )
+            )
+            return plain_rule(attn, scores, v)
+
+        with override_attention(self.student, self.layers, rule, name="student"):
+            logits = self.student(x)
+        if len(losses) != len(self.layers):
+            raise RuntimeError(
+                f"the student ran {len(losses)} of its {len(self.layers)} distilled attention layers "
+                "in one forward"
+            )
+        return TransferOutput(logits, torch.stack(losses).sum() * self.weight)
