@@ -47,6 +47,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if unknown:
         print(f"vitattn bench: unknown suite(s) {unknown}; known: {sorted(known)}", file=sys.stderr)
         return 2
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     run_suites(names, quick=args.quick, json_path=args.json)
     return 0
 
@@ -76,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     bench.add_argument("--list", action="store_true", help="list the suites and exit")
+    bench.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     bench.set_defaults(func=cmd_bench)
 
     an = sub.add_parser("analyze", help="attention locality (MAD, entropy per head): table, JSON, plots")
