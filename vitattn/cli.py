@@ -66,6 +66,13 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_study(args: argparse.Namespace) -> int:
+    """The training-protocol locality study: train, test, measure MAD / entropy; table, JSON, CSV, plots."""
+    from .study.command import run_command
+
+    return run_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vitattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--seed", type=int, default=0, help="seed of the random init (default 0)")
     an.add_argument("--no-progress", action="store_true", help="no progress bar")
     an.set_defaults(func=cmd_analyze)
+
+    from .study.command import add_arguments as add_study_arguments
+
+    st = sub.add_parser("study", help="training-protocol locality study (default: quick, on built-in digits)")
+    add_study_arguments(st)
+    st.set_defaults(func=cmd_study)
     return parser
 
 

@@ -1,0 +1,379 @@
+"""`vitattn study`: end to end on a tiny configuration, the results schema, resumption, protocols,
+missing-dataset errors, and torchrun with two CPU ranks.
+
+The tiny study: 2 blocks of width 32 with 4 heads, the first 64 training and 32 test digits,
+batches of 32, 1–2 epochs. Resumption is checked bit for bit against an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vitattn.cli import main
+from vitattn.study import (
+    ABLATION,
+    DATASETS,
+    PROTOCOLS,
+    StudyConfig,
+    make_config,
+    resolve_protocols,
+    validate_results,
+)
+from vitattn.study.checkpoint import load_state, save_state
+from vitattn.study.distributed import DistEnv
+from vitattn.study.protocols import build_criterion, build_cutmix, build_train_transform
+from vitattn.study.results import summary_rows, summary_table
+from vitattn.study.train import WarmupCosine
+
+TINY = [
+    "--depth", "2", "--dim", "32", "--heads", "4", "--epochs", "1", "--batch-size", "32",
+    "--limit-train", "64", "--limit-test", "32", "--analysis-images", "16", "--no-progress",
+]  # fmt: skip
+
+
+def study(out: Path, *extra: str) -> int:
+    return main(["study", *TINY, "--out", str(out), *extra])
+
+
+@pytest.fixture(scope="module")
+def quick_tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The default protocols (baseline, modern) on the tiny model, through the CLI; (out, stdout)."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("study") / "quick"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert study(out) == 0
+    return out, buf.getvalue()
+
+
+# --- end to end -------------------------------------------------------------------------------
+
+
+def test_cli_end_to_end_writes_every_output(quick_tiny: tuple[Path, str]) -> None:
+    out, stdout = quick_tiny
+    data = json.loads((out / "results.json").read_text())
+    assert data["status"] == "complete"
+    assert [r["protocol"] for r in data["runs"]] == ["baseline", "modern"]
+    for name in (
+        "results.csv",
+        "summary.md",
+        "locality_plane.png",
+        "mad_per_layer.png",
+        "min_mad_vs_acc.png",
+    ):
+        assert (out / name).is_file(), name
+    for run in data["runs"]:
+        folder = out / "checkpoints" / run["name"]
+        weights = load_file(str(out / run["checkpoint"]))
+        assert "blocks.0.attn.qkv.weight" in weights and weights["head.weight"].shape == (10, 32)
+        assert not (folder / "state.json").exists(), (
+            "a finished run keeps its weights, not its training state"
+        )
+    csv_lines = (out / "results.csv").read_text().splitlines()
+    assert len(csv_lines) == 3 and csv_lines[0].startswith("name,protocol,autoaugment,cutmix,label_smoothing")
+    assert "| protocol | AA | CM | LS |" in stdout and "min MAD (block 0)" in stdout
+    assert (out / "summary.md").read_text().strip() == summary_table(data["runs"])
+
+
+def test_results_schema(quick_tiny: tuple[Path, str]) -> None:
+    out, _ = quick_tiny
+    data = json.loads((out / "results.json").read_text())
+    validate_results(data)
+    cfg = data["config"]
+    assert cfg["depth"] == 2 and cfg["dim"] == 32 and cfg["grid_size"] == [8, 8] and cfg["first_layers"] == 1
+    for run in data["runs"]:
+        assert set(run["components"]) == {"autoaugment", "cutmix", "label_smoothing"}
+        assert run["components"] == PROTOCOLS[run["protocol"]].components()
+        assert run["attention"] == "softmax" and isinstance(run["seed"], int)
+        assert isinstance(run["test_acc"], float) and 0.0 <= run["test_acc"] <= 1.0
+        assert [layer["layer"] for layer in run["layers"]] == [0, 1]
+        for layer in run["layers"]:
+            assert len(layer["mad"]) == len(layer["entropy"]) == 4  # one value per head
+            assert all(0.0 <= v <= 1.0 for v in layer["mad"] + layer["entropy"])
+        assert run["min_mad_first"] == min(run["layers"][0]["mad"])
+        assert run["mean_entropy"] == pytest.approx([sum(x["entropy"]) / 4 for x in run["layers"]])
+        assert len(run["history"]) == 1 and run["world_size"] == 1
+
+
+@pytest.mark.parametrize(
+    "break_it, message",
+    [
+        (lambda d: d["runs"][0]["components"].pop("cutmix"), "components"),
+        (lambda d: d["runs"][0].__setitem__("test_acc", 93.5), "test_acc"),
+        (lambda d: d["runs"][0]["layers"][0]["mad"].__setitem__(0, 3.2), "[0, 1]"),
+        (lambda d: d["runs"][0]["layers"][1]["entropy"].pop(), "equal-length"),
+        (lambda d: d["runs"][0].__setitem__("seed", "0"), "seed"),
+        (lambda d: d.pop("config"), "config"),
+    ],
+)
+def test_schema_violations_are_named(quick_tiny: tuple[Path, str], break_it, message: str) -> None:
+    data = json.loads((quick_tiny[0] / "results.json").read_text())
+    broken = copy.deepcopy(data)
+    break_it(broken)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        validate_results(broken)
+
+
+def test_complete_study_is_reported_not_rerun(quick_tiny: tuple[Path, str], capsys) -> None:
+    out, _ = quick_tiny
+    before = (out / "results.json").read_text()
+    assert study(out) == 0
+    assert "already holds this complete study" in capsys.readouterr().out
+    assert (out / "results.json").read_text() == before
+
+
+def test_other_config_in_same_folder_is_refused_unless_overwritten(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "s"
+    assert study(out, "--protocol", "ls") == 0
+    assert study(out, "--protocol", "ls", "--epochs", "3") == 2
+    err = capsys.readouterr().err
+    assert "another configuration" in err and "epochs: 1 -> 3" in err and "--overwrite" in err
+    assert study(out, "--protocol", "cm", "--overwrite") == 0
+    data = json.loads((out / "results.json").read_text())
+    assert [r["protocol"] for r in data["runs"]] == ["cm"] and not (
+        out / "checkpoints/ls-softmax-s0"
+    ).exists()
+
+
+# --- resumption -------------------------------------------------------------------------------
+
+
+def test_interrupted_run_resumes_and_matches_an_uninterrupted_one(tmp_path: Path, capsys) -> None:
+    args = ("--protocol", "modern", "--epochs", "2")
+    assert study(tmp_path / "straight", *args) == 0
+
+    out = tmp_path / "interrupted"
+    assert study(out, *args, "--stop-after-epochs", "1") == 0
+    assert "stopped after epoch 1" in capsys.readouterr().out
+    partial = json.loads((out / "results.json").read_text())
+    assert partial["status"] == "running" and partial["runs"] == []
+    state = json.loads((out / "checkpoints/modern-softmax-s0/state.json").read_text())
+    assert state["epoch"] == 1 and len(state["history"]) == 1
+
+    assert study(out, *args) == 0  # the same command again: picks the run up at epoch 2
+    assert "resumed from epoch 1" in capsys.readouterr().out
+    a = json.loads((tmp_path / "straight/results.json").read_text())["runs"][0]
+    b = json.loads((out / "results.json").read_text())["runs"][0]
+    assert b["resumed_from_epoch"] == 1 and a["resumed_from_epoch"] == 0
+    assert [h["epoch"] for h in b["history"]] == [1, 2]
+    assert b["history"][0] == state["history"][0]
+    for key in ("test_acc", "layers"):
+        assert a[key] == b[key], key
+    assert [h["train_loss"] for h in a["history"]] == [h["train_loss"] for h in b["history"]]
+    wa = load_file(str(tmp_path / "straight" / a["checkpoint"]))
+    wb = load_file(str(out / b["checkpoint"]))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_resume_flag_reads_the_stored_config(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "s"
+    assert study(out, "--protocol", "baseline", "--epochs", "2", "--stop-after-epochs", "1") == 0
+    capsys.readouterr()
+    assert main(["study", "--resume", "--out", str(out), "--no-progress"]) == 0  # no model options needed
+    text = capsys.readouterr().out
+    assert "resumed from epoch 1" in text and "depth 2, dim 32" in text
+    assert main(["study", "--resume", "--out", str(tmp_path / "nothing")]) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+
+
+def test_state_round_trip_restores_optimizer_scheduler_and_rng(tmp_path: Path) -> None:
+    def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(2, 10))
+
+    model, opt, sched = fresh()
+    for _ in range(3):
+        model(torch.randn(5, 4)).square().mean().backward()
+        opt.step()
+        sched.step()
+    save_state(tmp_path, DistEnv(), 3, model, opt, sched, [{"epoch": 3}])
+    expected = torch.rand(3)
+    assert not list(tmp_path.glob("*.pkl")) and {p.suffix for p in tmp_path.iterdir()} == {
+        ".json",
+        ".safetensors",
+    }
+
+    model2, opt2, sched2 = fresh()
+    state = load_state(tmp_path, DistEnv(), model2, opt2, sched2)
+    assert state is not None and state["epoch"] == 3 and state["history"] == [{"epoch": 3}]
+    assert torch.equal(torch.rand(3), expected)  # the torch RNG continues where it was saved
+    assert sched2.state_dict() == sched.state_dict()
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert all(torch.equal(opt.state[p][k], opt2.state[q][k]) for k in opt.state[p])
+
+
+# --- protocols --------------------------------------------------------------------------------
+
+
+def _ops(transform) -> list[str]:
+    return [type(t).__name__ for t in transform.transforms]
+
+
+@pytest.mark.parametrize("protocol", ABLATION, ids=lambda p: p.name)
+def test_each_protocol_switches_exactly_its_components(protocol) -> None:
+    digits = DATASETS["digits"]
+    ops = _ops(build_train_transform(protocol, digits))
+    assert ops[:3] == ["ToImage", "RandomCrop", "RandomHorizontalFlip"]  # the baseline, always
+    assert ("AutoAugment" in ops) == protocol.autoaugment
+    assert "ColorJitter" not in ops and "CutMix" not in ops
+    tiny_imagenet = _ops(build_train_transform(protocol, DATASETS["tinyimagenet"]))
+    assert ("ColorJitter" in tiny_imagenet) == protocol.autoaugment and "AutoAugment" not in tiny_imagenet
+    assert (build_cutmix(protocol, 10) is not None) == protocol.cutmix
+    assert build_criterion(protocol).label_smoothing == (0.1 if protocol.label_smoothing else 0.0)
+    assert _ops(build_train_transform(protocol, digits, hflip=False))[2] != "RandomHorizontalFlip"
+
+
+def test_protocol_names_and_ablation() -> None:
+    assert [p.name for p in ABLATION] == ["baseline", "aa", "cm", "ls", "aa+cm", "aa+ls", "cm+ls", "modern"]
+    assert len(set(ABLATION)) == 8
+    assert PROTOCOLS["modern"].components() == dict(autoaugment=True, cutmix=True, label_smoothing=True)
+    assert resolve_protocols(["cm+aa", "aa+cm+ls", "baseline", "modern"]) == [
+        PROTOCOLS["aa+cm"],
+        PROTOCOLS["modern"],
+        PROTOCOLS["baseline"],
+    ]
+    with pytest.raises(ValueError, match="unknown protocol 'mixup'"):
+        resolve_protocols(["mixup"])
+
+
+def test_cutmix_mixes_labels_and_augmented_digits_keep_shape() -> None:
+    protocol = PROTOCOLS["modern"]
+    tf = build_train_transform(protocol, DATASETS["digits"])
+    x = torch.stack([tf(torch.randint(0, 256, (1, 8, 8), dtype=torch.uint8)) for _ in range(8)])
+    assert x.shape == (8, 1, 8, 8) and x.dtype == torch.float32
+    mixed, soft = build_cutmix(protocol, 10)(x, torch.arange(8))
+    assert mixed.shape == x.shape and soft.shape == (8, 10)
+    assert torch.allclose(soft.sum(-1), torch.ones(8))
+
+
+# --- configuration and summary ----------------------------------------------------------------
+
+
+def test_presets_and_defaults() -> None:
+    quick, paper = make_config("quick"), make_config("paper")
+    assert quick.protocols == paper.protocols == ["baseline", "modern"]
+    assert (quick.depth, quick.dim, quick.heads, quick.mlp_ratio) == (8, 192, 8, 2.0)
+    assert quick.first_layers == 2 and paper.epochs == 200 and quick.epochs < 10
+    assert make_config("quick", epochs=7, depth=4).first_layers == 1
+    assert quick.batch_size == 32 and quick.pos_embed_std == 1.0 and quick.hflip is False  # digits
+    cifar = make_config("paper", dataset="cifar100")
+    assert cifar.batch_size == 128 and cifar.pos_embed_std == 0.02 and cifar.hflip is True
+    assert cifar.spec.grid_size == (8, 8) and make_config(dataset="tinyimagenet").spec.grid_size == (8, 8)
+    assert StudyConfig.from_dict(cifar.to_dict()) == cifar
+    assert make_config("quick", data_dir="elsewhere", threads=1).digest() == quick.digest()
+    assert make_config("quick", epochs=4).digest() != quick.digest()
+    with pytest.raises(ValueError, match="divisible"):
+        make_config(dim=30, heads=8)
+
+
+def test_study_model_has_the_papers_size() -> None:
+    from vitattn.study import build_model
+
+    model = build_model(make_config(), "softmax")
+    assert 2.3e6 < sum(p.numel() for p in model.parameters()) < 2.5e6
+    assert tuple(model.patch_embed.grid_size) == (8, 8) and model.num_prefix_tokens == 1
+    assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+    cifar = build_model(make_config(dataset="cifar10", depth=1), "locat")
+    assert (
+        tuple(cifar.patch_embed.grid_size) == (8, 8)
+        and type(cifar.blocks[0].attn).__name__ == "LocAtAttention"
+    )
+
+
+def test_summary_aggregates_seeds() -> None:
+    def run(protocol: str, seed: int, acc: float, mad: float) -> dict:
+        layers = [{"layer": 0, "mad": [mad, 0.3], "entropy": [0.5, 0.7]}]
+        return dict(
+            name=f"{protocol}-s{seed}", protocol=protocol, components=PROTOCOLS[protocol].components(),
+            attention="softmax", seed=seed, test_acc=acc, layers=layers, first_layers=[0],
+            min_mad_first=mad, mean_entropy=[0.6],
+        )  # fmt: skip
+
+    rows = summary_rows(
+        [run("baseline", 0, 0.9, 0.3), run("baseline", 1, 0.8, 0.2), run("modern", 0, 0.95, 0.01)]
+    )
+    assert [r["protocol"] for r in rows] == ["baseline", "modern"]
+    assert rows[0]["seeds"] == 2 and rows[0]["acc_mean"] == pytest.approx(85.0)
+    assert rows[0]["acc_std"] == pytest.approx(math.sqrt(50.0))
+    assert (rows[0]["min_mad_lo"], rows[0]["min_mad_hi"]) == (0.2, 0.3)
+    table = summary_table([run("baseline", 0, 0.9, 0.3), run("baseline", 1, 0.8, 0.2)])
+    assert "85.0 ± 7.1" in table and "0.250 [0.200–0.300]" in table and "| 0.60 |" in table
+
+
+# --- missing data -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dataset, expected",
+    [("cifar100", ["cifar-100-python", "--download"]), ("cifar10", ["cifar-10-batches-py", "--download"]),
+     ("tinyimagenet", ["tiny-imagenet-200", "train/<wnid>"])],
+)  # fmt: skip
+def test_missing_dataset_says_what_to_put_where(tmp_path: Path, capsys, dataset: str, expected) -> None:
+    code = main(["study", "--dataset", dataset, "--data-dir", str(tmp_path), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("vitattn study: ")
+    for text in [str(tmp_path), *expected]:
+        assert text in err, (text, err)
+
+
+# --- torchrun ---------------------------------------------------------------------------------
+
+
+def test_torchrun_two_cpu_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "ddp"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd = [*torchrun, "-m", "vitattn", "study", *TINY, "--protocol", "baseline", "--device", "cpu"]
+    cmd += ["--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    validate_results(data)
+    assert data["status"] == "complete" and data["runs"][0]["world_size"] == 2
+    assert proc.stdout.count("baseline-softmax-s0: test acc") == 1  # rank 0 alone prints
+    assert "DDP over 2 ranks" in proc.stdout
+
+
+def test_tinyimagenet_layout_end_to_end(tmp_path: Path) -> None:
+    """A fake Tiny-ImageNet (200 classes, 64 px, the unzipped val layout) trains through the CLI,
+    with ColorJitter in place of AutoAugment on the 3-channel path."""
+    from PIL import Image
+
+    root = tmp_path / "data" / "tiny-imagenet-200"
+    gen = torch.Generator().manual_seed(0)
+    wnids = [f"n{i:08d}" for i in range(200)]
+    for wnid in wnids:
+        (root / "train" / wnid / "images").mkdir(parents=True)
+        pixels = torch.randint(0, 256, (64, 64, 3), generator=gen, dtype=torch.uint8).numpy()
+        Image.fromarray(pixels).save(root / "train" / wnid / "images" / f"{wnid}_0.JPEG")
+    (root / "val" / "images").mkdir(parents=True)
+    lines = []
+    for i, wnid in enumerate(wnids[:8]):
+        pixels = torch.randint(0, 256, (64, 64, 3), generator=gen, dtype=torch.uint8).numpy()
+        Image.fromarray(pixels).save(root / "val" / "images" / f"val_{i}.JPEG")
+        lines.append(f"val_{i}.JPEG\t{wnid}\t0\t0\t63\t63")
+    (root / "val" / "val_annotations.txt").write_text("\n".join(lines) + "\n")
+
+    out = tmp_path / "out"
+    args = ["--dataset", "tinyimagenet", "--data-dir", str(tmp_path / "data"), "--workers", "0"]
+    assert study(out, *args, "--protocol", "aa") == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["config"]["autoaugment_op"] == "colorjitter" and data["config"]["patch_size"] == 8
+    run = data["runs"][0]
+    assert run["components"]["autoaugment"] and len(run["layers"][0]["mad"]) == 4
+    assert run["num_images"] == 8  # the annotated validation images

@@ -1,0 +1,175 @@
+"""Study configuration: presets, the model of the study, and what identifies a run for resuming."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from .datasets import DATASETS, DatasetSpec
+from .protocols import PROTOCOLS, Protocol, resolve_protocols
+
+__all__ = ["ATTENTIONS", "PRESETS", "RUNTIME_KEYS", "StudyConfig", "config_diff", "make_config"]
+
+ATTENTIONS = ("softmax", "entmax15", "locat")
+
+# schedule and protocol list of each preset; everything else comes from StudyConfig's defaults
+PRESETS: dict[str, dict[str, Any]] = {
+    "quick": dict(epochs=3, warmup_epochs=0.5, protocols=["baseline", "modern"]),
+    "paper": dict(epochs=200, warmup_epochs=10.0, protocols=["baseline", "modern"]),
+}
+
+# keys that do not change what is computed (where data lives, how it is shown, how many loader
+# workers or threads): they may differ between an interrupted run and its resumption
+RUNTIME_KEYS = ("data_dir", "download", "workers", "threads", "progress", "device")
+
+
+@dataclass
+class StudyConfig:
+    """Everything a study run depends on. Stored as ``results.json["config"]``.
+
+    The model is the study's compact ViT: ``depth`` 8, ``dim`` 192, ``heads`` 8, MLP ratio 2
+    (about 2.4 M parameters), dropout 0, a class token, on the dataset's 8×8 patch grid.
+    ``batch_size`` and ``pos_embed_std`` (the std of the position embedding at init) default to
+    the dataset's (:class:`DatasetSpec`): 32 and 1.0 on digits, 128 and timm's 0.02 elsewhere;
+    so does ``hflip``, the baseline's horizontal flip (off on digits, on elsewhere).
+    ``first_layers`` blocks from the input make up the "first layers" whose smallest head MAD
+    the summary reports (default: the first quarter of the blocks, at least 1: 2 of 8).
+    """
+
+    dataset: str = "digits"
+    preset: str = "quick"
+    protocols: list[str] = field(default_factory=lambda: ["baseline", "modern"])
+    attentions: list[str] = field(default_factory=lambda: ["softmax"])
+    prr: bool = False
+    seeds: list[int] = field(default_factory=lambda: [0])
+    # model
+    depth: int = 8
+    dim: int = 192
+    heads: int = 8
+    mlp_ratio: float = 2.0
+    # schedule: AdamW, linear warmup then cosine to 0, stepped per batch
+    pos_embed_std: float | None = None
+    epochs: int = 3
+    batch_size: int | None = None
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    warmup_epochs: float = 0.5
+    # protocol components
+    hflip: bool | None = None
+    cutmix_alpha: float = 1.0
+    label_smoothing: float = 0.1
+    # analysis
+    first_layers: int | None = None
+    analysis_images: int = 256
+    # data subsets (smoke tests): first N images of the split, None = all
+    limit_train: int | None = None
+    limit_test: int | None = None
+    # runtime (see RUNTIME_KEYS)
+    data_dir: str = "data"
+    download: bool = False
+    workers: int = 0
+    threads: int | None = None
+    progress: bool = True
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dataset not in DATASETS:
+            raise ValueError(f"unknown dataset {self.dataset!r}; known: {', '.join(DATASETS)}")
+        self.protocols = [p.name for p in resolve_protocols(self.protocols)]
+        bad = [a for a in self.attentions if a not in ATTENTIONS]
+        if bad or not self.attentions:
+            raise ValueError(f"attention must be among {', '.join(ATTENTIONS)}, got {self.attentions}")
+        self.attentions = list(dict.fromkeys(self.attentions))
+        if not self.seeds:
+            raise ValueError("give at least one seed")
+        self.seeds = [int(s) for s in dict.fromkeys(self.seeds)]
+        spec = DATASETS[self.dataset]
+        if self.batch_size is None:
+            self.batch_size = spec.batch_size
+        if self.pos_embed_std is None:
+            self.pos_embed_std = spec.pos_embed_std
+        if self.hflip is None:
+            self.hflip = spec.hflip
+        if self.first_layers is None:
+            self.first_layers = max(1, int(self.depth) // 4)
+        for name in ("depth", "dim", "heads", "epochs", "batch_size", "first_layers", "analysis_images"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dim % self.heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
+        if self.first_layers > self.depth:
+            raise ValueError(f"first_layers ({self.first_layers}) exceeds depth ({self.depth})")
+        if self.warmup_epochs < 0 or self.lr <= 0 or self.weight_decay < 0:
+            raise ValueError("warmup_epochs and weight_decay must be >= 0 and lr > 0")
+        for name in ("limit_train", "limit_test"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or None")
+
+    @property
+    def spec(self) -> DatasetSpec:
+        return DATASETS[self.dataset]
+
+    @property
+    def protocol_list(self) -> list[Protocol]:
+        return [PROTOCOLS[name] for name in self.protocols]
+
+    @property
+    def first_layer_indices(self) -> list[int]:
+        return list(range(int(self.first_layers or 1)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict, plus the derived ``img_size``, ``patch_size``, ``grid_size`` etc."""
+        d = asdict(self)
+        spec = self.spec
+        d.update(
+            img_size=spec.img_size,
+            patch_size=spec.patch_size,
+            grid_size=list(spec.grid_size),
+            in_chans=spec.channels,
+            num_classes=spec.num_classes,
+            autoaugment_op=spec.color_augment,
+        )
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StudyConfig:
+        """Inverse of :meth:`to_dict` (derived keys ignored)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def identity(self) -> dict[str, Any]:
+        """The keys that decide what a run computes (all but :data:`RUNTIME_KEYS`)."""
+        return {k: v for k, v in asdict(self).items() if k not in RUNTIME_KEYS}
+
+    def digest(self) -> str:
+        """8 hex digits of a hash of :meth:`identity` (names the default output folder)."""
+        text = json.dumps(self.identity(), sort_keys=True)
+        return hashlib.sha1(text.encode()).hexdigest()[:8]
+
+    def with_runtime(self, **kwargs: Any) -> StudyConfig:
+        """A copy with runtime keys replaced (only :data:`RUNTIME_KEYS` may change)."""
+        bad = set(kwargs) - set(RUNTIME_KEYS)
+        if bad:
+            raise ValueError(f"only runtime keys may change on resume, not {sorted(bad)}")
+        return replace(self, **kwargs)
+
+
+def make_config(preset: str = "quick", **overrides: Any) -> StudyConfig:
+    """A :class:`StudyConfig` from a preset (``quick`` or ``paper``) and explicit overrides.
+
+    ``overrides`` with value None are ignored (so argparse defaults of None keep the preset's).
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    values: dict[str, Any] = dict(PRESETS[preset])
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return StudyConfig(preset=preset, **values)
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """``key: old -> new`` for every identity key that differs between two config dicts."""
+    keys = [k for k in sorted(set(old) | set(new)) if k not in RUNTIME_KEYS]
+    names = {f.name for f in fields(StudyConfig)}
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if k in names and old.get(k) != new.get(k)]

@@ -1,0 +1,48 @@
+"""The study's compact ViT, as a vitattn :class:`~vitattn.models.LocAtViT` with a chosen attention."""
+
+from __future__ import annotations
+
+import torch
+
+from ..models import LocAtViT
+from .config import StudyConfig
+
+__all__ = ["build_model", "model_kwargs"]
+
+
+def model_kwargs(config: StudyConfig, attention: str) -> dict[str, object]:
+    """Builder arguments of :class:`LocAtViT` (timm ``VisionTransformer`` ones plus ``gaug``, ``prr``,
+    ``normalizer``) for ``attention`` in ``softmax``, ``entmax15``, ``locat``."""
+    spec = config.spec
+    return dict(
+        img_size=spec.img_size,
+        patch_size=spec.patch_size,
+        in_chans=spec.channels,
+        num_classes=spec.num_classes,
+        embed_dim=config.dim,
+        depth=config.depth,
+        num_heads=config.heads,
+        mlp_ratio=config.mlp_ratio,
+        drop_rate=0.0,
+        attn_drop_rate=0.0,
+        drop_path_rate=0.0,
+        gaug=attention == "locat",
+        prr=config.prr,
+        normalizer="entmax15" if attention == "entmax15" else "softmax",
+    )
+
+
+def build_model(config: StudyConfig, attention: str) -> LocAtViT:
+    """The study model: input ``(B, C, img, img)`` -> logits ``(B, num_classes)``; 8×8 patches + class token.
+
+    ``softmax`` keeps timm's fused attention (the same math as :class:`vitattn.layers.Attention`),
+    ``entmax15`` uses :class:`vitattn.layers.EntmaxAttention`-style blocks, ``locat`` GAug attention.
+    The position embedding is redrawn with std ``config.pos_embed_std`` when that differs from
+    timm's 0.02 (digits). Initialise under a seeded RNG for reproducible weights.
+    """
+    model = LocAtViT(**model_kwargs(config, attention))  # type: ignore[arg-type]
+    std = config.pos_embed_std
+    if std is not None and std != 0.02 and model.pos_embed is not None:
+        with torch.no_grad():
+            model.pos_embed.normal_(0.0, float(std))
+    return model

@@ -1,0 +1,187 @@
+"""Run a whole study into an output folder, resuming whatever an earlier call left unfinished.
+
+Folder layout::
+
+    OUT/results.json                 config + finished runs (schema: vitattn.study.results)
+    OUT/results.csv                  one row per run
+    OUT/summary.md                   the summary table
+    OUT/locality_plane.png, mad_per_layer.png, min_mad_vs_acc.png
+    OUT/checkpoints/<run>/model.safetensors        weights of a finished run
+    OUT/checkpoints/<run>/state.json + state-eNNNN.safetensors   training state of an unfinished run
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import StudyConfig, config_diff
+from .distributed import DistEnv, barrier, init_distributed, shutdown_distributed
+from .results import load_results, run_record, summary_table, write_csv, write_results
+from .train import RunSpec, train_run
+
+__all__ = ["StudyConfigMismatch", "StudyOutcome", "default_out_dir", "run_specs", "run_study"]
+
+
+class StudyConfigMismatch(ValueError):
+    """The output folder holds a study with another configuration."""
+
+
+@dataclass
+class StudyOutcome:
+    """``status``: ``complete`` or ``interrupted``; ``data``: the results.json content; ``out``: folder."""
+
+    status: str
+    data: dict[str, Any]
+    out: Path
+    table: str
+
+
+def default_out_dir(config: StudyConfig) -> Path:
+    """``runs/study-<dataset>-<preset>-<hash of the config>``: the same command reuses (and resumes)
+    the same folder, another configuration gets another."""
+    return Path("runs") / f"study-{config.dataset}-{config.preset}-{config.digest()}"
+
+
+def run_specs(config: StudyConfig) -> list[RunSpec]:
+    """Every run of the study, seed by seed (a partial study covers all protocols for the first seeds)."""
+    return [
+        RunSpec(protocol, attention, seed, config.prr)
+        for seed in config.seeds
+        for attention in config.attentions
+        for protocol in config.protocol_list
+    ]
+
+
+def _describe(config: StudyConfig, n_runs: int, env: DistEnv) -> str:
+    from .model import build_model
+
+    spec = config.spec
+    grid = spec.grid_size
+    params = sum(p.numel() for p in build_model(config, config.attentions[0]).parameters())
+    ddp = f", DDP over {env.world_size} ranks" if env.distributed else ""
+    return (
+        f"vitattn study: {config.dataset} ({spec.img_size} px, patch {spec.patch_size}, "
+        f"{grid[0]}x{grid[1]} grid), preset {config.preset}: {len(config.protocols)} protocol(s) x "
+        f"{len(config.attentions)} attention(s) x {len(config.seeds)} seed(s) = {n_runs} runs of "
+        f"{config.epochs} epoch(s); ViT depth {config.depth}, dim {config.dim}, {config.heads} heads "
+        f"({params / 1e6:.2f} M parameters with {config.attentions[0]} attention); "
+        f"device {env.device}{ddp}"
+    )
+
+
+def _clear(out: Path) -> None:
+    for name in ("results.json", "results.csv", "summary.md"):
+        (out / name).unlink(missing_ok=True)
+    for png in out.glob("*.png"):
+        png.unlink()
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+
+
+def run_study(
+    config: StudyConfig,
+    out: str | Path | None = None,
+    *,
+    overwrite: bool = False,
+    stop_after_epochs: int | None = None,
+    log: Callable[[str], None] = print,
+) -> StudyOutcome:
+    """Run (or resume, or finish) the study described by ``config`` into ``out``.
+
+    When ``out`` holds an unfinished study of the same configuration (runtime keys such as
+    ``data_dir`` or ``threads`` may differ), finished runs are kept and the interrupted run
+    continues from its last epoch checkpoint. A finished study is reported, not rerun.
+
+    Args:
+        out: output folder (default :func:`default_out_dir`).
+        overwrite: delete an earlier study in ``out`` first.
+        stop_after_epochs: stop the current run after this many epochs, leaving it resumable (for
+            tests of resumption).
+        log: where progress lines go (rank 0 only).
+
+    Raises:
+        StudyConfigMismatch: ``out`` holds a study with another configuration.
+        DatasetMissingError: the dataset is not under ``config.data_dir``.
+    """
+    env = init_distributed(config.device)
+    if config.threads:
+        torch.set_num_threads(int(config.threads))
+    say: Callable[[str], None] = log if env.is_main else (lambda _: None)
+    out = Path(out) if out is not None else default_out_dir(config)
+    results_path = out / "results.json"
+    try:
+        if overwrite and env.is_main:
+            _clear(out)
+        barrier(env)
+        cfg_dict = config.to_dict()
+        runs: list[dict[str, Any]] = []
+        if results_path.is_file():
+            old = load_results(results_path)
+            diff = config_diff(old["config"], cfg_dict)
+            if diff:
+                raise StudyConfigMismatch(
+                    f"{str(out)!r} holds a study with another configuration ({'; '.join(diff)}); "
+                    "choose another --out, pass --overwrite, or --resume to continue that study"
+                )
+            runs = old["runs"]
+            if old.get("status") == "complete":
+                table = summary_table(runs)
+                say(f"vitattn study: {str(out)!r} already holds this complete study\n{table}")
+                return StudyOutcome("complete", old, out, table)
+            say(f"vitattn study: resuming the study in {str(out)!r} ({len(runs)} run(s) already finished)")
+        specs = run_specs(config)
+        say(_describe(config, len(specs), env))
+        say(f"output: {out}")
+        if env.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            write_results(results_path, cfg_dict, runs, "running")
+        done = {r["name"] for r in runs}
+        t0 = time.perf_counter()
+        for k, spec in enumerate(specs):
+            if spec.name in done:
+                continue
+            say(f"[{k + 1}/{len(specs)}] {spec.name}")
+            folder = out / "checkpoints" / spec.name
+            result = train_run(config, spec, folder, env, stop_after_epochs=stop_after_epochs, log=say)
+            if result is None:
+                say(f"stopped after epoch {stop_after_epochs}; run the same command again to resume")
+                data = load_results(results_path) if env.is_main else {"config": cfg_dict, "runs": runs}
+                return StudyOutcome("interrupted", data, out, summary_table(runs))
+            if env.is_main:
+                record = run_record(result, config.first_layer_indices, config.epochs, out)
+                runs.append(record)
+                write_results(results_path, cfg_dict, runs, "running")
+                write_csv(out / "results.csv", runs)
+                for stale in [folder / "state.json", *folder.glob("state-e*.safetensors")]:
+                    stale.unlink(missing_ok=True)
+                say(
+                    f"  {spec.name}: test acc {100 * record['test_acc']:.2f} %, min MAD (blocks 0-"
+                    f"{len(record['first_layers']) - 1}) {record['min_mad_first']:.4f}, "
+                    f"{record['seconds']:.0f} s"
+                )
+            barrier(env)
+        table = summary_table(runs)
+        data = {"config": cfg_dict, "runs": runs}
+        if env.is_main:
+            write_results(results_path, cfg_dict, runs, "complete")
+            write_csv(out / "results.csv", runs)
+            (out / "summary.md").write_text(table + "\n")
+            from .plots import write_plots
+
+            write_plots(out, load_results(results_path))
+            say(f"\n{table}\n")
+            say(
+                f"MAD: mean attention distance / grid diagonal; min over the heads of blocks "
+                f"0..{config.first_layers - 1}; entropy: mean over heads / log(patches). "
+                f"{time.perf_counter() - t0:.0f} s. Results, CSV, plots and checkpoints in {out}"
+            )
+            data = load_results(results_path)
+        return StudyOutcome("complete", data, out, table)
+    finally:
+        shutdown_distributed(env)

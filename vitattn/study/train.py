@@ -1,0 +1,252 @@
+"""One run of the study: train the ViT under a protocol, test it, measure its attention locality."""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Subset
+
+from ..analysis import LocalityReport, locality_report
+from .checkpoint import load_state, save_model, save_state
+from .config import StudyConfig
+from .datasets import load_datasets
+from .distributed import DistEnv, all_reduce_sum, barrier
+from .model import build_model
+from .protocols import Protocol, build_criterion, build_cutmix, build_test_transform, build_train_transform
+
+__all__ = ["RunResult", "RunSpec", "WarmupCosine", "evaluate", "train_run"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One cell of the study: protocol × attention × seed. ``name`` names its checkpoint folder."""
+
+    protocol: Protocol
+    attention: str
+    seed: int
+    prr: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.protocol.name}-{self.attention}{'-prr' if self.prr else ''}-s{self.seed}"
+
+
+@dataclass
+class RunResult:
+    """What a finished run reports (see :func:`vitattn.study.results.run_record`)."""
+
+    spec: RunSpec
+    test_acc: float
+    report: LocalityReport
+    history: list[dict[str, Any]]
+    seconds: float
+    resumed_from_epoch: int
+    checkpoint: Path
+    world_size: int = 1
+
+
+class WarmupCosine:
+    """LR factor per optimizer step: linear warmup from 0 over ``warmup`` steps, then cosine to 0
+    at ``total`` steps. A plain object, so ``LambdaLR.state_dict()`` stores its fields as JSON."""
+
+    def __init__(self, warmup: int, total: int) -> None:
+        self.warmup = int(warmup)
+        self.total = max(int(total), 1)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / (self.warmup + 1)
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # noqa: NPY002 - seeds the global state for third-party code
+    torch.manual_seed(seed)
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: weight matrices decay; biases, norms, position embedding and class token do not."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        matrix = p.ndim > 1 and "pos_embed" not in name and "token" not in name
+        (decay if matrix else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _subset(dataset: Dataset, limit: int | None) -> Dataset:
+    n = len(dataset)  # type: ignore[arg-type]
+    return dataset if limit is None or limit >= n else Subset(dataset, range(limit))
+
+
+def _loader(dataset: Dataset, config: StudyConfig, env: DistEnv, seed: int, epoch: int) -> DataLoader:
+    """Training batches for ``epoch``: the order depends only on (seed, epoch), so a resumed run
+    sees the batches it would have seen."""
+    per_rank = config.batch_size // env.world_size
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    if env.distributed:
+        sampler: Any = DistributedSampler(dataset, env.world_size, env.rank, shuffle=True, seed=seed)
+        sampler.set_epoch(epoch)
+    else:
+        sampler = RandomSampler(dataset, generator=generator)
+    return DataLoader(
+        dataset,
+        batch_size=per_rank,
+        sampler=sampler,
+        num_workers=config.workers,
+        drop_last=len(dataset) >= config.batch_size,  # type: ignore[arg-type]
+        generator=generator,
+        pin_memory=env.device.type == "cuda",
+    )
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset: Dataset, env: DistEnv, batch_size: int = 256) -> float:
+    """Top-1 accuracy in [0, 1] over the whole ``dataset`` (each rank takes every world_size-th image)."""
+    shard = Subset(dataset, range(env.rank, len(dataset), env.world_size))  # type: ignore[arg-type]
+    loader = DataLoader(shard, batch_size=batch_size, shuffle=False)
+    correct, total = 0, 0
+    was_training = model.training
+    model.eval()
+    for x, y in loader:
+        x, y = x.to(env.device), y.to(env.device)
+        correct += int((model(x).argmax(-1) == y).sum())
+        total += int(y.numel())
+    model.train(was_training)
+    correct_all, total_all = all_reduce_sum(env, [correct, total])
+    return correct_all / max(total_all, 1)
+
+
+def _analysis_batches(
+    dataset: Dataset, n: int, batch_size: int = 64
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first ``n`` test images, unaugmented, as ``(B, C, H, W)`` batches."""
+    loader = DataLoader(Subset(dataset, range(min(n, len(dataset)))), batch_size=batch_size)  # type: ignore[arg-type]
+    return list(loader)
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="batch", leave=False, disable=not enabled, file=sys.stderr)
+
+
+def train_run(
+    config: StudyConfig,
+    spec: RunSpec,
+    folder: Path,
+    env: DistEnv,
+    *,
+    stop_after_epochs: int | None = None,
+    log: Any = print,
+) -> RunResult | None:
+    """Train one run to ``config.epochs``, resuming from ``folder``'s state when it holds one.
+
+    Checkpoints the full training state after every epoch (see :mod:`.checkpoint`). Returns None
+    when ``stop_after_epochs`` stopped it early (an interruption on purpose, for tests); else the
+    test accuracy, the locality report of the first ``analysis_images`` test images, the per-epoch
+    history, and ``model.safetensors`` written in ``folder``.
+    """
+    start = time.perf_counter()
+    ds = config.spec
+    train_set, test_set = load_datasets(
+        config.dataset,
+        build_train_transform(spec.protocol, ds, hflip=bool(config.hflip)),
+        build_test_transform(ds),
+        config.data_dir,
+        config.download,
+    )
+    train_set, test_set = _subset(train_set, config.limit_train), _subset(test_set, config.limit_test)
+    if config.batch_size % env.world_size:
+        raise ValueError(f"batch_size {config.batch_size} is not divisible by the {env.world_size} ranks")
+
+    _seed_everything(spec.seed)  # same initial weights on every rank
+    model = build_model(config, spec.attention).to(env.device)
+    optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr)
+    steps_per_epoch = len(_loader(train_set, config, env, spec.seed, 0))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        WarmupCosine(round(config.warmup_epochs * steps_per_epoch), config.epochs * steps_per_epoch),
+    )
+    _seed_everything(spec.seed * 1000 + 7 + env.rank)  # augmentation streams differ per rank
+    state = load_state(folder, env, model, optimizer, scheduler)
+    first_epoch = state["epoch"] if state else 0
+    history: list[dict[str, Any]] = list(state["history"]) if state else []
+    if state:
+        log(f"  {spec.name}: resumed from epoch {first_epoch} (checkpoint in {folder})")
+
+    net: nn.Module = model
+    if env.distributed:
+        net = DistributedDataParallel(
+            model, device_ids=[env.device.index] if env.device.type == "cuda" else None
+        )
+    cutmix = build_cutmix(spec.protocol, ds.num_classes, config.cutmix_alpha)
+    criterion = build_criterion(spec.protocol, config.label_smoothing)
+    show = config.progress and env.is_main
+
+    for epoch in range(first_epoch, config.epochs):
+        t0 = time.perf_counter()
+        net.train()
+        loader = _loader(train_set, config, env, spec.seed, epoch)
+        loss_sum, count = 0.0, 0
+        bar = _progress(len(loader), f"{spec.name} epoch {epoch + 1}/{config.epochs}", show)
+        for x, y in loader:
+            x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+            if cutmix is not None:
+                x, y = cutmix(x, y)
+            loss = criterion(net(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            loss_sum += float(loss.detach()) * x.shape[0]
+            count += x.shape[0]
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+        bar.close()
+        loss_sum, count = all_reduce_sum(env, [loss_sum, count])
+        entry = dict(
+            epoch=epoch + 1,
+            train_loss=loss_sum / max(count, 1),
+            lr=float(scheduler.get_last_lr()[0]),
+            seconds=round(time.perf_counter() - t0, 2),
+        )
+        history.append(entry)
+        log(
+            f"  {spec.name}: epoch {epoch + 1}/{config.epochs}  train loss {entry['train_loss']:.4f}  "
+            f"({entry['seconds']:.1f} s)"
+        )
+        save_state(folder, env, epoch + 1, model, optimizer, scheduler, history)
+        if stop_after_epochs is not None and epoch + 1 >= stop_after_epochs and epoch + 1 < config.epochs:
+            barrier(env)
+            return None
+
+    test_acc = evaluate(model, test_set, env)
+    report = None
+    if env.is_main:
+        report = locality_report(
+            model, _analysis_batches(test_set, config.analysis_images), progress=False, name=spec.name
+        )
+        save_model(model, folder / "model.safetensors")
+    barrier(env)
+    return RunResult(
+        spec=spec,
+        test_acc=test_acc,
+        report=report,  # type: ignore[arg-type]  # None on ranks other than 0
+        history=history,
+        seconds=round(time.perf_counter() - start, 2),
+        resumed_from_epoch=first_epoch,
+        checkpoint=folder / "model.safetensors",
+        world_size=env.world_size,
+    )
