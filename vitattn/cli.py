@@ -1,4 +1,4 @@
-"""The ``vitattn`` command: ``analyze``, ``bench`` and ``info``."""
+"""The ``vitattn`` command: ``study``, ``analyze``, ``bench`` and ``info``."""
 
 from __future__ import annotations
 
