@@ -4,26 +4,7 @@ Usage: python benchmarks/bench_models.py [--quick] [--threads N] [--out benchmar
 Same as `vitattn bench models`; this script also saves the JSON next to the other results.
 """
 
-from __future__ import annotations
-
-import argparse
-
-import torch
-
-import vitattn.bench.models  # noqa: F401  (registers the "models" suite)
-from vitattn.bench import run_suites
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--out", default="benchmarks/results/models_cpu.json")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    run_suites(["models"], quick=args.quick, json_path=args.out)
-
+from vitattn.bench.harness import script_main
 
 if __name__ == "__main__":
-    main()
+    script_main("models", "benchmarks/results/models_cpu.json")

@@ -9,26 +9,7 @@ Usage: python benchmarks/bench_transfer_memory.py [--quick] [--threads N]
 Same as `vitattn bench transfer`; this script also saves the JSON next to the other results.
 """
 
-from __future__ import annotations
-
-import argparse
-
-import torch
-
-import vitattn.bench.transfer  # noqa: F401  (registers the "transfer" suite)
-from vitattn.bench import run_suites
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="224 px only, one timed step")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--out", default="benchmarks/results/transfer_memory_cpu.json")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    run_suites(["transfer"], quick=args.quick, json_path=args.out)
-
+from vitattn.bench.harness import script_main
 
 if __name__ == "__main__":
-    main()
+    script_main("transfer", "benchmarks/results/transfer_memory_cpu.json")

@@ -258,3 +258,15 @@ def test_torch_compile_matches_eager() -> None:
     with torch.no_grad():
         torch.testing.assert_close(got, model(x), atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got2, model(x2), atol=1e-4, rtol=1e-4)
+
+
+def test_block_indices_sorts_dedups_and_rejects_bad_input() -> None:
+    from vitattn.models.blocks import block_indices
+
+    assert block_indices([3, -1, 0, 3], depth=4) == (0, 3)
+    with pytest.raises(ValueError, match="layer index 4 is out of range for a model with 4 blocks"):
+        block_indices([4], depth=4)
+    with pytest.raises(TypeError, match=r"block indices \(ints\), got '1'"):
+        block_indices(["1"], depth=4)
+    with pytest.raises(ValueError, match="layers is empty"):
+        block_indices([], depth=4)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..functional import capture_attention_weights
+from ..models.blocks import block_indices
 
 __all__ = ["attention_maps", "evaluating", "record_attention", "resolve_layers", "timm_attention_probs"]
 
@@ -39,16 +40,7 @@ def resolve_layers(model: nn.Module, layers: int | Iterable[int] | None = None) 
     if layers is None:
         return list(range(depth))
     items = [layers] if isinstance(layers, int) else list(layers)
-    out = set()
-    for i in items:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise TypeError(f"layers must be block indices (ints), got {i!r} of type {type(i).__name__}")
-        if not -depth <= i < depth:
-            raise ValueError(f"layer index {i} is out of range for a model with {depth} blocks")
-        out.add(i % depth)
-    if not out:
-        raise ValueError("layers is empty: give block indices, or None for every block")
-    return sorted(out)
+    return list(block_indices(items, depth))
 
 
 def _timm_attention_cls() -> type[nn.Module] | None:

@@ -7,7 +7,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -151,3 +151,17 @@ def run_suites(
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
     return results
+
+
+def script_main(suite: str, default_json: str, argv: Sequence[str] | None = None) -> None:
+    """Entry point of a ``benchmarks/`` script: ``vitattn bench SUITE`` that also saves its JSON."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=f"vitattn bench {suite}, saving JSON results")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--out", default=default_json, help=f"JSON file (default {default_json})")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    run_suites([suite], quick=args.quick, json_path=args.out)

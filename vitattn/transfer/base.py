@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..functional.normalize import Normalizer
+from ..models.blocks import block_indices
 from .intercept import (
     blocks_of,
     layer_attention,
@@ -65,16 +66,7 @@ def select_layers(layers: int | Iterable[int] | None, depth: int, default: Itera
         raise TypeError(
             f"layers must be an iterable of block indices or a negative int, got {type(layers).__name__}"
         ) from None
-    out = set()
-    for i in items:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise TypeError(f"layers must hold block indices (ints), got {i!r} of type {type(i).__name__}")
-        if not -depth <= i < depth:
-            raise ValueError(f"layer index {i} is out of range for a model with {depth} blocks")
-        out.add(i % depth)
-    if not out:
-        raise ValueError("layers is empty: give block indices, a negative int -n, or None for the default")
-    return tuple(sorted(out))
+    return block_indices(items, depth)
 
 
 def _token_layout(model: nn.Module) -> tuple[int, str] | None:
