@@ -1,0 +1,58 @@
+"""The benchmark harness and the `vitattn` command's bench/info plumbing (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vitattn.bench.harness import Measurement, SuiteResult, compare, register_suite, run_suites
+from vitattn.cli import main
+
+
+def test_compare_runs_every_implementation_interleaved():
+    calls: list[str] = []
+    rows = compare(
+        "case", {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, warmup=1, repeat=3
+    )
+    assert [r.impl for r in rows] == ["a", "b"] and all(r.repeats == 3 and r.ms >= 0 for r in rows)
+    assert calls == ["a", "b"] + ["a", "b"] * 3  # warm-up, then rounds alternate
+
+
+def test_ratios_and_rendering_are_relative_to_the_reference_in_each_case():
+    rows = [
+        Measurement("x", "ref", 2.0, 2.0, 1),
+        Measurement("x", "other", 5.0, 4.0, 1),
+        Measurement("y", "ref", 1.0, 1.0, 1),
+        Measurement("y", "other", 3.0, 3.0, 1),
+    ]
+    result = SuiteResult("demo", "demo title", "ref", rows)
+    assert [result.ratio(r) for r in rows] == [1.0, 2.5, 1.0, 3.0]
+    text = result.render()
+    assert "demo title" in text and "2.50×" in text and "3.00×" in text
+    assert json.loads(json.dumps(result.to_dict()))["rows"][1]["ratio"] == 2.5
+
+
+def test_run_suites_writes_json_and_rejects_unknown_names(tmp_path, capsys, monkeypatch):
+    import vitattn.bench.harness as harness
+
+    monkeypatch.setattr(harness, "_SUITES", dict(harness._SUITES))  # the test suite does not outlive the test
+
+    @register_suite("_test_suite", "a suite for this test")
+    def _suite(quick: bool) -> SuiteResult:
+        return SuiteResult("_test_suite", "t", "ref", [Measurement("c", "ref", 1.0, 1.0, 1)])
+
+    out = tmp_path / "r.json"
+    run_suites(["_test_suite"], json_path=out)
+    assert json.loads(out.read_text())[0]["suite"] == "_test_suite"
+    with pytest.raises(ValueError, match="unknown benchmark suite 'nope'"):
+        run_suites(["nope"])
+    assert main(["bench", "nope"]) == 2
+    assert main(["bench", "--list"]) == 0
+    assert "entmax" in capsys.readouterr().out
+
+
+def test_info_prints_versions_and_backends(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "vitattn" in out and "backends" in out and "torch" in out
