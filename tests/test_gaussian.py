@@ -104,3 +104,23 @@ def test_errors_name_shapes():
         GaussianBias(s, a, (0, 12))
     with pytest.raises(ValueError, match="num_prefix_tokens must be >= 0"):
         GaussianBias(s, a, (3, 4), num_prefix_tokens=-1)
+
+
+@given(bias_cases(), st.data())
+def test_write_rows_is_a_row_slice_of_dense(case, data):
+    sigma, alpha, grid, prefix, initial = case
+    bias = GaussianBias(sigma, alpha, grid, num_prefix_tokens=prefix, initial_grid_size=initial)
+    n = bias.num_tokens
+    start = data.draw(st.integers(0, n - 1))
+    stop = data.draw(st.integers(start + 1, n))
+    out = torch.full((sigma.shape[0], sigma.shape[1], stop - start, n), float("nan"), dtype=torch.float64)
+    bias.write_rows(out, start)
+    torch.testing.assert_close(out, bias.dense()[:, :, start:stop], atol=0, rtol=0)
+
+
+def test_write_rows_rejects_a_block_that_does_not_fit():
+    bias = GaussianBias(torch.ones(1, 1, 4, 2), torch.ones(1, 1, 4, 1), (2, 2), 1)
+    with pytest.raises(ValueError, match=r"rows 3\.\.6 of a \(B, H, 5, 5\) bias do not fit out of shape"):
+        bias.write_rows(torch.empty(1, 1, 3, 5), 3)
+    with pytest.raises(ValueError, match=r"do not fit out of shape \(1, 1, 2, 4\)"):
+        bias.write_rows(torch.empty(1, 1, 2, 4), 0)

@@ -39,3 +39,17 @@ def test_errors():
         prr(torch.randn(2, 3), 1)
     with pytest.raises(ValueError, match=r"positive divisor of C, got 5 for x \(1, 4, 12\)"):
         prr(torch.randn(1, 4, 12), 5)
+
+
+@given(st.integers(1, 3), st.integers(1, 12), st.data())
+def test_rows_gives_the_first_rows(b, n, data):
+    x = torch.randn(b, n, 12, dtype=torch.float64)
+    rows = data.draw(st.integers(1, n))
+    torch.testing.assert_close(prr(x, 3, rows=rows), prr(x, 3)[:, :rows], atol=1e-12, rtol=0)
+
+
+def test_rows_errors():
+    with pytest.raises(ValueError, match=r"rows must be an int in \[1, N=4\] or None, got 5"):
+        prr(torch.randn(1, 4, 12), 3, rows=5)
+    with pytest.raises(ValueError, match=r"got 0"):
+        prr(torch.randn(1, 4, 12), 3, rows=0)

@@ -154,11 +154,48 @@ class GaussianBias:
         c = torch.exp((d_col[cols] / den[..., 1:2]).clamp_min_(_EXPONENT_FLOOR))  # (B, H, Np, gw)
         return r, c
 
-    def patch_bias(self) -> torch.Tensor:
-        """``(B, H, Np, Np)`` bias between patches only, in float32 (float64 stays)."""
+    def scaled_factors(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``alpha * R: (B, H, Np, gh)`` and ``C: (B, H, Np, gw)``, in ``dtype`` (default: the work dtype)."""
         r, c = self.axis_factors()
         ra = r * self.alpha.to(r.dtype)
+        if dtype is None:
+            return ra, c
+        return ra.to(dtype), c.to(dtype)
+
+    def patch_bias(self) -> torch.Tensor:
+        """``(B, H, Np, Np)`` bias between patches only, in float32 (float64 stays)."""
+        ra, c = self.scaled_factors()
         return (ra.unsqueeze(-1) * c.unsqueeze(-2)).flatten(-2)  # (B, H, Np, gh * gw)
+
+    def write_rows(
+        self, out: torch.Tensor, start: int, factors: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Write rows ``start .. start + out.shape[-2]`` of the dense bias into ``out: (B, H, rows, N)``.
+
+        ``factors`` are :meth:`scaled_factors` in ``out``'s dtype (computed when not given), so that
+        a caller writing many row blocks computes them once. Not differentiable; returns ``out``.
+        """
+        p = self.num_prefix_tokens
+        gh, gw = self.grid_size
+        rows = out.shape[-2]
+        stop = start + rows
+        if not 0 <= start <= stop <= self.num_tokens or out.shape[-1] != self.num_tokens:
+            raise ValueError(
+                f"write_rows: rows {start}..{stop} of a (B, H, {self.num_tokens}, {self.num_tokens}) bias do "
+                f"not fit out of shape {shape_str(out)}"
+            )
+        ra, c = self.scaled_factors(out.dtype) if factors is None else factors
+        first = max(start, p)  # first patch row of the block
+        if first < stop:
+            patch_rows = out[..., first - start :, p:].unflatten(-1, (gh, gw))
+            lo, hi = first - p, stop - p
+            torch.mul(ra[..., lo:hi, :, None], c[..., lo:hi, None, :], out=patch_rows)
+        # zeros after the product, which touches fresh pages in order (a column first is slow)
+        if first > start:
+            out[..., : first - start, :].zero_()
+        if p:
+            out[..., first - start :, :p].zero_()
+        return out
 
     def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``(B, H, N, N)`` additive bias with zero rows and columns for the prefix tokens."""
@@ -170,17 +207,8 @@ class GaussianBias:
                 s = torch.nn.functional.pad(s, (p, 0, p, 0))
             return s if dtype is None else s.to(dtype)
         # No autograd: write the outer product straight into the result, no temporaries.
-        r, c = self.axis_factors()
-        out_dtype = r.dtype if dtype is None else dtype
-        ra = (r * self.alpha.to(r.dtype)).to(out_dtype)
-        b, h, n_p, _ = r.shape
-        n = p + n_p
-        out = torch.empty(b, h, n, n, dtype=out_dtype, device=r.device)
-        gh, gw = self.grid_size
-        torch.mul(
-            ra.unsqueeze(-1), c.to(out_dtype).unsqueeze(-2), out=out[:, :, p:, p:].unflatten(-1, (gh, gw))
-        )
-        if p:  # after the product, which touches the fresh pages in order (a column first is slow)
-            out[:, :, :p].zero_()
-            out[:, :, p:, :p].zero_()
-        return out
+        factors = self.scaled_factors(dtype)
+        b, h, n_p, _ = factors[0].shape
+        n = self.num_tokens
+        out = torch.empty(b, h, n, n, dtype=factors[0].dtype, device=factors[0].device)
+        return self.write_rows(out, 0, factors)

@@ -1,7 +1,9 @@
 """The pure-PyTorch reference backend: every normalizer x mask x bias combination.
 
 Softmax without returned weights goes through ``scaled_dot_product_attention`` (which computes the
-same thing, fused); everything else materializes the ``(B, H, Nq, Nk)`` scores.
+same thing, fused), except CPU inference with a :class:`GaussianBias` and no mask, which goes
+through the row-blocked path of :mod:`.blocked` (no dense bias); everything else materializes the
+``(B, H, Nq, Nk)`` scores.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .blocked import gaussian_softmax_attention
 from .dispatch import AttentionCall, register_backend
 from .gaussian import GaussianBias
 from .normalize import normalize
@@ -46,6 +49,24 @@ def scores_of(call: AttentionCall) -> torch.Tensor:
     return scores if add is None else scores + add
 
 
+def _blocked_gaussian_applies(call: AttentionCall) -> bool:
+    """CPU, float32/64, Gaussian bias, no mask, no dropout, nothing that needs a gradient, eager mode.
+
+    Under ``torch.compile`` the dense-bias SDPA path is traced instead (no per-thread buffers in a graph).
+    """
+    if torch.compiler.is_compiling():
+        return False
+    bias = call.bias
+    if not isinstance(bias, GaussianBias) or call.mask is not None or call.dropout_p > 0.0:
+        return False
+    if call.q.device.type != "cpu" or call.q.dtype not in (torch.float32, torch.float64):
+        return False
+    if call.q.shape[2] != call.k.shape[2]:
+        return False
+    tensors = (call.q, call.k, call.v, bias.sigma, bias.alpha)
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 class TorchBackend:
     """Reference implementation; supports every call."""
 
@@ -56,6 +77,9 @@ class TorchBackend:
 
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         if call.normalizer == "softmax" and not call.return_weights:
+            if _blocked_gaussian_applies(call):
+                assert isinstance(call.bias, GaussianBias)
+                return gaussian_softmax_attention(call.q, call.k, call.v, call.scale, call.bias), None
             return self._sdpa(call), None
         scores = scores_of(call)
         probs = normalize(scores, call.normalizer, masked=call.mask is not None)

@@ -49,13 +49,17 @@ class PRR(nn.Module):
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_heads={self.num_heads}, pool={self.pool!r}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x: (B, N, C)`` -> ``(B, N, C)``, or ``(B, C)`` when pooling."""
+    def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """``x: (B, N, C)`` -> ``(B, N, C)``, or ``(B, C)`` when pooling.
+
+        ``rows=R`` refines only the first ``R`` tokens (all tokens stay keys): ``(B, R, C)``; for a
+        model that then pools the class token, ``rows=1`` gives the same result at ``1/N`` the cost.
+        """
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"PRR expects x of shape (B, N, {self.dim}), got {tuple(x.shape)}")
-        x = self.post_norm(prr(self.pre_norm(x), self.num_heads))
         if self.pool == "token":
-            return x[:, 0]
+            return self.post_norm(prr(self.pre_norm(x), self.num_heads, rows=1))[:, 0]
+        x = self.post_norm(prr(self.pre_norm(x), self.num_heads, rows=rows))
         if self.pool == "avg":
             return x.mean(1)
         return x

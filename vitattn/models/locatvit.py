@@ -69,9 +69,13 @@ class LocAtViT(VisionTransformer):
             attach_grid_sync(self)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """``x: (B, N, C)`` from ``forward_features`` -> PRR (if on) -> timm's pooling and head."""
+        """``x: (B, N, C)`` from ``forward_features`` -> PRR (if on) -> timm's pooling and head.
+
+        With class-token pooling only token 0 of PRR's output is used, so only that row is computed.
+        """
         if self.prr is not None:
-            x = self.prr(x)
+            token_pool = self.global_pool == "token" and getattr(self, "attn_pool", None) is None
+            x = self.prr(x, rows=1 if token_pool else None)
         return super().forward_head(x, pre_logits=pre_logits)
 
 

@@ -1,0 +1,106 @@
+"""The row-blocked Gaussian softmax path (CPU inference) against the plain formula and its dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import vitattn.functional.torch_backend as torch_backend
+from vitattn.functional import GaussianBias, attention
+from vitattn.functional.blocked import _scratch_buffer, block_rows_for, gaussian_softmax_attention
+
+from .reference_formulas import naive_gaug_bias, plain_attention
+
+
+@st.composite
+def blocked_cases(draw):
+    gh, gw = draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    prefix = draw(st.sampled_from([0, 1, 3]))
+    b, h, d = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.sampled_from([1, 5, 8]))
+    n = prefix + gh * gw
+    rows = draw(st.one_of(st.none(), st.integers(1, n + 2)))
+    broadcast = draw(st.sampled_from([None, "batch", "heads"]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    q, k, v = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64) for _ in range(3))
+    sb = 1 if broadcast == "batch" else b
+    sh = 1 if broadcast == "heads" else h
+    sigma = torch.exp(torch.randn(sb, sh, gh * gw, 2, generator=g, dtype=torch.float64) * 2)
+    alpha = torch.rand(sb, sh, gh * gw, 1, generator=g, dtype=torch.float64) * 4
+    return q, k, v, GaussianBias(sigma, alpha, (gh, gw), prefix), rows
+
+
+@given(blocked_cases())
+def test_matches_plain_formula(case):
+    q, k, v, bias, rows = case
+    dense = naive_gaug_bias(bias.sigma, bias.alpha, bias.grid_size, bias.num_prefix_tokens, bias.grid_size)
+    ref, _ = plain_attention(q, k, v, "softmax", scale=0.3, bias=dense)
+    got = gaussian_softmax_attention(q, k, v, 0.3, bias, block_rows=rows)
+    torch.testing.assert_close(got, ref, atol=1e-12, rtol=1e-10)
+
+
+def test_float32_close_to_float64_and_strided_inputs():
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 1 + 5 * 7, 3, 2, 16, generator=g).permute(2, 0, 3, 1, 4)  # strided like a layer
+    q, k, v = qkv.unbind(0)
+    bias = GaussianBias(torch.rand(2, 2, 35, 2) * 5 + 0.1, torch.rand(2, 2, 35, 1) * 3, (5, 7), 1)
+    got = gaussian_softmax_attention(q, k, v, 0.25, bias, block_rows=16)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    ref, _ = plain_attention(q64, k64, v64, "softmax", scale=0.25, bias=bias.dense().double())
+    assert got.dtype == torch.float32 and got.is_contiguous()
+    torch.testing.assert_close(got.double(), ref, atol=2e-6, rtol=1e-5)
+
+
+def test_block_rows_for():
+    assert block_rows_for(6, 785) == 128  # LocAtViT-Tiny, 448 px, batch 2
+    assert block_rows_for(48, 197) == 64  # LocAtViT-Tiny, 224 px, batch 16
+    assert block_rows_for(10_000, 10_000) == 16  # never below 16
+    with pytest.raises(ValueError, match="block_rows must be >= 1, got 0"):
+        q = torch.randn(1, 1, 4, 2)
+        bias = GaussianBias(torch.ones(1, 1, 4, 2), torch.ones(1, 1, 4, 1), 2)
+        gaussian_softmax_attention(q, q, q, 1.0, bias, 0)
+
+
+def test_scratch_is_reused_and_grows():
+    first = _scratch_buffer(1000, torch.float32, torch.device("cpu"))
+    again = _scratch_buffer(500, torch.float32, torch.device("cpu"))
+    assert again.data_ptr() == first.data_ptr() and again.numel() == 500
+    bigger = _scratch_buffer(10**6, torch.float32, torch.device("cpu"))
+    assert bigger.numel() == 10**6
+    assert _scratch_buffer(10, torch.float64, torch.device("cpu")).dtype == torch.float64
+
+
+def _case(requires_grad: bool = False):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 1 + 16, 8, generator=g, requires_grad=requires_grad) for _ in range(3))
+    sigma = (torch.rand(2, 3, 16, 2, generator=g) * 4 + 0.5).requires_grad_(requires_grad)
+    alpha = torch.rand(2, 3, 16, 1, generator=g).requires_grad_(requires_grad)
+    return q, k, v, GaussianBias(sigma, alpha, (4, 4), 1)
+
+
+def test_dispatch_uses_blocked_only_without_autograd(monkeypatch):
+    calls = []
+    original = torch_backend.gaussian_softmax_attention
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch_backend, "gaussian_softmax_attention", spy)
+    q, k, v, bias = _case()
+    with torch.no_grad():
+        fast = attention(q, k, v, bias=bias)
+    assert calls == [1]
+    ref, _ = plain_attention(q, k, v, "softmax", bias=bias.dense())
+    torch.testing.assert_close(fast.double(), ref.double(), atol=1e-6, rtol=1e-5)
+    q, k, v, bias = _case(requires_grad=True)
+    out = attention(q, k, v, bias=bias)  # autograd: the SDPA path, gradients flow to sigma and alpha
+    assert calls == [1]
+    out.sum().backward()
+    assert bias.sigma.grad is not None and bias.alpha.grad is not None
+    with torch.no_grad():  # a mask, weights or a half dtype also leave the blocked path
+        attention(q, k, v, bias=bias, mask=torch.ones(17, 17, dtype=torch.bool))
+        attention(q, k, v, bias=bias, return_weights=True)
+        attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), bias=bias)
+    assert calls == [1]
