@@ -31,6 +31,20 @@ def test_ratios_and_rendering_are_relative_to_the_reference_in_each_case():
     text = result.render()
     assert "demo title" in text and "2.50×" in text and "3.00×" in text
     assert json.loads(json.dumps(result.to_dict()))["rows"][1]["ratio"] == 2.5
+    assert "faults/call" not in text
+
+
+def test_compare_counts_page_faults_and_renders_them():
+    from vitattn.bench.harness import compare
+
+    calls = []
+    impls = {"ref": lambda: calls.append(1), "alloc": lambda: bytearray(64 << 20)}
+    rows = compare("c", impls, warmup=1, repeat=2)
+    assert len(calls) == 3 and [r.repeats for r in rows] == [2, 2]
+    assert rows[0].extra["page_faults"] >= 0
+    assert rows[1].extra["page_faults"] >= 1000  # 64 MiB of fresh zeroed pages each call
+    text = SuiteResult("demo", "t", "ref", rows).render()
+    assert "faults/call" in text.splitlines()[2]
 
 
 def test_run_suites_writes_json_and_rejects_unknown_names(tmp_path, capsys, monkeypatch):

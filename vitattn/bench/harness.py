@@ -42,21 +42,28 @@ class SuiteResult:
         return row.ms / ref.ms
 
     def render(self) -> str:
-        """A plain-text table: case, implementation, median ms, best ms, ratio to the reference."""
+        """A plain-text table: case, implementation, median ms, best ms, ratio to the reference, and
+        page faults per call where they were counted."""
         impl_w = max(len(r.impl) for r in self.rows)
         case_w = max(max(len(r.case) for r in self.rows), 4)
+        ratio_w = len(self.reference) + 4
+        faults = any("page_faults" in r.extra for r in self.rows)
         head = f"{'case':<{case_w}}  {'implementation':<{impl_w}}  {'median ms':>10}  {'best ms':>9}  " + (
-            f"{'× ' + self.reference:>{len(self.reference) + 4}}"
+            f"{'× ' + self.reference:>{ratio_w}}"
         )
+        head += "  faults/call" if faults else ""
         lines = [self.title, machine_line(), head, "-" * len(head)]
         last_case = None
         for r in self.rows:
             case = r.case if r.case != last_case else ""
             last_case = r.case
-            lines.append(
+            line = (
                 f"{case:<{case_w}}  {r.impl:<{impl_w}}  {r.ms:>10.2f}  {r.ms_min:>9.2f}  "
-                f"{self.ratio(r):>{len(self.reference) + 3}.2f}×"
+                f"{self.ratio(r):>{ratio_w - 1}.2f}×"
             )
+            if faults:
+                line += f"  {r.extra.get('page_faults', float('nan')):>11.0f}"
+            lines.append(line)
         lines.extend(self.notes)
         return "\n".join(lines)
 
@@ -94,6 +101,15 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (0 where ``resource`` is missing, e.g. Windows)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on the platforms CI runs
+        return 0
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+
+
 def compare(
     case: str,
     impls: dict[str, Callable[[], object]],
@@ -101,19 +117,30 @@ def compare(
     warmup: int = 2,
     repeat: int = 10,
 ) -> list[Measurement]:
-    """Time each callable of ``impls`` on one case, interleaved: ``repeat`` rounds of one call each."""
+    """Time each callable of ``impls`` on one case, interleaved: ``repeat`` rounds of one call each.
+
+    Each measurement's ``extra["page_faults"]`` is the mean number of minor page faults per call:
+    memory the C allocator gave back to the OS and touched again, a cost on the CPU that depends
+    on the allocation history of the whole process, not only on the implementation.
+    """
     for fn in impls.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in impls}
+    faults: dict[str, int] = dict.fromkeys(impls, 0)
     for _ in range(repeat):
         for name, fn in impls.items():
             _sync()
+            f0 = _minor_faults()
             t0 = time.perf_counter()
             fn()
             _sync()
             times[name].append((time.perf_counter() - t0) * 1e3)
-    return [Measurement(case, name, statistics.median(t), min(t), repeat) for name, t in times.items()]
+            faults[name] += _minor_faults() - f0
+    return [
+        Measurement(case, name, statistics.median(t), min(t), repeat, {"page_faults": faults[name] / repeat})
+        for name, t in times.items()
+    ]
 
 
 SuiteFn = Callable[[bool], SuiteResult]
