@@ -124,3 +124,15 @@ def test_write_rows_rejects_a_block_that_does_not_fit():
         bias.write_rows(torch.empty(1, 1, 3, 5), 3)
     with pytest.raises(ValueError, match=r"do not fit out of shape \(1, 1, 2, 4\)"):
         bias.write_rows(torch.empty(1, 1, 2, 4), 0)
+
+
+def test_cached_numerators_from_inference_mode_serve_autograd_later():
+    grid = (3, 5)  # a grid no other test uses, so the first call below fills the cache
+    sigma, alpha = torch.rand(1, 2, 15, 2) + 0.5, torch.rand(1, 2, 15, 1)
+    with torch.inference_mode():
+        first = GaussianBias(sigma.clone(), alpha.clone(), grid, 1).dense()
+    sigma.requires_grad_(True)
+    bias = GaussianBias(sigma, alpha, grid, 1).dense()
+    bias.sum().backward()  # a cached inference tensor saved for backward would raise here
+    assert sigma.grad is not None and torch.isfinite(sigma.grad).all()
+    torch.testing.assert_close(bias.detach(), first)

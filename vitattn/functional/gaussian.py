@@ -27,6 +27,8 @@ __all__ = ["GaussianBias", "gaussian_eps", "gaussian_clamp"]
 _FP16_HALF_MAX = 32500.0  # half of float16's largest value (65000 / 2): the exponent's bound per axis
 _CLAMP_FLOOR = -6550.0  # float16-safe floor of D_m at the smallest eps
 _EXPONENT_FLOOR = -40.0  # per-axis exponent floor, see axis_factors
+_NUMERATOR_CACHE_SIZE = 32  # grids x devices x dtypes whose numerator tables are kept
+_NUMERATORS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _pair(name: str, value: tuple[int, int] | list[int] | int) -> tuple[int, int]:
@@ -136,22 +138,42 @@ class GaussianBias:
             out.append(d.clamp_min(self.clamp))
         return out[0], out[1]
 
+    def _patch_numerators(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Np, gh + gw)``: each patch's row numerators then column numerators; ``(gh + gw,)`` axis ids.
+
+        Constant for a grid, so cached (outside autograd and inference mode) except while compiling.
+        """
+        key = (self.grid_size, self.clamp, self.sigma.device, self._work_dtype())
+        cached = None if torch.compiler.is_compiling() else _NUMERATORS.get(key)
+        if cached is not None:
+            return cached
+        with torch.inference_mode(False), torch.no_grad():
+            gh, gw = self.grid_size
+            d_row, d_col = self.axis_numerators()
+            rows = torch.arange(gh, device=d_row.device).repeat_interleave(gw)  # row index of each patch
+            cols = torch.arange(gw, device=d_row.device).repeat(gh)  # column index of each patch
+            table = torch.cat([d_row[rows], d_col[cols]], dim=-1)
+            axis = (torch.arange(gh + gw, device=table.device) >= gh).long()  # 0 = row, 1 = column
+        if not torch.compiler.is_compiling():
+            if len(_NUMERATORS) >= _NUMERATOR_CACHE_SIZE:
+                _NUMERATORS.pop(next(iter(_NUMERATORS)))
+            _NUMERATORS[key] = (table, axis)
+        return table, axis
+
     def axis_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Separable factors ``R: (B, H, Np, gh)`` and ``C: (B, H, Np, gw)``.
 
         ``R[..., p, i] = exp(D_row(row_p, i) / den_p,row)``, likewise for columns, so that
-        ``S[p, t] = alpha_p * R[p, row_t] * C[p, col_t]``.
+        ``S[p, t] = alpha_p * R[p, row_t] * C[p, col_t]``. Both come from one exp over
+        ``(B, H, Np, gh + gw)`` and are views of it.
         """
-        gh, gw = self.grid_size
-        den = self.denominators()
-        d_row, d_col = self.axis_numerators()
-        rows = torch.arange(gh, device=den.device).repeat_interleave(gw)  # row index of each patch
-        cols = torch.arange(gw, device=den.device).repeat(gh)  # column index of each patch
+        table, axis = self._patch_numerators()
+        den = self.denominators().index_select(-1, axis)  # (B, H, Np, gh + gw)
         # Each exponent is floored at -40 before exp: e^-40 ~ 4e-18, so the bias moves by at most
         # alpha * 4e-18 where it was smaller still (invisible next to any score), while exp and the
         # products stay clear of denormals, which are ~10x slower on CPUs.
-        r = torch.exp((d_row[rows] / den[..., 0:1]).clamp_min_(_EXPONENT_FLOOR))  # (B, H, Np, gh)
-        c = torch.exp((d_col[cols] / den[..., 1:2]).clamp_min_(_EXPONENT_FLOOR))  # (B, H, Np, gw)
+        factors = torch.exp((table / den).clamp_min_(_EXPONENT_FLOOR))
+        r, c = factors.split(self.grid_size, dim=-1)
         return r, c
 
     def scaled_factors(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
