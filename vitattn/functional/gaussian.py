@@ -28,7 +28,7 @@ _FP16_HALF_MAX = 32500.0  # half of float16's largest value (65000 / 2): the exp
 _CLAMP_FLOOR = -6550.0  # float16-safe floor of D_m at the smallest eps
 _EXPONENT_FLOOR = -40.0  # per-axis exponent floor, see axis_factors
 _NUMERATOR_CACHE_SIZE = 32  # grids x devices x dtypes whose numerator tables are kept
-_NUMERATORS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_NUMERATORS: dict[tuple, torch.Tensor] = {}
 
 
 def _pair(name: str, value: tuple[int, int] | list[int] | int) -> tuple[int, int]:
@@ -138,8 +138,8 @@ class GaussianBias:
             out.append(d.clamp_min(self.clamp))
         return out[0], out[1]
 
-    def _patch_numerators(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(Np, gh + gw)``: each patch's row numerators then column numerators; ``(gh + gw,)`` axis ids.
+    def _patch_numerators(self) -> torch.Tensor:
+        """``(Np, gh + gw)``: each patch's row numerators, then its column numerators.
 
         Constant for a grid, so cached (outside autograd and inference mode) except while compiling.
         """
@@ -153,12 +153,11 @@ class GaussianBias:
             rows = torch.arange(gh, device=d_row.device).repeat_interleave(gw)  # row index of each patch
             cols = torch.arange(gw, device=d_row.device).repeat(gh)  # column index of each patch
             table = torch.cat([d_row[rows], d_col[cols]], dim=-1)
-            axis = (torch.arange(gh + gw, device=table.device) >= gh).long()  # 0 = row, 1 = column
         if not torch.compiler.is_compiling():
             if len(_NUMERATORS) >= _NUMERATOR_CACHE_SIZE:
                 _NUMERATORS.pop(next(iter(_NUMERATORS)))
-            _NUMERATORS[key] = (table, axis)
-        return table, axis
+            _NUMERATORS[key] = table
+        return table
 
     def axis_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Separable factors ``R: (B, H, Np, gh)`` and ``C: (B, H, Np, gw)``.
@@ -167,12 +166,17 @@ class GaussianBias:
         ``S[p, t] = alpha_p * R[p, row_t] * C[p, col_t]``. Both come from one exp over
         ``(B, H, Np, gh + gw)`` and are views of it.
         """
-        table, axis = self._patch_numerators()
-        den = self.denominators().index_select(-1, axis)  # (B, H, Np, gh + gw)
+        gh, gw = self.grid_size
+        table = self._patch_numerators()
+        den = self.denominators()  # (B, H, Np, 2)
+        if gh == gw:  # one broadcast division: (Np, 2, g) / (B, H, Np, 2, 1)
+            exponent = (table.unflatten(-1, (2, gh)) / den.unsqueeze(-1)).flatten(-2)
+        else:
+            exponent = torch.cat([table[:, :gh] / den[..., 0:1], table[:, gh:] / den[..., 1:2]], dim=-1)
         # Each exponent is floored at -40 before exp: e^-40 ~ 4e-18, so the bias moves by at most
         # alpha * 4e-18 where it was smaller still (invisible next to any score), while exp and the
         # products stay clear of denormals, which are ~10x slower on CPUs.
-        factors = torch.exp((table / den).clamp_min_(_EXPONENT_FLOOR))
+        factors = torch.exp(exponent.clamp_min_(_EXPONENT_FLOOR))
         r, c = factors.split(self.grid_size, dim=-1)
         return r, c
 
