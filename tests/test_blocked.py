@@ -48,14 +48,15 @@ def test_float32_close_to_float64_and_strided_inputs():
     got = gaussian_softmax_attention(q, k, v, 0.25, bias, block_rows=16)
     q64, k64, v64 = q.double(), k.double(), v.double()
     ref, _ = plain_attention(q64, k64, v64, "softmax", scale=0.25, bias=bias.dense().double())
-    assert got.dtype == torch.float32 and got.is_contiguous()
+    assert got.dtype == torch.float32 and got.transpose(1, 2).is_contiguous()  # (B, N, H, Dv) in memory
     torch.testing.assert_close(got.double(), ref, atol=2e-6, rtol=1e-5)
 
 
 def test_block_rows_for():
-    assert block_rows_for(6, 785) == 128  # LocAtViT-Tiny, 448 px, batch 2
-    assert block_rows_for(48, 197) == 64  # LocAtViT-Tiny, 224 px, batch 16
-    assert block_rows_for(10_000, 10_000) == 16  # never below 16
+    assert block_rows_for(2, 785, 785) == 393  # 448 px, batch 2: two blocks of 393 and 392 rows
+    assert block_rows_for(16, 197, 197) == 197  # 224 px, batch 16: one block per head
+    assert block_rows_for(1, 100, 100) == 100  # one block when it fits
+    assert block_rows_for(10_000, 10_000, 50) == 13  # limit 16 rows, balanced: 13, 13, 12, 12
     with pytest.raises(ValueError, match="block_rows must be >= 1, got 0"):
         q = torch.randn(1, 1, 4, 2)
         bias = GaussianBias(torch.ones(1, 1, 4, 2), torch.ones(1, 1, 4, 1), 2)

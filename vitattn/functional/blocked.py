@@ -1,17 +1,19 @@
 """Softmax attention with a :class:`GaussianBias`, computed one block of query rows at a time.
 
 The CPU path for LocAt inference. Handing SDPA the bias as a dense ``(B, H, N, N)`` float mask
-costs a full write of that tensor plus SDPA's read of it; here each block of query rows gets its
-bias rows written into a small reused buffer (a few MiB, so it stays in cache), the scores are
-added into the same buffer by ``baddbmm``, normalized in place and multiplied by ``v``. Same
-result as the reference formula, no ``N x N`` tensor. Forward only: the autograd path goes through
-SDPA.
+costs a full write of that tensor plus SDPA's read of it; here, one head at a time, each block of
+query rows gets its bias rows written into a small reused buffer (a few MiB, so it stays in
+cache), the scores are added into the same buffer by ``baddbmm``, normalized in place and
+multiplied by ``v``. Same result as the reference formula, no ``N x N`` tensor. Forward only: the
+autograd path goes through SDPA.
 
-The buffers (q, k, v copied into ``(B*H, N, D)`` order, and one block of scores) are kept per
-thread, device and dtype and reused across calls: allocating them afresh makes the C allocator
-hand memory back to the OS and fault it in again on every layer, which measured slower than the
-dense path this replaces. (Reading q, k, v in place, one batch entry at a time, avoids the copies
-but splits the matmuls over H instead of B*H: slower on 2 threads with 3 heads.)
+Working per head, batched over B, lets the matmuls read q, k, v as the strided views a fused qkv
+projection gives (no copies) and write the output in ``(B, N, H, Dv)`` memory order, so that
+merging the heads afterwards is free. (Per batch entry, batched over H, reads in place too but
+splits 3 heads unevenly over 2 threads; copying to ``(B*H, N, D)`` costs four copies a layer:
+both measured slower.) The block buffer is kept per thread, device and dtype and reused across
+calls: allocating it afresh makes the C allocator hand memory back to the OS and fault it in
+again on every layer.
 """
 
 from __future__ import annotations
@@ -40,9 +42,12 @@ def _scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> tor
     return buf[:numel]
 
 
-def block_rows_for(batch_heads: int, num_keys: int) -> int:
-    """Query rows per block: a multiple of 16 that keeps ``batch_heads * rows * num_keys`` near 655k."""
-    return max(16, _BLOCK_ELEMENTS // max(1, batch_heads * num_keys) // 16 * 16)
+def block_rows_for(batch: int, num_keys: int, num_queries: int) -> int:
+    """Query rows per block: blocks of near-equal size with ``batch * rows * num_keys`` at most ~655k
+    (but at least 16 rows)."""
+    limit = max(16, _BLOCK_ELEMENTS // max(1, batch * num_keys))
+    blocks = -(-num_queries // limit)
+    return -(-num_queries // blocks)
 
 
 def gaussian_softmax_attention(
@@ -56,38 +61,34 @@ def gaussian_softmax_attention(
     """``softmax(q kᵀ * scale + bias) v`` without an ``N x N`` tensor; no autograd.
 
     Args:
-        q, k: ``(B, H, N, D)``; v: ``(B, H, N, Dv)``; all one floating dtype (float32 or float64).
+        q, k: ``(B, H, N, D)``; v: ``(B, H, N, Dv)``; one floating dtype (float32 or float64); any
+            strides with a unit last stride are read in place.
         bias: describes the ``(B, H, N, N)`` Gaussian bias (``sigma``/``alpha`` may broadcast over B, H).
         block_rows: query rows per block (default :func:`block_rows_for`).
 
     Returns:
-        ``(B, H, N, Dv)`` contiguous, in ``v``'s dtype.
+        ``(B, H, N, Dv)`` in ``v``'s dtype: a view of a ``(B, N, H, Dv)`` contiguous tensor.
     """
-    b, h, n, d = q.shape
+    b, h, n, _ = q.shape
     dv = v.shape[-1]
-    bh = b * h
-    rows = block_rows_for(bh, n) if block_rows is None else int(block_rows)
+    rows = block_rows_for(b, n, n) if block_rows is None else int(block_rows)
     if rows < 1:
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
     rows = min(rows, n)
-    block = bh * rows * n
-    qkv_numel = bh * n * (2 * d + dv)
-    scratch = _scratch_buffer(qkv_numel + block, q.dtype, q.device)
-    # q, k, v (usually strided views of one qkv projection) copied into the reused buffer
-    q3 = scratch[: bh * n * d].view(b, h, n, d).copy_(q).view(bh, n, d)
-    k3t = scratch[bh * n * d : 2 * bh * n * d].view(b, h, n, d).copy_(k).view(bh, n, d).transpose(1, 2)
-    v3 = scratch[2 * bh * n * d : qkv_numel].view(b, h, n, dv).copy_(v).view(bh, n, dv)
-    scores_buf = scratch[qkv_numel:]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     ra, c = bias.scaled_factors(q.dtype)
     ra, c = ra.expand(b, h, *ra.shape[2:]), c.expand(b, h, *c.shape[2:])
-    out = torch.empty(bh, n, dv, dtype=v.dtype, device=v.device)
-    for start in range(0, n, rows):
-        stop = min(n, start + rows)
-        size = bh * (stop - start) * n
-        scores = scores_buf[:size].view(b, h, stop - start, n)
-        bias.write_rows(scores, start, (ra, c))
-        scores3 = scores.view(bh, stop - start, n)
-        scores3.baddbmm_(q3[:, start:stop], k3t, alpha=scale)
-        torch.softmax(scores3, dim=-1, out=scores3)  # row by row, so in place is safe (and tested)
-        torch.bmm(scores3, v3, out=out[:, start:stop])
-    return out.view(b, h, n, dv)
+    scratch = _scratch_buffer(b * rows * n, q.dtype, q.device)
+    out = torch.empty(b, n, h, dv, dtype=v.dtype, device=v.device)
+    for j in range(h):  # one head at a time, batched over B: q, k, v are read in place
+        q_j, kt_j, v_j = q[:, j], k[:, j].transpose(1, 2), v[:, j]  # (B, N, D), (B, D, N), (B, N, Dv)
+        factors = (ra[:, j : j + 1], c[:, j : j + 1])
+        for start in range(0, n, rows):
+            stop = min(n, start + rows)
+            scores = scratch[: b * (stop - start) * n].view(b, 1, stop - start, n)
+            bias.write_rows(scores, start, factors)
+            scores3 = scores[:, 0]
+            scores3.baddbmm_(q_j[:, start:stop], kt_j, alpha=scale)
+            torch.softmax(scores3, dim=-1, out=scores3)  # row by row, so in place is safe (and tested)
+            torch.bmm(scores3, v_j, out=out[:, start:stop, j])
+    return out.transpose(1, 2)
