@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import platform
+import subprocess
+import sys
 
 import pytest
 
@@ -70,3 +73,19 @@ def test_info_prints_versions_and_backends(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "vitattn" in out and "backends" in out and "torch" in out
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_keep_heap_removes_allocator_page_faults():
+    script = """
+from vitattn.bench.harness import compare, keep_heap, machine_line
+big = lambda: bytearray(64 << 20)  # above glibc's largest mmap threshold: fresh pages every call
+before = compare("c", {"big": big}, warmup=1, repeat=3)[0].extra["page_faults"]
+assert "heap kept" not in machine_line()
+assert keep_heap()
+after = compare("c", {"big": big}, warmup=1, repeat=3)[0].extra["page_faults"]
+print(before, after, "heap kept" in machine_line())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    before, after, kept = out.split()
+    assert float(before) > 10_000 and float(after) < 100 and kept == "True"

@@ -35,7 +35,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run benchmark suites side by side and print ratio tables."""
-    from .bench import run_suites, suites
+    from .bench import keep_heap, run_suites, suites
 
     known = suites()
     if args.list:
@@ -51,6 +51,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.keep_heap and not keep_heap():
+        print("vitattn bench: --keep-heap needs glibc; the allocator is left as it is", file=sys.stderr)
     run_suites(names, quick=args.quick, json_path=args.json)
     return 0
 
@@ -88,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     bench.add_argument("--list", action="store_true", help="list the suites and exit")
     bench.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    bench.add_argument(
+        "--keep-heap",
+        action="store_true",
+        help="keep freed memory in the heap (glibc): no page-fault noise from the allocator",
+    )
     bench.set_defaults(func=cmd_bench)
 
     an = sub.add_parser("analyze", help="attention locality (MAD, entropy per head): table, JSON, plots")

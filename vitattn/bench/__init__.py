@@ -3,6 +3,6 @@
 from . import attention as _attention  # noqa: F401  (registers the "entmax" suite)
 from . import models as _models  # noqa: F401  (registers the "models" suite)
 from . import transfer as _transfer  # noqa: F401  (registers the "transfer" suite)
-from .harness import Measurement, SuiteResult, compare, register_suite, run_suites, suites
+from .harness import Measurement, SuiteResult, compare, keep_heap, register_suite, run_suites, suites
 
-__all__ = ["Measurement", "SuiteResult", "compare", "register_suite", "run_suites", "suites"]
+__all__ = ["Measurement", "SuiteResult", "compare", "keep_heap", "register_suite", "run_suites", "suites"]

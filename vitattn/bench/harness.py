@@ -79,7 +79,31 @@ class SuiteResult:
         }
 
 
-def machine() -> dict[str, str | int]:
+_HEAP = {"kept": False}
+
+
+def keep_heap() -> bool:
+    """Ask glibc to keep freed memory instead of returning it to the OS (for this process).
+
+    By default glibc serves large blocks with ``mmap`` and trims the heap top, so a model that
+    allocates and frees big activations faults fresh pages in on every forward; how much depends
+    on the allocation history of everything in the process. Raising ``M_MMAP_THRESHOLD`` and
+    ``M_TRIM_THRESHOLD`` (what ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` do at start-up)
+    removes that cost for every implementation alike. Returns False where there is no glibc.
+    """
+    import ctypes
+    import ctypes.util
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
+    ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1 and libc.mallopt(m_trim_threshold, 1 << 31) == 1
+    _HEAP["kept"] = _HEAP["kept"] or ok
+    return ok
+
+
+def machine() -> dict[str, str | int | bool]:
     """What the numbers were measured on."""
     return {
         "platform": platform.platform(),
@@ -88,12 +112,14 @@ def machine() -> dict[str, str | int]:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "heap_kept": _HEAP["kept"],
     }
 
 
 def machine_line() -> str:
     m = machine()
-    return f"[{m['platform']}, torch {m['torch']}, {m['threads']} threads, cuda: {m['cuda']}]"
+    heap = ", heap kept (glibc trimming off)" if m["heap_kept"] else ""
+    return f"[{m['platform']}, torch {m['torch']}, {m['threads']} threads, cuda: {m['cuda']}{heap}]"
 
 
 def _sync() -> None:
@@ -143,6 +169,8 @@ def compare(
     ]
 
 
+KEEP_HEAP_HELP = "keep freed memory in the heap (glibc): no page-fault noise from the allocator"
+
 SuiteFn = Callable[[bool], SuiteResult]
 _SUITES: dict[str, tuple[SuiteFn, str]] = {}
 
@@ -188,7 +216,10 @@ def script_main(suite: str, default_json: str, argv: Sequence[str] | None = None
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", default=default_json, help=f"JSON file (default {default_json})")
+    parser.add_argument("--keep-heap", action="store_true", help=KEEP_HEAP_HELP)
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.keep_heap and not keep_heap():
+        print("--keep-heap: no glibc here, the allocator is left as it is", flush=True)
     run_suites([suite], quick=args.quick, json_path=args.out)
