@@ -40,11 +40,12 @@ def normalize_dim(name: str, t: torch.Tensor, dim: int) -> int:
 
 def check_broadcastable(name: str, t: torch.Tensor, target: tuple[int, ...], target_name: str) -> None:
     """Raise ``ValueError`` unless ``t`` broadcasts to ``target`` without growing it."""
-    try:
-        out = torch.broadcast_shapes(tuple(t.shape), target)
-    except RuntimeError:
-        out = None
-    if out != tuple(target):
+    # plain integers, no torch.broadcast_shapes: this runs on every attention call
+    shape = tuple(t.shape)
+    fits = len(shape) <= len(target) and all(
+        s in (1, n) for s, n in zip(reversed(shape), reversed(target), strict=False)
+    )
+    if not fits:
         raise ValueError(
             f"{name} of shape {shape_str(t)} does not broadcast to {target_name} "
             f"({', '.join(str(s) for s in target)})"
