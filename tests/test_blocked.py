@@ -106,3 +106,11 @@ def test_dispatch_uses_blocked_only_without_autograd(monkeypatch):
         attention(q, k, v, bias=bias, return_weights=True)
         attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), bias=bias)
     assert calls == [1]
+
+
+def test_inputs_without_unit_last_stride():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 6, 10, generator=g, dtype=torch.float64).transpose(-1, -2) for _ in range(3))
+    bias = GaussianBias(torch.rand(1, 2, 9, 2, dtype=torch.float64) + 0.2, torch.rand(1, 2, 9, 1), (3, 3), 1)
+    ref, _ = plain_attention(q, k, v, "softmax", scale=0.5, bias=bias.dense())
+    torch.testing.assert_close(gaussian_softmax_attention(q, k, v, 0.5, bias, block_rows=4), ref)
