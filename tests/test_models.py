@@ -270,3 +270,12 @@ def test_block_indices_sorts_dedups_and_rejects_bad_input() -> None:
         block_indices(["1"], depth=4)
     with pytest.raises(ValueError, match="layers is empty"):
         block_indices([], depth=4)
+
+
+def test_block_indices_names_the_callers_argument() -> None:
+    from vitattn.models.blocks import block_indices
+
+    with pytest.raises(TypeError, match="blocks must hold block indices"):
+        block_indices(["0"], 4, name="blocks")
+    with pytest.raises(ValueError, match="block index -5 is out of range for a model with 4 blocks"):
+        block_indices([-5], 4, name="blocks")

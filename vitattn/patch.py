@@ -11,6 +11,7 @@ from torch import nn
 
 from .layers import PRR, Attention, EntmaxAttention, LocAtAttention, convert_attention, convertible_attention
 from .models._grid import attach_grid_sync
+from .models.blocks import block_indices
 from .models.locatvit import LocAtViT
 
 __all__ = ["patch"]
@@ -51,14 +52,7 @@ def _block_indices(blocks: int | Iterable[int] | None, depth: int) -> list[int]:
     if blocks is None:
         return list(range(depth))
     items = [blocks] if isinstance(blocks, int) else list(blocks)
-    out = []
-    for i in items:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise TypeError(f"blocks must be ints (block indices), got {i!r} of type {type(i).__name__}")
-        if not -depth <= i < depth:
-            raise ValueError(f"block index {i} is out of range for a model with {depth} blocks")
-        out.append(i % depth)
-    return sorted(set(out))
+    return list(block_indices(items, depth, name="blocks")) if items else []
 
 
 def _add_prr(model: nn.Module) -> None:

@@ -5,18 +5,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
-def block_indices(items: Iterable[object], depth: int) -> tuple[int, ...]:
+def block_indices(items: Iterable[object], depth: int, name: str = "layers") -> tuple[int, ...]:
     """Sorted, de-duplicated indices into ``depth`` blocks; negative ones count from the end.
 
-    Raises ``TypeError`` for a non-int item and ``ValueError`` for an index out of range or no index.
+    ``name`` is the caller's argument (``"layers"``, ``"blocks"``), used in the errors: ``TypeError``
+    for a non-int item, ``ValueError`` for an index out of range or no index.
     """
     out = set()
     for i in items:
         if isinstance(i, bool) or not isinstance(i, int):
-            raise TypeError(f"layers must hold block indices (ints), got {i!r} of type {type(i).__name__}")
+            raise TypeError(f"{name} must hold block indices (ints), got {i!r} of type {type(i).__name__}")
         if not -depth <= i < depth:
-            raise ValueError(f"layer index {i} is out of range for a model with {depth} blocks")
+            raise ValueError(f"{name.rstrip('s')} index {i} is out of range for a model with {depth} blocks")
         out.add(i % depth)
     if not out:
-        raise ValueError("layers is empty: give block indices, or None for the default")
+        raise ValueError(f"{name} is empty: give block indices, or None for the default")
     return tuple(sorted(out))
