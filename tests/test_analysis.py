@@ -411,6 +411,25 @@ def test_report_averages_images_and_reads_layout() -> None:
         locality_report(model, x[:2], grid_size=(2, 8), num_prefix_tokens=1, progress=False)
 
 
+def test_report_sparsity_counts_exact_zeros_per_head() -> None:
+    model = LocAtViT(**TINY, gaug=False, prr=False, normalizer="entmax15").eval()
+    spread_weights(model, std=0.6)
+    x = torch.randn(3, 3, 32, 32)
+    maps = attention_maps(model, x)
+    report = locality_report(model, x, progress=False)
+    for li, i in enumerate(report.layers):
+        want = [(maps[i][:, h] == 0).double().mean().item() for h in range(maps[i].shape[1])]
+        assert report.sparsity[li] == pytest.approx(want, abs=1e-12)
+    assert report.mean_sparsity > 0.1
+    dense = locality_report(timm_vit(), x, progress=False)
+    assert dense.mean_sparsity == 0.0 and len(dense.sparsity) == 2
+    back = LocalityReport.from_dict(report.to_dict())
+    assert back.sparsity == report.sparsity
+    old = {k: v for k, v in report.to_dict().items() if k != "sparsity"}  # a report from before sparsity
+    legacy = LocalityReport.from_dict(old)
+    assert legacy.sparsity == [] and math.isnan(legacy.mean_sparsity)
+
+
 def test_report_dynamic_image_size_and_locatvit() -> None:
     model = timm_vit(dynamic_img_size=True)
     data = [torch.randn(2, 3, 32, 32), torch.randn(2, 3, 48, 40)]

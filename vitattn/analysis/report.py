@@ -51,7 +51,10 @@ class LocalityReport:
 
     ``mad[l][h]`` is the mean attention distance over the grid diagonal and ``entropy[l][h]`` the
     entropy over ``log(patches)``, both in ``[0, 1]`` (NaN for a head that never put mass on a
-    patch). ``grid_size`` is None when the images came in several sizes.
+    patch). ``sparsity[l][h]`` is the fraction of exact zeros in the head's whole attention matrix
+    (every query and key, prefix tokens included): 0 for softmax, large for entmax-1.5; empty when
+    the report was read from a file that predates it. ``grid_size`` is None when the images came in
+    several sizes.
     """
 
     layers: list[int]
@@ -62,6 +65,7 @@ class LocalityReport:
     num_images: int
     model: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    sparsity: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not (len(self.layers) == len(self.mad) == len(self.entropy)):
@@ -72,6 +76,8 @@ class LocalityReport:
         for layer, m, e in zip(self.layers, self.mad, self.entropy, strict=True):
             if len(m) != len(e):
                 raise ValueError(f"layer {layer}: {len(m)} MAD values but {len(e)} entropy values")
+        if self.sparsity and [len(s) for s in self.sparsity] != [len(m) for m in self.mad]:
+            raise ValueError("sparsity must have one value per head of every layer, or be empty")
 
     def layer_summary(self) -> list[dict[str, float]]:
         """One dict per layer: heads, MAD mean/min/max and entropy mean/min/max over heads."""
@@ -92,6 +98,11 @@ class LocalityReport:
                 )
             )
         return rows
+
+    @property
+    def mean_sparsity(self) -> float:
+        """Fraction of exact zeros averaged over every layer and head (NaN without sparsity)."""
+        return _nan_stats([v for row in self.sparsity for v in row])[0]
 
     @property
     def min_mad(self) -> float:
@@ -130,6 +141,7 @@ class LocalityReport:
             num_prefix_tokens=self.num_prefix_tokens,
             num_images=self.num_images,
             meta=dict(self.meta),
+            sparsity=_plain(self.sparsity),
             summary=[
                 {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
                 for r in self.layer_summary()
@@ -149,6 +161,7 @@ class LocalityReport:
             num_images=int(d["num_images"]),
             model=str(d.get("model", "")),
             meta=dict(d.get("meta") or {}),
+            sparsity=_floats(d.get("sparsity") or []),
         )
 
     def to_json(self, path: str | Path | None = None, indent: int = 2) -> str:
@@ -267,6 +280,38 @@ def _known_total(data: Any) -> int | None:
         return None
 
 
+class _HeadMean:
+    """Running mean per head of ``(B, H)`` values over images, skipping NaN entries."""
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None
+        self.count: torch.Tensor | None = None
+
+    def add(self, values: torch.Tensor) -> None:
+        values = values.double().cpu()
+        ok = ~values.isnan()
+        total, count = torch.where(ok, values, 0.0).sum(0), ok.sum(0)
+        if self.total is None or self.count is None:
+            self.total, self.count = total, count
+        else:
+            self.total += total
+            self.count += count
+
+    def means(self) -> list[float]:
+        if self.total is None or self.count is None:
+            return []
+        return torch.where(self.count > 0, self.total / self.count.clamp_min(1), math.nan).tolist()
+
+
+@dataclass
+class _LayerStats:
+    """What :func:`locality_report` accumulates for one block."""
+
+    mad: _HeadMean = field(default_factory=_HeadMean)
+    entropy: _HeadMean = field(default_factory=_HeadMean)
+    sparsity: _HeadMean = field(default_factory=_HeadMean)
+
+
 def _progress(total: int | None, enabled: bool) -> Any:
     try:
         from tqdm.auto import tqdm
@@ -306,7 +351,7 @@ def locality_report(
     if max_images is not None and max_images < 1:
         raise ValueError(f"max_images must be >= 1 or None, got {max_images}")
     param = next(model.parameters(), None)
-    sums: dict[int, list[torch.Tensor]] = {}
+    stats: dict[int, _LayerStats] = {}
     grids: set[tuple[int, int]] = set()
     prefixes: set[int] = set()
     layout: dict[str, Any] = {}
@@ -315,13 +360,10 @@ def locality_report(
         grid, prefix = resolve_layout(probs.shape[-1], layout["grid"], layout["prefix"])
         grids.add(grid)
         prefixes.add(prefix)
-        mad = mean_attention_distance(probs, grid, prefix).double().cpu()
-        ent = attention_entropy(probs, prefix, grid_size=grid).double().cpu()
-        acc = sums.setdefault(i, [torch.zeros(mad.shape[1], dtype=torch.float64) for _ in range(4)])
-        for total, count, v in ((acc[0], acc[1], mad), (acc[2], acc[3], ent)):
-            ok = ~v.isnan()
-            total += torch.where(ok, v, 0.0).sum(0)
-            count += ok.sum(0)
+        layer = stats.setdefault(i, _LayerStats())
+        layer.mad.add(mean_attention_distance(probs, grid, prefix))
+        layer.entropy.add(attention_entropy(probs, prefix, grid_size=grid))
+        layer.sparsity.add((probs == 0).flatten(2).double().mean(-1))
 
     seen = 0
     total = _known_total(data)
@@ -348,17 +390,15 @@ def locality_report(
             bar.close()
     if seen == 0:
         raise ValueError("data gave no images")
-    missing = [i for i in chosen if i not in sums]
+    missing = [i for i in chosen if i not in stats]
     if missing:
         raise RuntimeError(f"blocks {missing} did not run their attention in the model's forward")
 
-    def mean(total: torch.Tensor, count: torch.Tensor) -> list[float]:
-        return torch.where(count > 0, total / count.clamp_min(1), math.nan).tolist()
-
     return LocalityReport(
         layers=list(chosen),
-        mad=[mean(sums[i][0], sums[i][1]) for i in chosen],
-        entropy=[mean(sums[i][2], sums[i][3]) for i in chosen],
+        mad=[stats[i].mad.means() for i in chosen],
+        entropy=[stats[i].entropy.means() for i in chosen],
+        sparsity=[stats[i].sparsity.means() for i in chosen],
         grid_size=next(iter(grids)) if len(grids) == 1 else None,
         num_prefix_tokens=next(iter(prefixes)) if len(prefixes) == 1 else -1,
         num_images=seen,
