@@ -1,4 +1,5 @@
-"""Shared test settings: deterministic seeds and a hypothesis profile sized for 2 CPU cores."""
+"""Shared test settings: deterministic seeds, a hypothesis profile sized for 2 CPU cores, and the
+``triton_interpreter`` tests' child run (see :mod:`tests.helpers`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+from .helpers import INTERPRETER_MARK, InterpreterRuns, run_in_interpreter_child, triton_interpreted
 
 settings.register_profile(
     "vitattn",
@@ -21,3 +24,19 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "vitattn"))
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+_RUNS = pytest.StashKey[InterpreterRuns]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_RUNS] = InterpreterRuns(config.rootpath)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """A ``triton_interpreter`` test runs here if triton is interpreted here, else in the child run."""
+    if pyfuncitem.get_closest_marker(INTERPRETER_MARK) is None or triton_interpreted():
+        return None
+    run_in_interpreter_child(pyfuncitem.config.stash[_RUNS], pyfuncitem)
+    return True

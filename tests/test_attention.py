@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given
@@ -106,6 +108,7 @@ def test_shapes_and_cross_attention(normalizer, h, nq, nk, d, seed):
     ref_out, ref_p = plain_attention(q, k, v, normalizer, scale=0.7)
     assert out.shape == (2, h, nq, 5) and p.shape == (2, h, nq, nk)
     torch.testing.assert_close(out, ref_out, atol=1e-7, rtol=0)
+    torch.testing.assert_close(p, ref_p, atol=1e-7, rtol=0)
 
 
 @pytest.mark.parametrize("normalizer", NORMALIZERS)
@@ -151,17 +154,46 @@ def test_dropout_applies_to_probabilities_only_in_the_output():
     torch.testing.assert_close(out, dropped @ v)
 
 
+def softmax_formula(q, k, v, scale):
+    """softmax(q kᵀ * scale) v, written out in float64 (no library code, no `entmax` package)."""
+    q, k, v = q.double(), k.double(), v.double()
+    return torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1) @ v
+
+
 def test_default_scale_is_inverse_sqrt_head_dim():
-    q, k, v = (torch.randn(1, 2, 7, 16, dtype=torch.float64) for _ in range(3))
-    torch.testing.assert_close(attention(q, k, v), attention(q, k, v, scale=0.25))
+    q, k, v = (torch.randn(1, 2, 7, 16, dtype=torch.float64) * 2 for _ in range(3))
+    expected = softmax_formula(q, k, v, 1 / math.sqrt(16))
+    torch.testing.assert_close(attention(q, k, v), expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(attention(q, k, v, scale=0.25), expected, atol=1e-12, rtol=0)
+    # the scale is not a no-op: another one gives another answer, and it is the formula's
+    other = attention(q, k, v, scale=1.0)
+    torch.testing.assert_close(other, softmax_formula(q, k, v, 1.0), atol=1e-12, rtol=0)
+    assert (other - expected).abs().max() > 1e-2
 
 
 def test_backend_registry_and_explanations():
-    assert "torch" in available_backends()
-    q = torch.randn(1, 1, 3, 4)
-    call = AttentionCall(q, q, q, "softmax", 0.5, None, None, False, 0.0)
-    assert explain(call)["torch"] is None
-    torch.testing.assert_close(attention(q, q, q, backend="torch"), attention(q, q, q, backend="auto"))
+    names = available_backends()
+    assert names[0] == "torch" and set(names) == {"torch", "triton"}, names  # vitattn registers both
+    q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float32) * 2 for _ in range(3))
+    call = AttentionCall(q, k, v, "softmax", 0.5, None, None, False, 0.0)
+    reasons = explain(call)
+    assert set(reasons) == set(names)
+    assert reasons["torch"] is None  # the reference backend takes every call
+    triton_reason = reasons["triton"]  # on CPU "auto" never picks the kernels, and says why
+    assert isinstance(triton_reason, str), reasons
+    assert "q is on cpu" in triton_reason or triton_reason == "triton is not installed", triton_reason
+    expected = softmax_formula(q, k, v, 0.5)
+    for backend in ("torch", "auto"):
+        out = attention(q, k, v, scale=0.5, backend=backend)
+        assert out.dtype == torch.float32 and out.shape == (1, 2, 5, 8)
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+    # a float64 call: the torch backend is exact, and the Triton backend declines it by name
+    qd, kd, vd = q.double(), k.double(), v.double()
+    call64 = AttentionCall(qd, kd, vd, "softmax", 0.5, None, None, False, 0.0)
+    assert explain(call64)["torch"] is None and isinstance(explain(call64)["triton"], str)
+    torch.testing.assert_close(
+        attention(qd, kd, vd, scale=0.5, backend="torch"), softmax_formula(q, k, v, 0.5), atol=1e-12, rtol=0
+    )
 
 
 def test_errors():

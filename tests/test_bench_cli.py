@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import platform
 import subprocess
@@ -9,8 +10,10 @@ import sys
 
 import pytest
 
+import vitattn
 from vitattn.bench.harness import Measurement, SuiteResult, compare, register_suite, run_suites
 from vitattn.cli import main
+from vitattn.functional import available_backends
 
 
 def test_compare_runs_every_implementation_interleaved():
@@ -69,10 +72,31 @@ def test_run_suites_writes_json_and_rejects_unknown_names(tmp_path, capsys, monk
     assert "entmax" in capsys.readouterr().out
 
 
+def test_entmax_suite_without_the_entmax_package_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "entmax", None)  # `import entmax` raises ImportError
+    with pytest.raises(ImportError, match=r"not installed; pip install 'vitattn\[bench\]'"):
+        main(["bench", "entmax", "--quick"])
+
+
+def _installed_version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def test_info_prints_versions_and_backends(capsys):
     assert main(["info"]) == 0
-    out = capsys.readouterr().out
-    assert "vitattn" in out and "backends" in out and "torch" in out
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"vitattn {importlib.metadata.version('vitattn')}"
+    assert lines[0] == f"vitattn {vitattn.__version__}"
+    machine = ("python", "cpu threads", "cuda")  # facts about this machine, not distributions
+    rows = dict(line.strip().split(maxsplit=1) for line in lines[1:] if not line.strip().startswith(machine))
+    backends = rows.pop("backends").split(", ")
+    assert backends == available_backends() and "torch" in backends
+    assert {"torch", "timm", "entmax", "triton"} <= set(rows)
+    assert rows == {dist: _installed_version(dist) for dist in rows}
+    assert rows["torch"] == importlib.metadata.version("torch") != "not installed"
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")

@@ -4,9 +4,11 @@ How the interpreter flag is read (triton 3.8): ``@triton.jit`` reads ``TRITON_IN
 is *defined*, returning an ``InterpretedFunction`` instead of a ``JITFunction``, and that includes
 triton's own ``triton.language`` helpers (``tl.zeros``, ``tl.sum``...), defined when triton is first
 imported. So the variable must be set before anything imports triton (torchvision, and through it timm,
-do). This module sets it at import when triton is not imported yet (``pytest tests/test_kernels.py``);
-otherwise (the whole suite, where earlier test modules imported timm) its tests are skipped here and
-``test_interpreter_suite_in_subprocess`` runs this file in a fresh interpreter with the variable set.
+do). This module sets it at import when triton is not imported yet (``pytest tests/test_kernels.py``),
+and its ``@pytest.mark.triton_interpreter`` tests run in this process. Otherwise (the whole suite,
+where earlier test modules imported timm) ``conftest.py`` runs them all in one child pytest with the
+variable set, and each test here reports its own case's result (``tests/helpers.py``): the same cases
+run under TRITON_INTERPRET=1 either way, and none shows as skipped.
 
 Every case checks the forward output and every gradient (q, k, v, and sigma, alpha, the additive mask
 where present) against ``backend="torch"`` run in float64 on the same (rounded) inputs.
@@ -35,30 +37,15 @@ from vitattn.kernels import configs
 from vitattn.kernels.backend import TritonBackend
 
 triton = pytest.importorskip("triton")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-INTERPRETED = isinstance(triton.language.zeros, InterpretedFunction)
-interpreted = pytest.mark.skipif(
-    not INTERPRETED,
-    reason="triton was imported before TRITON_INTERPRET=1 was set: see test_interpreter_suite_in_subprocess",
-)
+# in this process if triton is interpreted here, else in the interpreter child run (see conftest.py)
+interpreted = pytest.mark.triton_interpreter
 
 TOL = {  # dtype -> (forward, gradients): max-abs error relative to the reference's max-abs
     torch.float32: (1e-5, 2e-5),
     torch.float16: (3e-3, 4e-3),
     torch.bfloat16: (2.5e-2, 4e-2),
 }
-
-
-def test_interpreter_suite_in_subprocess():
-    if INTERPRETED:
-        pytest.skip("this process runs the interpreter tests itself")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert res.returncode == 0, res.stdout[-20000:] + res.stderr[-5000:]
 
 
 @dataclass

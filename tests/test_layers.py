@@ -7,88 +7,24 @@ tensor, no separable factors, no vitattn code) and are shared with ``test_models
 from __future__ import annotations
 
 import inspect
-import math
 
 import entmax
 import pytest
 import timm.layers
 import timm.models.vision_transformer
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from vitattn.layers import PRR, Attention, EntmaxAttention, GaussianAugment, LocAtAttention
+from vitattn.layers import PRR, Attention, EntmaxAttention, LocAtAttention
+
+from .helpers import official_locat_attention, official_prr, stress_gaug
 
 SETTINGS = settings(max_examples=20, deadline=None, derandomize=True)
 # timm's Attention: timm.layers from 1.0.16 on, vision_transformer before (without masks / scale_norm)
 TimmAttention = getattr(timm.layers, "Attention", None) or timm.models.vision_transformer.Attention
 TIMM_HAS_MASKS = "attn_mask" in inspect.signature(TimmAttention.forward).parameters
-
-
-# ---- an independent, unoptimized statement of the official GAug attention ----------------------------
-def official_gaug_bias(
-    var: torch.Tensor, alpha: torch.Tensor, grid: tuple[int, int], init_grid: tuple[int, int], prefix: int
-) -> torch.Tensor:
-    """``(B, H, N, N)`` bias from variances ``(B, H, Np, 2)`` and amplitudes ``(B, H, Np, 1)``."""
-    big = max(init_grid)
-    eps = 0.1
-    while 0.5 * (big - 1) ** 2 / eps**2 > 32500:
-        eps *= 2
-    floor = max(-0.5 * (big - 1) ** 2, -6550.0)
-    var = var * (min(grid) / min(init_grid))
-    rows, cols = torch.meshgrid(torch.arange(grid[0]), torch.arange(grid[1]), indexing="ij")
-    coords = torch.stack([rows, cols], -1).reshape(-1, 2).double()  # (Np, 2), row-major patches
-    dist = (-0.5 * (coords[:, None, :] - coords[None, :, :]) ** 2).clamp(min=floor)  # (Np, Np, 2)
-    expo = (dist[None, None] / (var.double()[:, :, :, None, :] + eps)).sum(-1)  # (B, H, Np, Np)
-    bias = alpha.double() * torch.exp(expo)
-    return F.pad(bias, (prefix, 0, prefix, 0)).float()
-
-
-def official_locat_attention(
-    attn: nn.Module,
-    x: torch.Tensor,
-    grid: tuple[int, int],
-    prefix: int,
-    init_grid: tuple[int, int],
-    normalizer: str = "softmax",
-) -> torch.Tensor:
-    """What an official LocAt attention layer computes for ``x: (B, N, C)`` (eval, no mask)."""
-    b, n, _ = x.shape
-    h, d = attn.num_heads, attn.head_dim
-    q, k, v = attn.qkv(x).reshape(b, n, 3, h, d).permute(2, 0, 3, 1, 4)
-    q, k = attn.q_norm(q), attn.k_norm(k)
-    c = max(init_grid) ** 2
-    shift = math.log(c - 1) if c > 2 else 0.0
-    q_sp = q[:, :, prefix:]
-    var = c * torch.sigmoid(q_sp @ attn.gaug.log_var.weight.T + attn.gaug.log_var.bias - shift)
-    alpha = F.softplus(q_sp @ attn.gaug.log_alpha.weight.T + attn.gaug.log_alpha.bias)
-    scores = (q @ k.transpose(-1, -2)) * d**-0.5 + official_gaug_bias(var, alpha, grid, init_grid, prefix)
-    probs = scores.softmax(-1) if normalizer == "softmax" else entmax.entmax15(scores, dim=-1)
-    out = (probs @ v).transpose(1, 2).reshape(b, n, h * d)
-    return attn.proj(attn.norm(out))
-
-
-def official_prr(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    b, n, c = x.shape
-    xh = x.reshape(b, n, num_heads, c // num_heads).transpose(1, 2)
-    probs = ((xh @ xh.transpose(-1, -2)) * (c // num_heads) ** -0.5).softmax(-1)
-    return (probs @ xh).transpose(1, 2).reshape(b, n, c)
-
-
-def stress_gaug(model: nn.Module, seed: int = 0) -> None:
-    """GAug params with σ from tiny to huge and α around 1-3, attention weights scaled up."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, GaussianAugment):
-                m.log_var.weight.copy_(torch.randn(m.log_var.weight.shape, generator=g) * 2.0)
-                m.log_var.bias.copy_(torch.rand(2, generator=g) * 12 - 6)
-                m.log_alpha.weight.copy_(torch.randn(m.log_alpha.weight.shape, generator=g) * 0.2)
-                m.log_alpha.bias.copy_(torch.rand(1, generator=g) * 2 + 0.5)
-            elif isinstance(m, Attention):
-                m.qkv.weight.mul_(3.0)
 
 
 # ---- Attention / EntmaxAttention -----------------------------------------------------------------------

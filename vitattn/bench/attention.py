@@ -32,7 +32,13 @@ def _materialized(normalize):
     "entmax", "entmax-1.5 attention fwd+bwd: vitattn vs the entmax package vs softmax (CPU, float32)"
 )
 def entmax_suite(quick: bool = False) -> SuiteResult:
-    from entmax import entmax15 as package_entmax15
+    try:
+        from entmax import entmax15 as package_entmax15
+    except ImportError as err:
+        raise ImportError(
+            "vitattn bench entmax: this suite times the `entmax` package, which is not installed; "
+            "pip install 'vitattn[bench]'"
+        ) from err
 
     rows = []
     for shape in SHAPES:
