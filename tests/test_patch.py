@@ -13,7 +13,7 @@ import vitattn
 from vitattn.layers import Attention, EntmaxAttention, LocAtAttention
 from vitattn.models import LocAtViT
 
-from .test_layers import stress_gaug
+from .helpers import stress_gaug
 
 LAYOUTS = {
     "cls": dict(),
@@ -140,7 +140,66 @@ def test_patch_errors() -> None:
         vitattn.patch(tiny_vit(patch_drop_rate=0.3), "locat")
     odd = tiny_vit()
     odd.blocks[0].attn = nn.Identity()
-    with pytest.raises(TypeError, match=r"blocks\[0\]\.attn is Identity"):
+    with pytest.raises(
+        TypeError,
+        match=r"blocks\[0\]\.attn is Identity \(torch\.nn\.modules\.linear\.Identity\).*"
+        r"timm\.layers\.attention\.Attention.*LocAtAttention",
+    ):
         vitattn.patch(odd, "entmax15")
+    with pytest.raises(
+        ValueError, match=r"attention=torch\.nn\.modules\.linear\.Identity is not a layer.*'locat'"
+    ):
+        vitattn.patch(tiny_vit(), nn.Identity)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="normalizer must be one of"):
+        vitattn.patch(tiny_vit(), "locat", normalizer="relu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="contradicts"):
+        vitattn.patch(tiny_vit(), "entmax15", normalizer="softmax")
     with pytest.raises(ValueError, match="pool"):
         vitattn.patch(tiny_vit(global_pool="map"), "softmax", prr=True)
+
+
+# ---- normalizer= ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["cls", "reg", "dynamic"])
+def test_locat_entmax_patch_equals_locatvit_entmax(layout: str) -> None:
+    """attention="locat", normalizer="entmax15" is what LocAtViT(normalizer="entmax15") computes."""
+    torch.manual_seed(0)
+    model = vitattn.patch(tiny_vit(**LAYOUTS[layout]), "locat", prr=True, normalizer="entmax15")
+    assert all(type(b.attn) is LocAtAttention and b.attn.normalizer == "entmax15" for b in model.blocks)
+    stress_gaug(model)
+    twin = LocAtViT(**{**TINY, **LAYOUTS[layout]}, normalizer="entmax15")
+    twin.load_state_dict(model.state_dict(), strict=True)
+    twin.eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), twin(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("attention", "normalizer", "cls", "expected"),
+    [
+        ("softmax", None, Attention, "softmax"),
+        ("entmax15", None, EntmaxAttention, "entmax15"),
+        ("locat", None, LocAtAttention, "softmax"),
+        ("softmax", 1.25, Attention, 1.25),
+        ("softmax", "sparsemax", Attention, "sparsemax"),
+        ("locat", 1.5, LocAtAttention, "entmax15"),
+        ("entmax15", "entmax15", EntmaxAttention, "entmax15"),
+        (LocAtAttention, "entmax15", LocAtAttention, "entmax15"),
+    ],
+)
+def test_patch_normalizer_choices(attention, normalizer, cls, expected) -> None:
+    model = vitattn.patch(tiny_vit(), attention, normalizer=normalizer, blocks=[0, 2])
+    for i, block in enumerate(model.blocks):
+        if i == 1:
+            assert type(block.attn).__module__.startswith("timm")
+        else:
+            assert type(block.attn) is cls and block.attn.normalizer == expected
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randn(1, 3, 32, 32))).all()
+
+
+def test_repatch_changes_normalizer_keeps_gaug() -> None:
+    model = vitattn.patch(tiny_vit(), "locat")
+    gaug = model.blocks[0].attn.gaug
+    vitattn.patch(model, "locat", normalizer="entmax15")
+    assert model.blocks[0].attn.gaug is gaug and model.blocks[0].attn.normalizer == "entmax15"

@@ -9,7 +9,9 @@ import torch
 from timm.models.vision_transformer import global_pool_nlc
 from torch import nn
 
+from .functional.normalize import Normalizer, resolve_normalizer
 from .layers import PRR, Attention, EntmaxAttention, LocAtAttention, convert_attention, convertible_attention
+from .layers.convert import _timm_attention_classes
 from .models._grid import attach_grid_sync
 from .models.blocks import block_indices
 from .models.locatvit import LocAtViT
@@ -21,6 +23,7 @@ _LAYERS: dict[str, type[Attention]] = {
     "entmax15": EntmaxAttention,
     "locat": LocAtAttention,
 }
+_DEFAULT_NORMALIZER = {"softmax": "softmax", "entmax15": "entmax15", "locat": "softmax"}
 
 
 class PRRPool(nn.Module):
@@ -46,6 +49,44 @@ def _check_vit(model: object) -> None:
         raise TypeError(
             f"model must be a timm VisionTransformer (patch_embed + blocks), got {type(model).__name__}"
         )
+
+
+def _attention_name(attention: object) -> str:
+    """``attention`` as a key of ``_LAYERS``: a name, or one of the vitattn layer classes."""
+    if isinstance(attention, type):
+        for name, cls in _LAYERS.items():
+            if attention is cls:
+                return name
+        raise ValueError(
+            f"attention={attention.__module__}.{attention.__qualname__} is not a layer vitattn.patch "
+            f"knows; give one of {sorted(_LAYERS)} (or the classes "
+            f"{', '.join(c.__name__ for c in _LAYERS.values())})"
+        )
+    if not isinstance(attention, str) or attention not in _LAYERS:
+        raise ValueError(f"attention must be one of {sorted(_LAYERS)}, got {attention!r}")
+    return attention
+
+
+def _layer_normalizer(attention: str, normalizer: Normalizer | None) -> str | float:
+    if normalizer is None:
+        return _DEFAULT_NORMALIZER[attention]
+    resolved = resolve_normalizer(normalizer)
+    if attention == "entmax15" and resolved != "entmax15":
+        raise ValueError(
+            f"attention='entmax15' is entmax-1.5 attention, so normalizer={normalizer!r} contradicts it; "
+            "for another normalizer without a bias use attention='softmax', normalizer=..."
+        )
+    return resolved
+
+
+def _unsupported_attention(i: int, attn: object) -> TypeError:
+    kind = type(attn)
+    known = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in _timm_attention_classes())
+    known += f", {EntmaxAttention.__module__}.EntmaxAttention, {LocAtAttention.__module__}.LocAtAttention"
+    return TypeError(
+        f"blocks[{i}].attn is {kind.__name__} ({kind.__module__}.{kind.__qualname__}); vitattn.patch "
+        f"supports plain multi-head self-attention with qkv + proj linears: {known}"
+    )
 
 
 def _block_indices(blocks: int | Iterable[int] | None, depth: int) -> list[int]:
@@ -76,9 +117,10 @@ def _add_prr(model: nn.Module) -> None:
 
 def patch(
     model: nn.Module,
-    attention: Literal["softmax", "entmax15", "locat"] = "softmax",
+    attention: Literal["softmax", "entmax15", "locat"] | type[Attention] = "softmax",
     prr: bool = False,
     blocks: int | Iterable[int] | None = None,
+    normalizer: Normalizer | None = None,
 ) -> nn.Module:
     """Swap the attention of a timm ``VisionTransformer`` in place and return it.
 
@@ -88,35 +130,39 @@ def patch(
             ``"locat"`` (GAug; new ``gaug`` heads initialised as in a fresh LocAtViT).
         prr: also refine the final tokens with PRR before the model's pooling and head.
         blocks: indices of the blocks to patch (negative ones count from the end); all by default.
+        normalizer: the attention normalizer of the patched blocks (``"softmax"``, ``"entmax15"``,
+            ``"sparsemax"`` or a float alpha > 1). ``None`` (default) keeps each attention's own:
+            softmax for ``"softmax"`` and ``"locat"``, entmax-1.5 for ``"entmax15"``. So
+            ``attention="locat", normalizer="entmax15"`` is GAug-biased entmax-1.5 attention, as in
+            ``LocAtViT(normalizer="entmax15")``, and ``attention="softmax", normalizer=1.25`` is
+            unbiased 1.25-entmax.
 
     qkv / proj / norm weights are kept (the same parameters move into the new layers). Class and
     register tokens and ``dynamic_img_size`` are handled: the patch grid is read from each input.
 
     Raises:
-        TypeError: ``model`` is not a ViT, a block's attention is of an unsupported type, or a
-            block index is not an int.
-        ValueError: unknown ``attention`` name, a block index out of range, patch dropout with
-            ``"locat"``, or ``prr=True`` on a model pooling with its own attention pool.
+        TypeError: ``model`` is not a ViT, a block's attention is of an unsupported class (the
+            message names it and the supported ones), or a block index is not an int.
+        ValueError: unknown ``attention`` name or class, an unknown ``normalizer`` (or one other
+            than entmax-1.5 with ``attention="entmax15"``), a block index out of range, patch
+            dropout with ``"locat"``, or ``prr=True`` on a model pooling with its own attention pool.
     """
     _check_vit(model)
-    if attention not in _LAYERS:
-        raise ValueError(f"attention must be one of {sorted(_LAYERS)}, got {attention!r}")
+    attention = _attention_name(attention)  # type: ignore[assignment]
+    layer_normalizer = _layer_normalizer(attention, normalizer)
     all_blocks = list(model.blocks)  # type: ignore[arg-type]
     indices = _block_indices(blocks, len(all_blocks))
     for i in indices:
         attn = getattr(all_blocks[i], "attn", None)
         if attn is None or not convertible_attention(attn):
-            raise TypeError(
-                f"blocks[{i}].attn is {type(attn).__name__}; vitattn.patch supports timm's Attention "
-                "(qkv + proj linears) and vitattn layers"
-            )
-    extra: dict[str, object] = {}
+            raise _unsupported_attention(i, attn)
+    extra: dict[str, object] = {"normalizer": layer_normalizer}
     if attention == "locat":
         patch_drop = getattr(model, "patch_drop", None)
         if getattr(patch_drop, "prob", 0.0):
             raise ValueError("attention='locat' needs every patch token: this model uses patch dropout")
         grid = tuple(int(g) for g in model.patch_embed.grid_size)  # type: ignore[union-attr]
-        extra = dict(grid_size=grid, num_prefix_tokens=int(getattr(model, "num_prefix_tokens", 0)))
+        extra.update(grid_size=grid, num_prefix_tokens=int(getattr(model, "num_prefix_tokens", 0)))
     for i in indices:
         old = all_blocks[i].attn
         new = convert_attention(old, _LAYERS[attention], **extra)  # type: ignore[arg-type]

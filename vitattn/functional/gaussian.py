@@ -215,7 +215,10 @@ class GaussianBias:
         if first < stop:
             patch_rows = out[..., first - start :, p:].unflatten(-1, (gh, gw))
             lo, hi = first - p, stop - p
-            torch.mul(ra[..., lo:hi, :, None], c[..., lo:hi, None, :], out=patch_rows)
+            if torch.compiler.is_compiling():  # dynamo takes no non-contiguous out= (a graph break)
+                patch_rows.copy_(ra[..., lo:hi, :, None] * c[..., lo:hi, None, :])
+            else:
+                torch.mul(ra[..., lo:hi, :, None], c[..., lo:hi, None, :], out=patch_rows)
         # zeros after the product, which touches fresh pages in order (a column first is slow)
         if first > start:
             out[..., : first - start, :].zero_()

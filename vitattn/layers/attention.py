@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from timm.layers import register_notrace_function
 from torch import nn
 
 from ..functional import GaussianBias, attention
 from ..functional.normalize import Normalizer, resolve_normalizer
 
-__all__ = ["Attention", "EntmaxAttention", "resolve_attn_mask"]
+__all__ = ["Attention", "EntmaxAttention", "attend", "resolve_attn_mask"]
 
 
 def resolve_attn_mask(
@@ -24,6 +25,42 @@ def resolve_attn_mask(
     if is_causal:
         return torch.ones(n, n, dtype=torch.bool, device=device).tril()
     return attn_mask
+
+
+@register_notrace_function
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    bias: torch.Tensor | GaussianBias | None,
+    normalizer: str | float,
+    scale: float,
+    dropout_p: float,
+) -> torch.Tensor:
+    """The layers' attention call: timm's mask semantics, then :func:`vitattn.functional.attention`.
+
+    One leaf for FX: ``torch.fx`` (timm's feature extraction, torchvision's) records it as a single
+    call, since the argument checks and backend dispatch inside branch on shapes and flags. On the
+    meta device the result is shape-only (``(B, H, Nq, Dv)``, no values): the normalizers' searches
+    for a threshold read values, which meta tensors do not have.
+    """
+    if q.device.type == "meta":
+        return q.new_empty(*q.shape[:-1], v.shape[-1], dtype=v.dtype)
+    return attention(
+        q,
+        k,
+        v,
+        normalizer=normalizer,
+        scale=scale,
+        mask=resolve_attn_mask(q.shape[2], attn_mask, is_causal, q.device),
+        bias=bias,
+        dropout_p=dropout_p,
+    )
+
+
+torch.fx.wrap("attend")  # also a leaf for plain torch.fx / torchvision tracers without timm's registry
 
 
 class Attention(nn.Module):
@@ -96,16 +133,9 @@ class Attention(nn.Module):
         qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
-        out = attention(
-            q,
-            k,
-            v,
-            normalizer=self.normalizer,
-            scale=self.scale,
-            mask=resolve_attn_mask(n, attn_mask, is_causal, x.device),
-            bias=self.attention_bias(q),
-            dropout_p=self.attn_drop.p if self.training else 0.0,
-        )
+        dropout_p = self.attn_drop.p if self.training else 0.0
+        bias = self.attention_bias(q)
+        out = attend(q, k, v, attn_mask, is_causal, bias, self.normalizer, self.scale, dropout_p)
         out = self.norm(out.transpose(1, 2).reshape(b, n, self.attn_dim))
         if gate is not None:
             out = out * gate

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 from collections.abc import Sequence
@@ -9,13 +10,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from timm.layers import register_notrace_function
 from torch import nn
 
 from ..functional import GaussianBias
 from ..functional.normalize import Normalizer
 from .attention import Attention
 
-__all__ = ["GaussianAugment", "LocAtAttention", "grid_pair"]
+__all__ = ["GaussianAugment", "LocAtAttention", "gaussian_bias_from_queries", "grid_pair"]
 
 
 def grid_pair(name: str, value: int | Sequence[int]) -> tuple[int, int]:
@@ -62,17 +64,66 @@ class GaussianAugment(nn.Module):
         σ = c · sigmoid(log_var(q) − ln(c − 1)) with c = max(initial grid)² (no shift when c ≤ 2), and
         α = softplus(log_alpha(q)); both in float32 with autocast off.
         """
-        c = float(max(initial_grid_size) ** 2)
-        shift = math.log(c - 1.0) if c > 2.0 else 0.0
-        work = torch.promote_types(q_sp.dtype, torch.float32)
+        return gaussian_bias_from_queries(
+            q_sp,
+            torch.cat([self.log_var.weight, self.log_alpha.weight]),
+            torch.cat([self.log_var.bias, self.log_alpha.bias]),
+            grid_size,
+            num_prefix_tokens,
+            initial_grid_size,
+        )
+
+
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast disabled on ``device_type``; nothing to disable where autocast does not exist (meta)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+@register_notrace_function
+def gaussian_bias_from_queries(
+    q_sp: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    grid_size: tuple[int, int],
+    num_prefix_tokens: int,
+    initial_grid_size: tuple[int, int],
+) -> GaussianBias:
+    """GAug's σ, α from spatial queries ``q_sp: (B, H, Np, d)`` and the stacked heads
+    ``weight: (3, d)``, ``bias: (3,)`` (``log_var`` rows, then ``log_alpha``), as a :class:`GaussianBias`.
+
+    A leaf for ``torch.fx``: it returns a dataclass, and autocast is switched by device type.
+    """
+    c = float(max(initial_grid_size) ** 2)
+    shift = math.log(c - 1.0) if c > 2.0 else 0.0
+    work = torch.promote_types(q_sp.dtype, torch.float32)
+    with _autocast_off(q_sp.device.type):
         # both heads in one matmul: q_sp is a strided view, so this reads (and copies) it once
-        weight = torch.cat([self.log_var.weight, self.log_alpha.weight]).to(work)
-        bias = torch.cat([self.log_var.bias, self.log_alpha.bias]).to(work)
-        with torch.autocast(device_type=q_sp.device.type, enabled=False):
-            out = F.linear(q_sp.to(work), weight, bias)  # (B, H, Np, 3)
-            sigma = torch.sigmoid(out[..., :2] - shift) * c
-            alpha = F.softplus(out[..., 2:])
-        return GaussianBias(sigma, alpha, grid_size, num_prefix_tokens, initial_grid_size)
+        out = F.linear(q_sp.to(work), weight.to(work), bias.to(work))  # (B, H, Np, 3)
+        sigma = torch.sigmoid(out[..., :2] - shift) * c
+        alpha = F.softplus(out[..., 2:])
+    return GaussianBias(sigma, alpha, grid_size, num_prefix_tokens, initial_grid_size)
+
+
+torch.fx.wrap("gaussian_bias_from_queries")
+
+
+def _check_tokens(q: torch.Tensor, grid_size: tuple[int, int], num_prefix_tokens: int) -> torch.Tensor:
+    """``q`` unchanged, or a ``ValueError`` when its token count does not fit the grid (an FX leaf)."""
+    p = num_prefix_tokens
+    gh, gw = grid_size
+    if q.shape[2] != p + gh * gw:
+        raise ValueError(
+            f"LocAtAttention got N = {q.shape[2]} tokens (q of shape {tuple(q.shape)}), but its "
+            f"grid_size {grid_size} with num_prefix_tokens={p} needs "
+            f"N = {p} + {gh}*{gw} = {p + gh * gw}"
+        )
+    return q
+
+
+register_notrace_function(_check_tokens)
+torch.fx.wrap("_check_tokens")
 
 
 class LocAtAttention(Attention):
@@ -138,11 +189,5 @@ class LocAtAttention(Attention):
                 "through vitattn.models.LocAtViT / vitattn.patch"
             )
         p = self.num_prefix_tokens
-        gh, gw = self.grid_size
-        if q.shape[2] != p + gh * gw:
-            raise ValueError(
-                f"LocAtAttention got N = {q.shape[2]} tokens (q of shape {tuple(q.shape)}), but its "
-                f"grid_size {self.grid_size} with num_prefix_tokens={p} needs "
-                f"N = {p} + {gh}*{gw} = {p + gh * gw}"
-            )
+        q = _check_tokens(q, self.grid_size, p)
         return self.gaug(q[:, :, p:], self.grid_size, p, self.initial_grid_size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from timm.layers import register_notrace_function
 from torch import nn
 
 from ..functional import prr
@@ -12,6 +13,21 @@ from ..functional import prr
 __all__ = ["PRR"]
 
 _POOLS = (None, "token", "avg")
+
+
+def _checked(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` unchanged, or a ``ValueError`` unless it is ``(B, N, dim)``."""
+    if x.dim() != 3 or x.shape[-1] != dim:
+        raise ValueError(f"PRR expects x of shape (B, N, {dim}), got {tuple(x.shape)}")
+    return x
+
+
+# FX leaves (timm's registry for its feature extraction, torch.fx.wrap for plain tracers): the check
+# branches on the shape, and the functional call checks and dispatches on shapes too
+register_notrace_function(_checked)
+register_notrace_function(prr)
+torch.fx.wrap("_checked")
+torch.fx.wrap("prr")
 
 
 class PRR(nn.Module):
@@ -55,11 +71,10 @@ class PRR(nn.Module):
         ``rows=R`` refines only the first ``R`` tokens (all tokens stay keys): ``(B, R, C)``; for a
         model that then pools the class token, ``rows=1`` gives the same result at ``1/N`` the cost.
         """
-        if x.dim() != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f"PRR expects x of shape (B, N, {self.dim}), got {tuple(x.shape)}")
+        x = self.pre_norm(_checked(x, self.dim))
         if self.pool == "token":
-            return self.post_norm(prr(self.pre_norm(x), self.num_heads, rows=1))[:, 0]
-        x = self.post_norm(prr(self.pre_norm(x), self.num_heads, rows=rows))
+            return self.post_norm(prr(x, self.num_heads, rows=1))[:, 0]
+        x = self.post_norm(prr(x, self.num_heads, rows=rows))
         if self.pool == "avg":
             return x.mean(1)
         return x

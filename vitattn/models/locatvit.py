@@ -5,15 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.data import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, resolve_pretrained_cfg
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
 from ..functional.normalize import Normalizer, resolve_normalizer
 from ..layers import PRR, Attention, LocAtAttention, convert_attention, convertible_attention
 from ._grid import attach_grid_sync
 
-__all__ = ["LocAtViT", "locatvit_base", "locatvit_small", "locatvit_tiny"]
+__all__ = ["HUB_WEIGHTS", "LocAtViT", "locatvit_base", "locatvit_small", "locatvit_tiny"]
 
 
 class LocAtViT(VisionTransformer):
@@ -80,18 +80,23 @@ class LocAtViT(VisionTransformer):
 
 
 def _cfg(**kwargs: Any) -> dict[str, Any]:
+    """Pretrained cfg of the official release: timm's ViT defaults (ImageNet-1k head, 224 px, crop 0.9,
+    bicubic, mean = std = 0.5 per channel), which its ``default_cfgs`` use unchanged."""
     return {
         "url": "",
         "num_classes": 1000,
         "input_size": (3, 224, 224),
         "pool_size": None,
-        "crop_pct": 0.875,
+        "crop_pct": 0.9,
         "interpolation": "bicubic",
         "fixed_input_size": True,
-        "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD,
+        "mean": IMAGENET_INCEPTION_MEAN,
+        "std": IMAGENET_INCEPTION_STD,
         "first_conv": "patch_embed.proj",
         "classifier": "head",
+        "paper_ids": "arXiv:2603.04892",
+        "paper_name": "Locality-Attending Vision Transformer",
+        "origin_url": "https://github.com/sinahmr/LocAtViT",
         **kwargs,
     }
 
@@ -101,15 +106,29 @@ _ARCHS = {
     "locatvit_small": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
     "locatvit_base": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12),
 }
-default_cfgs = generate_default_cfgs({name: _cfg() for name in _ARCHS})
+# The official release's ImageNet-1k weights on the Hugging Face Hub (safetensors, official key names)
+HUB_WEIGHTS = {
+    "locatvit_tiny": "sinahmr/locatvit_tiny",
+    "locatvit_base": "sinahmr/locatvit_base",
+}
+default_cfgs = generate_default_cfgs(
+    {name: _cfg(hf_hub_id=HUB_WEIGHTS[name]) if name in HUB_WEIGHTS else _cfg() for name in _ARCHS}
+)
+
+
+def _weight_source(variant: str, pretrained_cfg: Any, overlay: dict[str, Any]) -> bool:
+    """Whether the pretrained cfg timm will resolve names any weights (hub id, url, file, state dict)."""
+    cfg = resolve_pretrained_cfg(variant, pretrained_cfg=pretrained_cfg, pretrained_cfg_overlay=overlay)
+    return bool(cfg.has_weights or cfg.state_dict is not None)
 
 
 def _create(variant: str, pretrained: bool, **kwargs: Any) -> LocAtViT:
     kwargs = dict(_ARCHS[variant], **kwargs)
     overlay = dict(kwargs.pop("pretrained_cfg_overlay", None) or {})
-    if pretrained and not overlay.get("file"):
+    if pretrained and not _weight_source(variant, kwargs.get("pretrained_cfg"), overlay):
         raise ValueError(
-            f"{variant}: vitattn hosts no pretrained weights; give a local checkpoint with "
+            f"{variant} has no published weights (the official release publishes "
+            f"{', '.join(sorted(HUB_WEIGHTS))}); use pretrained=False, or give a local checkpoint with "
             "pretrained_cfg_overlay=dict(file='path/to/weights.safetensors')"
         )
     if overlay.get("file"):  # a local file is taken to have the head asked for (else timm would drop it)
@@ -127,17 +146,26 @@ def _create(variant: str, pretrained: bool, **kwargs: Any) -> LocAtViT:
 
 @register_model
 def locatvit_tiny(pretrained: bool = False, **kwargs: Any) -> LocAtViT:
-    """LocAtViT-Tiny: ViT-Ti/16 (dim 192, depth 12, 3 heads) at 224 px with GAug and PRR."""
+    """LocAtViT-Tiny: ViT-Ti/16 (dim 192, depth 12, 3 heads) at 224 px with GAug and PRR.
+
+    ``pretrained=True`` loads the official ImageNet-1k weights from the Hub (``sinahmr/locatvit_tiny``).
+    """
     return _create("locatvit_tiny", pretrained, **kwargs)
 
 
 @register_model
 def locatvit_small(pretrained: bool = False, **kwargs: Any) -> LocAtViT:
-    """LocAtViT-Small: ViT-S/16 (dim 384, depth 12, 6 heads) at 224 px with GAug and PRR."""
+    """LocAtViT-Small: ViT-S/16 (dim 384, depth 12, 6 heads) at 224 px with GAug and PRR.
+
+    The official release publishes no weights for it: ``pretrained=True`` needs a local file.
+    """
     return _create("locatvit_small", pretrained, **kwargs)
 
 
 @register_model
 def locatvit_base(pretrained: bool = False, **kwargs: Any) -> LocAtViT:
-    """LocAtViT-Base: ViT-B/16 (dim 768, depth 12, 12 heads) at 224 px with GAug and PRR."""
+    """LocAtViT-Base: ViT-B/16 (dim 768, depth 12, 12 heads) at 224 px with GAug and PRR.
+
+    ``pretrained=True`` loads the official ImageNet-1k weights from the Hub (``sinahmr/locatvit_base``).
+    """
     return _create("locatvit_base", pretrained, **kwargs)

@@ -1,0 +1,225 @@
+"""timm tooling on vitattn models: meta device, FX feature extraction, features_only, forward_intermediates,
+torch.compile(fullgraph=True).
+
+Every model name vitattn registers with timm is checked (built small), and so is a patched
+``vit_tiny_patch16_224`` with each of the three attentions. The FX, features_only and
+forward_intermediates checks follow the ones timm's own ``tests/test_models.py`` makes for its models
+(``test_model_forward_fx``, ``test_model_backward_fx``, ``test_model_forward_features``,
+``test_model_forward_intermediates``); the meta-device and compile checks are vitattn's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import timm
+import torch
+from timm.models import get_notrace_functions, get_notrace_modules
+from timm.models._features import FeatureGetterNet
+from torchvision.models.feature_extraction import create_feature_extractor as tv_create_feature_extractor
+from torchvision.models.feature_extraction import get_graph_node_names
+
+import vitattn
+
+SIZE = 32  # input side: a 4 x 4 patch grid at patch 8
+
+
+def vitattn_model_names() -> list[str]:
+    """Every timm model name whose entrypoint lives in vitattn."""
+    names = timm.list_models()
+    return [n for n in names if timm.models.model_entrypoint(n).__module__.startswith("vitattn.")]
+
+
+def small_kwargs(name: str) -> dict:
+    if "swin" in name:
+        return dict(img_size=64, window_size=4, embed_dim=48, depths=(2, 2), num_heads=(3, 6))
+    return dict(img_size=SIZE, patch_size=8, depth=2)
+
+
+ATTENTIONS = ("softmax", "entmax15", "locat")
+CASES = [f"registered:{n}" for n in vitattn_model_names()] + [f"patched:{a}" for a in ATTENTIONS]
+
+
+def build(case: str, **kw) -> torch.nn.Module:
+    kind, what = case.split(":")
+    if kind == "registered":
+        return timm.create_model(what, **{**small_kwargs(what), **kw})
+    model = timm.create_model("vit_tiny_patch16_224", img_size=SIZE, patch_size=8, depth=2, **kw)
+    return vitattn.patch(model, what, prr=what == "locat")
+
+
+def image_size(model: torch.nn.Module) -> tuple[int, int]:
+    return tuple(int(s) for s in model.patch_embed.img_size)
+
+
+def test_cases_cover_the_registered_models() -> None:
+    assert {"locatvit_tiny", "locatvit_small", "locatvit_base"} <= set(vitattn_model_names())
+
+
+# ---- meta device -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", CASES)
+def test_meta_device_construction_and_forward(case: str) -> None:
+    with torch.device("meta"):
+        model = build(case).eval()
+        x = torch.empty(2, 3, *image_size(model))
+        out = model(x)
+        feats = model.forward_features(x)
+    assert all(p.is_meta for p in model.parameters())
+    assert out.is_meta and out.shape == (2, model.num_classes)
+    assert feats.is_meta and feats.shape[0] == 2 and feats.shape[-1] == model.num_features
+
+
+@pytest.mark.parametrize("normalizer", ["entmax15", "sparsemax", 1.25])
+def test_meta_device_with_sparse_normalizers(normalizer: object) -> None:
+    """The entmax family reads values (threshold search) in eager mode: on meta, shapes only."""
+    with torch.device("meta"):
+        model = timm.create_model("locatvit_tiny", normalizer=normalizer).eval()
+        out = model(torch.empty(1, 3, 224, 224))
+    assert out.is_meta and out.shape == (1, 1000)
+
+
+def test_meta_model_materializes_and_runs() -> None:
+    """The usual meta flow: build on meta, ``to_empty`` on CPU, load real weights, run."""
+    ref = timm.create_model("locatvit_tiny", **small_kwargs("locatvit_tiny")).eval()
+    with torch.device("meta"):
+        model = timm.create_model("locatvit_tiny", **small_kwargs("locatvit_tiny"))
+    model = model.to_empty(device="cpu").eval()
+    model.load_state_dict(ref.state_dict(), strict=True)
+    x = torch.randn(1, 3, SIZE, SIZE)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x))
+
+
+# ---- FX --------------------------------------------------------------------------------------------------
+def _timm_tracer_kwargs() -> dict:
+    return dict(leaf_modules=get_notrace_modules(), autowrap_functions=get_notrace_functions())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fx_block_features_match_eager(case: str) -> None:
+    """``timm.models.create_feature_extractor`` on the blocks and the final output, as timm's test."""
+    model = build(case).eval()
+    x = torch.randn(1, 3, *image_size(model))
+    nodes = [f"blocks.{i}" for i in range(len(model.blocks))]
+    expected: dict[str, torch.Tensor] = {}
+    hooks = [
+        model.blocks[i].register_forward_hook(lambda m, a, o, name=name: expected.__setitem__(name, o))
+        for i, name in enumerate(nodes)
+    ]
+    with torch.no_grad():
+        logits = model(x)
+    for h in hooks:
+        h.remove()
+    extractor = timm.models.create_feature_extractor(model, return_nodes=nodes)
+    with torch.no_grad():
+        got = extractor(x)
+    assert list(got) == nodes
+    for name in nodes:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-5)
+
+    # the last graph node (the logits), traced with timm's leaf registry like timm's test_model_forward_fx
+    _, eval_nodes = get_graph_node_names(model, tracer_kwargs=_timm_tracer_kwargs())
+    full = tv_create_feature_extractor(model, [eval_nodes[-1]], tracer_kwargs=_timm_tracer_kwargs())
+    with torch.no_grad():
+        torch.testing.assert_close(next(iter(full(x).values())), logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["registered:locatvit_tiny", "patched:locat", "patched:entmax15"])
+def test_plain_torchvision_fx_without_timm_registry(case: str) -> None:
+    """vitattn's leaves are also ``torch.fx.wrap``-ed, so torchvision's tracer alone works."""
+    model = build(case).eval()
+    x = torch.randn(1, 3, *image_size(model))
+    extractor = tv_create_feature_extractor(model, return_nodes={"blocks.1": "b1", "head": "logits"})
+    with torch.no_grad():
+        out = extractor(x)
+        torch.testing.assert_close(out["logits"], model(x), atol=1e-5, rtol=1e-5)
+    assert out["b1"].shape[-1] == model.embed_dim
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fx_backward_reaches_every_parameter(case: str) -> None:
+    """timm's test_model_backward_fx: the traced train-mode graph gives every parameter a gradient."""
+    model = build(case, num_classes=7).train()
+    _, eval_nodes = get_graph_node_names(model, tracer_kwargs=_timm_tracer_kwargs())
+    fx_model = tv_create_feature_extractor(
+        model,
+        train_return_nodes=[eval_nodes[-1]],
+        eval_return_nodes=[eval_nodes[-1]],
+        tracer_kwargs=_timm_tracer_kwargs(),
+    )
+    out = next(iter(fx_model(torch.randn(2, 3, *image_size(model))).values()))
+    out.mean().backward()
+    missing = [n for n, p in fx_model.named_parameters() if p.grad is None]
+    assert out.shape == (2, 7) and not missing and torch.isfinite(out).all()
+
+
+# ---- features_only / forward_intermediates ---------------------------------------------------------------
+def _check_feature_maps(outputs, channels, reductions, size: tuple[int, int]) -> None:
+    assert len(outputs) == len(channels)
+    for c, r, o in zip(channels, reductions, outputs, strict=True):
+        assert o.shape[0] == 1 and o.shape[1] == c  # NCHW
+        assert o.shape[2] <= math.ceil(size[0] / r) + 1 and o.shape[3] <= math.ceil(size[1] / r) + 1
+        assert torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_features_only(case: str) -> None:
+    kind, what = case.split(":")
+    if kind == "registered":
+        model = timm.create_model(what, features_only=True, out_indices=(0, 1), **small_kwargs(what)).eval()
+    else:
+        model = FeatureGetterNet(build(case), out_indices=(0, 1)).eval()
+    size = image_size(model.model)
+    with torch.no_grad():
+        outputs = model(torch.randn(1, 3, *size))
+    _check_feature_maps(outputs, model.feature_info.channels(), model.feature_info.reduction(), size)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_forward_intermediates(case: str) -> None:
+    model = build(case).eval()
+    info = timm.models.FeatureInfo(model.feature_info, len(model.feature_info))
+    size = image_size(model)
+    x = torch.randn(1, 3, *size)
+    with torch.no_grad():
+        final, inter = model.forward_intermediates(x, output_fmt="NCHW")
+        torch.testing.assert_close(final, model.forward_features(x))
+        _, only = model.forward_intermediates(x, indices=[0], intermediates_only=False)
+    _check_feature_maps(inter, info.channels(), info.reduction(), size)
+    torch.testing.assert_close(only[0], inter[0])
+
+
+# ---- torch.compile ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", CASES)
+def test_compile_fullgraph_no_graph_breaks(case: str) -> None:
+    """Eval under no_grad: one graph, no breaks (dynamo only: backend "eager" keeps it fast)."""
+    torch._dynamo.reset()
+    model = build(case).eval()
+    x = torch.randn(2, 3, *image_size(model))
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model)(x)
+        assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
+        assert explained.graph_count == 1
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_compile_fullgraph_locat_entmax_aot_eager() -> None:
+    """GAug-biased entmax-1.5 (a fixed number of Newton steps under compile), through AOT autograd."""
+    torch._dynamo.reset()
+    model = timm.create_model("locatvit_tiny", normalizer="entmax15", **small_kwargs("locatvit_tiny")).eval()
+    x = torch.randn(1, 3, SIZE, SIZE)
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+# ---- TorchScript -----------------------------------------------------------------------------------------
+@pytest.mark.skip(
+    reason="TorchScript is not supported: it is deprecated in current PyTorch (torch.compile / torch.export "
+    "replace it), and vitattn's attention path (dataclass bias descriptions, the backend dispatcher, "
+    "autograd Functions) is not scriptable. See docs/layers.md."
+)
+def test_torchscript() -> None:  # pragma: no cover - documented as unsupported
+    torch.jit.script(timm.create_model("locatvit_tiny", **small_kwargs("locatvit_tiny")))
