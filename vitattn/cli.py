@@ -1,4 +1,4 @@
-"""The ``vitattn`` command: ``study``, ``analyze``, ``bench`` and ``info``."""
+"""The ``vitattn`` command: ``study``, ``analyze``, ``probe``, ``bench`` and ``info``."""
 
 from __future__ import annotations
 
@@ -68,6 +68,18 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_probe(args: argparse.Namespace) -> int:
+    """Dense evaluation of a frozen backbone: linear / kNN segmentation probes per block, mIoU, PCA images."""
+    from .probe.command import run_probe
+
+    try:
+        return run_probe(args)
+    except (ValueError, OSError, ImportError) as err:
+        message = " ".join(str(err).split())
+        print(f"vitattn probe: {message}", file=sys.stderr)
+        return 2
+
+
 def cmd_study(args: argparse.Namespace) -> int:
     """The training-protocol locality study: train, test, measure MAD / entropy; table, JSON, CSV, plots."""
     from .study.command import run_command
@@ -116,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--seed", type=int, default=0, help="seed of the random init (default 0)")
     an.add_argument("--no-progress", action="store_true", help="no progress bar")
     an.set_defaults(func=cmd_analyze)
+
+    from .probe.command import add_arguments as add_probe_arguments
+
+    pr = sub.add_parser("probe", help="dense evaluation: linear / kNN segmentation probes per block (mIoU)")
+    add_probe_arguments(pr)
+    pr.set_defaults(func=cmd_probe)
 
     from .study.command import add_arguments as add_study_arguments
 

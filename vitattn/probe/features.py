@@ -1,0 +1,153 @@
+"""Patch features of a frozen backbone, per block: ``(B, C, gh, gw)`` plus the class token.
+
+Three kinds of backbone:
+
+1. a timm-style ViT with ``forward_intermediates`` (timm ``VisionTransformer``, vitattn's
+   ``LocAtViT``, ViTs patched by :func:`vitattn.patch`): the block outputs it returns, through the
+   final norm when ``norm=True``, split into prefix and patch tokens by timm;
+2. a model with ``.blocks`` but no ``forward_intermediates``: forward hooks on the blocks, the token
+   layout from :func:`vitattn.analysis.model_grid_size` / ``model_num_prefix_tokens``, ``model.norm``
+   applied when ``norm=True`` and present;
+3. any other callable ``(B, 3, H, W) -> (B, C, gh, gw)``: its output is the one "layer" (index 0,
+   so ``layers`` must be ``(-1,)`` or ``(0,)``) and there is no class token.
+
+PRR (LocAtViT's refinement after the final norm) is not part of any block output, so it is not applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..analysis.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
+from ..models.blocks import block_indices
+
+__all__ = ["FeatureMaps", "backbone_depth", "patch_features"]
+
+Backbone = nn.Module | Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class FeatureMaps:
+    """Features of one block: ``patches (B, C, gh, gw)``; ``cls (B, C)`` or None without a class token."""
+
+    patches: torch.Tensor
+    cls: torch.Tensor | None
+
+
+def _blocks(backbone: Backbone) -> Sequence[nn.Module] | None:
+    blocks = getattr(backbone, "blocks", None)
+    return blocks if isinstance(blocks, nn.Sequential | nn.ModuleList) else None
+
+
+def backbone_depth(backbone: Backbone) -> int:
+    """Number of blocks the ``layers`` index into (1 for a plain feature callable)."""
+    blocks = _blocks(backbone)
+    return len(blocks) if blocks is not None else 1
+
+
+def _has_class_token(backbone: Backbone) -> bool:
+    if getattr(backbone, "cls_token", None) is not None:
+        return True
+    return bool(getattr(backbone, "has_class_token", False))
+
+
+def _from_intermediates(
+    model: nn.Module, images: torch.Tensor, layers: tuple[int, ...], norm: bool
+) -> dict[int, FeatureMaps]:
+    out = model.forward_intermediates(  # type: ignore[operator]
+        images,
+        indices=list(layers),
+        norm=norm,
+        output_fmt="NCHW",
+        intermediates_only=True,
+        return_prefix_tokens=True,
+        stop_early=True,
+    )
+    cls_ok = _has_class_token(model)
+    maps: dict[int, FeatureMaps] = {}
+    for layer, item in zip(layers, out, strict=True):
+        if isinstance(item, tuple):
+            patches, prefix = item
+            cls = prefix[:, 0] if cls_ok and prefix.shape[1] > 0 else None
+        else:
+            patches, cls = item, None
+        maps[layer] = FeatureMaps(patches, cls)
+    return maps
+
+
+def _from_hooks(
+    model: nn.Module, images: torch.Tensor, layers: tuple[int, ...], norm: bool
+) -> dict[int, FeatureMaps]:
+    blocks = _blocks(model)
+    assert blocks is not None
+    seen: dict[int, torch.Tensor] = {}
+
+    def hook(i: int) -> Callable[..., None]:
+        def fn(_mod: nn.Module, _inp: object, output: object) -> None:
+            seen[i] = output[0] if isinstance(output, tuple | list) else output  # type: ignore[assignment]
+
+        return fn
+
+    handles = [blocks[i].register_forward_hook(hook(i)) for i in layers]
+    try:
+        model(images)
+    finally:
+        for h in handles:
+            h.remove()
+    final_norm = getattr(model, "norm", None) if norm else None
+    maps: dict[int, FeatureMaps] = {}
+    for i in layers:
+        tokens = seen[i]
+        if tokens.ndim != 3:
+            raise ValueError(f"blocks[{i}] returned shape {tuple(tokens.shape)}; expected tokens (B, N, C)")
+        if callable(final_norm):
+            tokens = final_norm(tokens)
+        grid, prefix = resolve_layout(
+            tokens.shape[1], model_grid_size(model, images.shape[-2:]), model_num_prefix_tokens(model)
+        )
+        patches = tokens[:, prefix:].transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], *grid)
+        cls = tokens[:, 0] if prefix > 0 and _has_class_token(model) else None
+        maps[i] = FeatureMaps(patches.contiguous(), cls)
+    return maps
+
+
+def patch_features(
+    backbone: Backbone, images: torch.Tensor, layers: Sequence[int] = (-1,), *, norm: bool = True
+) -> dict[int, FeatureMaps]:
+    """Frozen patch features of ``images (B, 3, H, W)`` at the blocks ``layers``.
+
+    Returns ``{block index (non-negative): FeatureMaps(patches (B, C, gh, gw), cls (B, C) | None)}``
+    in increasing block order. ``layers`` are validated by :func:`vitattn.models.blocks.block_indices`
+    (negative ones count from the end; errors name ``layers``). ``norm``: pass block outputs through
+    the model's final norm (timm's ``forward_intermediates(norm=True)``), the usual choice for probes.
+    Runs under ``torch.no_grad()`` in eval mode; the backbone's training flag is restored afterwards.
+    See the module docstring for the three kinds of backbone.
+    """
+    if images.ndim != 4:
+        raise ValueError(f"images must be (B, C, H, W), got shape {tuple(images.shape)}")
+    idx = block_indices(layers, backbone_depth(backbone), "layers")
+    module = backbone if isinstance(backbone, nn.Module) else None
+    was_training = module.training if module is not None else False
+    if module is not None:
+        module.eval()
+    try:
+        with torch.no_grad():
+            if module is not None and callable(getattr(module, "forward_intermediates", None)):
+                return _from_intermediates(module, images, idx, norm)
+            if module is not None and _blocks(module) is not None:
+                return _from_hooks(module, images, idx, norm)
+            out = backbone(images)
+            if not isinstance(out, torch.Tensor) or out.ndim != 4 or out.shape[0] != images.shape[0]:
+                shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(
+                    f"a backbone without forward_intermediates or .blocks must map (B, 3, H, W) to "
+                    f"(B, C, gh, gw) features; got {shape}"
+                )
+            return {idx[0]: FeatureMaps(out, None)}
+    finally:
+        if module is not None:
+            module.train(was_training)
