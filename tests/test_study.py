@@ -1,8 +1,9 @@
 """`vitattn study`: end to end on a tiny configuration, the results schema, resumption, protocols,
 missing-dataset errors, and torchrun with two CPU ranks.
 
-The tiny study: 2 blocks of width 32 with 4 heads, the first 64 training and 32 test digits,
-batches of 32, 1–2 epochs. Resumption is checked bit for bit against an uninterrupted run.
+The tiny study: 2 blocks of width 32 with 4 heads, the first 64 training and 32 test scenes (the
+default dataset; the probes fitted on 32 training scenes), batches of 32, 1–2 epochs. Resumption is
+checked bit for bit against an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ from vitattn.study.train import WarmupCosine
 TINY = [
     "--depth", "2", "--dim", "32", "--heads", "4", "--epochs", "1", "--batch-size", "32",
     "--limit-train", "64", "--limit-test", "32", "--analysis-images", "16", "--no-progress",
+    "--probe-train-images", "32",
 ]  # fmt: skip
+SOFTMAX = ("--attention", "softmax")
 
 
 def study(out: Path, *extra: str) -> int:
@@ -47,7 +50,8 @@ def study(out: Path, *extra: str) -> int:
 
 @pytest.fixture(scope="module")
 def quick_tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """The default protocols (baseline, modern) on the tiny model, through the CLI; (out, stdout)."""
+    """The quick preset's runs (baseline x softmax, entmax15, locat) on the tiny model, through the
+    CLI; (out, stdout)."""
     import contextlib
     import io
 
@@ -65,13 +69,18 @@ def test_cli_end_to_end_writes_every_output(quick_tiny: tuple[Path, str]) -> Non
     out, stdout = quick_tiny
     data = json.loads((out / "results.json").read_text())
     assert data["status"] == "complete"
-    assert [r["protocol"] for r in data["runs"]] == ["baseline", "modern"]
+    assert [(r["protocol"], r["attention"]) for r in data["runs"]] == [
+        ("baseline", "softmax"),
+        ("baseline", "entmax15"),
+        ("baseline", "locat"),
+    ]
     for name in (
         "results.csv",
         "summary.md",
         "locality_plane.png",
         "mad_per_layer.png",
         "min_mad_vs_acc.png",
+        "attention_comparison.png",
     ):
         assert (out / name).is_file(), name
     for run in data["runs"]:
@@ -82,8 +91,12 @@ def test_cli_end_to_end_writes_every_output(quick_tiny: tuple[Path, str]) -> Non
             "a finished run keeps its weights, not its training state"
         )
     csv_lines = (out / "results.csv").read_text().splitlines()
-    assert len(csv_lines) == 3 and csv_lines[0].startswith("name,protocol,autoaugment,cutmix,label_smoothing")
+    assert len(csv_lines) == 4 and csv_lines[0].startswith("name,protocol,autoaugment,cutmix,label_smoothing")
+    head = csv_lines[0].split(",")
+    for key in ("mean_sparsity", "linear_miou", "knn_miou", "probe_layer"):
+        assert key in head, key
     assert "| protocol | AA | CM | LS |" in stdout and "min MAD (block 0)" in stdout
+    assert "| sparsity | linear mIoU % | k-NN mIoU % |" in stdout and "probe (block 1) mIoU linear" in stdout
     assert (out / "summary.md").read_text().strip() == summary_table(data["runs"])
 
 
@@ -96,7 +109,7 @@ def test_results_schema(quick_tiny: tuple[Path, str]) -> None:
     for run in data["runs"]:
         assert set(run["components"]) == {"autoaugment", "cutmix", "label_smoothing"}
         assert run["components"] == PROTOCOLS[run["protocol"]].components()
-        assert run["attention"] == "softmax" and isinstance(run["seed"], int)
+        assert run["attention"] in ("softmax", "entmax15", "locat") and isinstance(run["seed"], int)
         assert isinstance(run["test_acc"], float) and 0.0 <= run["test_acc"] <= 1.0
         assert [layer["layer"] for layer in run["layers"]] == [0, 1]
         for layer in run["layers"]:
@@ -105,6 +118,14 @@ def test_results_schema(quick_tiny: tuple[Path, str]) -> None:
         assert run["min_mad_first"] == min(run["layers"][0]["mad"])
         assert run["mean_entropy"] == pytest.approx([sum(x["entropy"]) / 4 for x in run["layers"]])
         assert len(run["history"]) == 1 and run["world_size"] == 1
+        probe = run["probe"]
+        keys = {"linear_miou", "knn_miou", "linear_pixel_acc", "knn_pixel_acc", "alignment", "layer"}
+        assert set(probe) == keys
+        assert probe["layer"] == 1 and all(0.0 <= probe[k] <= 1.0 for k in ("linear_miou", "knn_miou"))
+        assert -1.0 <= probe["alignment"] <= 1.0
+        assert len(run["sparsity"]) == 2 and 0.0 <= run["mean_sparsity"] <= 1.0
+    sparsity = {r["attention"]: r["mean_sparsity"] for r in data["runs"]}
+    assert sparsity["softmax"] == sparsity["locat"] == 0.0  # (near-uniform tiny entmax may be dense too)
 
 
 @pytest.mark.parametrize(
@@ -116,6 +137,9 @@ def test_results_schema(quick_tiny: tuple[Path, str]) -> None:
         (lambda d: d["runs"][0]["layers"][1]["entropy"].pop(), "equal-length"),
         (lambda d: d["runs"][0].__setitem__("seed", "0"), "seed"),
         (lambda d: d.pop("config"), "config"),
+        (lambda d: d["runs"][0]["probe"].__setitem__("knn_miou", 1.5), "knn_miou"),
+        (lambda d: d["runs"][0]["probe"].__setitem__("layer", -1), "layer must be"),
+        (lambda d: d["runs"][0].__setitem__("probe", [0.3]), "probe must be"),
     ],
 )
 def test_schema_violations_are_named(quick_tiny: tuple[Path, str], break_it, message: str) -> None:
@@ -136,11 +160,11 @@ def test_complete_study_is_reported_not_rerun(quick_tiny: tuple[Path, str], caps
 
 def test_other_config_in_same_folder_is_refused_unless_overwritten(tmp_path: Path, capsys) -> None:
     out = tmp_path / "s"
-    assert study(out, "--protocol", "ls") == 0
-    assert study(out, "--protocol", "ls", "--epochs", "3") == 2
+    assert study(out, *SOFTMAX, "--protocol", "ls") == 0
+    assert study(out, *SOFTMAX, "--protocol", "ls", "--epochs", "3") == 2
     err = capsys.readouterr().err
     assert "another configuration" in err and "epochs: 1 -> 3" in err and "--overwrite" in err
-    assert study(out, "--protocol", "cm", "--overwrite") == 0
+    assert study(out, *SOFTMAX, "--protocol", "cm", "--overwrite") == 0
     data = json.loads((out / "results.json").read_text())
     assert [r["protocol"] for r in data["runs"]] == ["cm"] and not (
         out / "checkpoints/ls-softmax-s0"
@@ -151,7 +175,7 @@ def test_other_config_in_same_folder_is_refused_unless_overwritten(tmp_path: Pat
 
 
 def test_interrupted_run_resumes_and_matches_an_uninterrupted_one(tmp_path: Path, capsys) -> None:
-    args = ("--protocol", "modern", "--epochs", "2")
+    args = (*SOFTMAX, "--protocol", "modern", "--epochs", "2")
     assert study(tmp_path / "straight", *args) == 0
 
     out = tmp_path / "interrupted"
@@ -179,7 +203,7 @@ def test_interrupted_run_resumes_and_matches_an_uninterrupted_one(tmp_path: Path
 
 def test_resume_flag_reads_the_stored_config(tmp_path: Path, capsys) -> None:
     out = tmp_path / "s"
-    assert study(out, "--protocol", "baseline", "--epochs", "2", "--stop-after-epochs", "1") == 0
+    assert study(out, *SOFTMAX, "--protocol", "baseline", "--epochs", "2", "--stop-after-epochs", "1") == 0
     capsys.readouterr()
     assert main(["study", "--resume", "--out", str(out), "--no-progress"]) == 0  # no model options needed
     text = capsys.readouterr().out
@@ -266,28 +290,48 @@ def test_cutmix_mixes_labels_and_augmented_digits_keep_shape() -> None:
 
 def test_presets_and_defaults() -> None:
     quick, paper = make_config("quick"), make_config("paper")
-    assert quick.protocols == paper.protocols == ["baseline", "modern"]
-    assert (quick.depth, quick.dim, quick.heads, quick.mlp_ratio) == (8, 192, 8, 2.0)
-    assert quick.first_layers == 2 and paper.epochs == 200 and quick.epochs < 10
+    assert quick.dataset == paper.dataset == "scenes"
+    assert quick.protocols == ["baseline"] and paper.protocols == ["baseline", "modern"]
+    assert quick.attentions == ["softmax", "entmax15", "locat"] and paper.attentions == ["softmax"]
+    assert (quick.depth, quick.dim, quick.heads) == (2, 96, 4)  # the main job's small ViT
+    assert (paper.depth, paper.dim, paper.heads, paper.mlp_ratio) == (8, 192, 8, 2.0)  # the study's
+    assert quick.first_layers == 1 and paper.first_layers == 2 and paper.epochs == 200 and quick.epochs < 20
     assert make_config("quick", epochs=7, depth=4).first_layers == 1
-    assert quick.batch_size == 32 and quick.pos_embed_std == 1.0 and quick.hflip is False  # digits
+    assert quick.batch_size == 64 and quick.pos_embed_std == 0.02 and quick.hflip is False  # scenes
+    assert quick.probe and quick.probe_layer == -1
+    digits = make_config("quick", dataset="digits")
+    assert digits.batch_size == 32 and digits.pos_embed_std == 1.0 and digits.hflip is False
     cifar = make_config("paper", dataset="cifar100")
     assert cifar.batch_size == 128 and cifar.pos_embed_std == 0.02 and cifar.hflip is True
     assert cifar.spec.grid_size == (8, 8) and make_config(dataset="tinyimagenet").spec.grid_size == (8, 8)
+    assert quick.spec.grid_size == (8, 8) and quick.spec.has_masks and not cifar.spec.has_masks
     assert StudyConfig.from_dict(cifar.to_dict()) == cifar
     assert make_config("quick", data_dir="elsewhere", threads=1).digest() == quick.digest()
     assert make_config("quick", epochs=4).digest() != quick.digest()
     with pytest.raises(ValueError, match="divisible"):
         make_config(dim=30, heads=8)
+    with pytest.raises(ValueError, match="probe_layer 5"):
+        make_config(probe_layer=5)
+
+
+def test_scenes_normalization_matches_the_dataset() -> None:
+    from vitattn.datasets import DigitScenes
+
+    spec = DATASETS["scenes"]
+    assert spec.mean == DigitScenes.mean and spec.std == DigitScenes.std
+    assert (spec.img_size, spec.patch_size, spec.channels, spec.num_classes) == (32, 4, 3, 10)
 
 
 def test_study_model_has_the_papers_size() -> None:
     from vitattn.study import build_model
 
-    model = build_model(make_config(), "softmax")
+    model = build_model(make_config("paper", dataset="digits"), "softmax")
     assert 2.3e6 < sum(p.numel() for p in model.parameters()) < 2.5e6
     assert tuple(model.patch_embed.grid_size) == (8, 8) and model.num_prefix_tokens == 1
     assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+    scenes = build_model(make_config("paper"), "softmax")
+    assert tuple(scenes.patch_embed.grid_size) == (8, 8)
+    assert scenes(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
     cifar = build_model(make_config(dataset="cifar10", depth=1), "locat")
     assert (
         tuple(cifar.patch_embed.grid_size) == (8, 8)
@@ -313,6 +357,15 @@ def test_summary_aggregates_seeds() -> None:
     assert (rows[0]["min_mad_lo"], rows[0]["min_mad_hi"]) == (0.2, 0.3)
     table = summary_table([run("baseline", 0, 0.9, 0.3), run("baseline", 1, 0.8, 0.2)])
     assert "85.0 ± 7.1" in table and "0.250 [0.200–0.300]" in table and "| 0.60 |" in table
+    assert "| – | – | – |" in table  # runs without sparsity or a probe
+    probed = [run("baseline", 0, 0.9, 0.3), run("baseline", 1, 0.8, 0.2)]
+    for r, (lin, knn, sp) in zip(probed, [(0.2, 0.3, 0.5), (0.4, 0.1, 0.3)], strict=True):
+        r.update(probe={"linear_miou": lin, "knn_miou": knn, "layer": 0}, mean_sparsity=sp)
+    row = summary_rows(probed)[0]
+    assert row["linear_miou_mean"] == pytest.approx(30.0)
+    assert row["knn_miou_std"] == pytest.approx(math.sqrt(200))
+    assert row["sparsity"] == pytest.approx(0.4)
+    assert "| 0.40 | 30.0 ± 14.1 | 20.0 ± 14.1 |" in summary_table(probed)
 
 
 # --- missing data -----------------------------------------------------------------------------
@@ -338,7 +391,7 @@ def test_torchrun_two_cpu_ranks(tmp_path: Path) -> None:
     out = tmp_path / "ddp"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd = [*torchrun, "-m", "vitattn", "study", *TINY, "--protocol", "baseline", "--device", "cpu"]
+    cmd = [*torchrun, "-m", "vitattn", "study", *TINY, *SOFTMAX, "--protocol", "baseline", "--device", "cpu"]
     cmd += ["--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -371,7 +424,7 @@ def test_tinyimagenet_layout_end_to_end(tmp_path: Path) -> None:
 
     out = tmp_path / "out"
     args = ["--dataset", "tinyimagenet", "--data-dir", str(tmp_path / "data"), "--workers", "0"]
-    assert study(out, *args, "--protocol", "aa") == 0
+    assert study(out, *args, *SOFTMAX, "--protocol", "aa") == 0
     data = json.loads((out / "results.json").read_text())
     assert data["config"]["autoaugment_op"] == "colorjitter" and data["config"]["patch_size"] == 8
     run = data["runs"][0]

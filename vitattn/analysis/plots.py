@@ -27,7 +27,8 @@ _MARKERS = "o^sDvP*X"
 Reports = LocalityReport | Mapping[str, LocalityReport] | Sequence[LocalityReport]
 
 
-def _figure(**kwargs: Any) -> Figure:
+def new_figure(**kwargs: Any) -> Figure:
+    """A matplotlib ``Figure`` with constrained layout, outside pyplot (renders with Agg)."""
     try:
         from matplotlib.figure import Figure
     except ImportError as err:  # pragma: no cover - depends on the environment
@@ -35,7 +36,8 @@ def _figure(**kwargs: Any) -> Figure:
     return Figure(layout="constrained", **kwargs)
 
 
-def _save(fig: Figure, path: str | Path | None, dpi: int = 130) -> Figure:
+def save_figure(fig: Figure, path: str | Path | None, dpi: int = 130) -> Figure:
+    """Write ``fig`` as a PNG at ``path`` (parents created) when a path is given; return ``fig``."""
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(str(path), dpi=dpi, format="png")  # a bare Figure renders with the Agg canvas
@@ -70,7 +72,7 @@ def plot_locality_plane(reports: Reports, path: str | Path | None = None, title:
     from matplotlib.lines import Line2D
 
     named = _named(reports)
-    fig = _figure(figsize=(6.4, 4.6))
+    fig = new_figure(figsize=(6.4, 4.6))
     ax = fig.add_subplot()
     last = max((max(r.layers) for r in named.values() if r.layers), default=0)
     cmap = colormaps["viridis"].resampled(last + 1)  # one colour per block
@@ -127,7 +129,7 @@ def plot_locality_plane(reports: Reports, path: str | Path | None = None, title:
     stars = [h for h in ax.collections if str(h.get_label()).startswith("uniform")]
     ax.legend(handles=handles + stars, loc="lower right", fontsize=8)
     ax.set_title(title or "Attention locality per head")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_mad_per_layer(
@@ -143,7 +145,7 @@ def plot_mad_per_layer(
     metrics = [("mad", "mean attention distance (normalized)")]
     if entropy:
         metrics.append(("entropy", "attention entropy (normalized)"))
-    fig = _figure(figsize=(5.2 * len(metrics), 4.0))
+    fig = new_figure(figsize=(5.2 * len(metrics), 4.0))
     axes = fig.subplots(1, len(metrics), squeeze=False)[0]
     for ax, (key, label) in zip(axes, metrics, strict=True):
         for k, (name, rep) in enumerate(named.items()):
@@ -171,7 +173,7 @@ def plot_mad_per_layer(
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(title or "Locality per layer (line: mean over heads, band: min–max)")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _query_index(
@@ -244,7 +246,7 @@ def plot_query_attention(
     heads = rows.shape[0]
     ncols = min(heads + 1, 6)
     nrows = math.ceil((heads + 1) / ncols)
-    fig = _figure(figsize=(2.3 * ncols, 2.45 * nrows))
+    fig = new_figure(figsize=(2.3 * ncols, 2.45 * nrows))
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     cell_h, cell_w = h_px / grid[0], w_px / grid[1]
     extent = (0, w_px, h_px, 0)
@@ -270,4 +272,4 @@ def plot_query_attention(
                 Rectangle((c * cell_w, r * cell_h), cell_w, cell_h, fill=False, color="cyan", lw=1.2)
             )
     fig.suptitle(title or f"attention of {label} (max-normalized per head)", fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -1,5 +1,8 @@
 """Datasets of the study, each sized so the ViT sees an 8×8 patch grid.
 
+- ``scenes`` (default): :class:`vitattn.datasets.DigitScenes`, procedural 32 px scenes of
+  scikit-learn digits on textured backgrounds (patch 4), with segmentation masks, so every run is
+  also probed for dense quality; nothing is downloaded.
 - ``digits``: scikit-learn's bundled 8×8 handwritten digits (1797 images, 10 classes), one pixel
   per patch; a fixed stratified split of 1437 train / 360 test images; nothing is downloaded.
 - ``cifar10`` / ``cifar100``: torchvision's CIFAR (32 px, patch 4) under ``data_dir``.
@@ -24,12 +27,21 @@ __all__ = [
     "DatasetMissingError",
     "DatasetSpec",
     "DigitsDataset",
+    "ScenesDataset",
     "load_datasets",
+    "probe_datasets",
 ]
 
 
 class DatasetMissingError(FileNotFoundError):
     """A dataset is not where the study looks for it; the message says what to put where."""
+
+
+Transform = Callable[[Any], torch.Tensor]
+
+# per-channel mean / std of DigitScenes' default train split (DigitScenes.mean / .std; a test checks)
+SCENES_MEAN = (0.4992, 0.4997, 0.5006)
+SCENES_STD = (0.1990, 0.1993, 0.1991)
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,7 @@ class DatasetSpec:
     batch_size: int = 128
     pos_embed_std: float = 0.02  # timm's init
     hflip: bool = True  # the baseline's horizontal flip
+    has_masks: bool = False  # segmentation masks for the dense probe (scenes only)
 
     @property
     def grid_size(self) -> tuple[int, int]:
@@ -55,6 +68,11 @@ class DatasetSpec:
 
 
 DATASETS: dict[str, DatasetSpec] = {
+    # mean / std are DigitScenes.mean / .std (its default train split); no flip by default, as on
+    # digits (a mirrored digit is mostly not a digit of its class)
+    "scenes": DatasetSpec(
+        "scenes", 32, 4, 3, 10, SCENES_MEAN, SCENES_STD, batch_size=64, hflip=False, has_masks=True
+    ),
     # mean / std of the 1437 training digits scaled to [0, 1]
     # a one-pixel patch embeds a single gray level: position embeddings at timm's std 0.02 are too
     # faint next to it, and the ViT sits at chance for hundreds of steps; they start at std 1 here.
@@ -70,8 +88,6 @@ DATASETS: dict[str, DatasetSpec] = {
         "tinyimagenet", 64, 8, 3, 200, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), "colorjitter"
     ),
 }
-
-Transform = Callable[[Any], torch.Tensor]
 
 
 class DigitsDataset(Dataset):
@@ -102,6 +118,24 @@ class DigitsDataset(Dataset):
     def __getitem__(self, i: int) -> tuple[Any, int]:
         image = self.images[i]
         return (self.transform(image) if self.transform else image), int(self.targets[i])
+
+
+class ScenesDataset(Dataset):
+    """:class:`vitattn.datasets.DigitScenes` as ``(uint8 image (3, 32, 32), label)`` pairs for
+    the protocols' transforms (split ``train`` or ``test``; the masks stay for the probe)."""
+
+    def __init__(self, split: str, transform: Transform | None = None) -> None:
+        from ..datasets import DigitScenes
+
+        self.scenes = DigitScenes(split)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.scenes)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        image = self.scenes.images[i]
+        return (self.transform(image) if self.transform else image), int(self.scenes.labels[i])
 
 
 class _TinyImageNetVal(Dataset):
@@ -202,9 +236,21 @@ def load_datasets(
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}")
     spec = DATASETS[name]
+    if name == "scenes":
+        return ScenesDataset("train", train_transform), ScenesDataset("test", test_transform)
     if name == "digits":
         return DigitsDataset(True, train_transform), DigitsDataset(False, test_transform)
     root = Path(data_dir)
     if name in ("cifar10", "cifar100"):
         return _cifar(spec, root, download, train_transform, test_transform)
     return _tinyimagenet(spec, root, download, train_transform, test_transform)
+
+
+def probe_datasets(name: str) -> tuple[Dataset, Dataset] | None:
+    """``(train, test)`` segmentation datasets of ``name`` for the dense probe — items
+    ``(float image (3, H, W) in [0, 1], label, mask (H, W))`` — or None when it has no masks."""
+    if not DATASETS[name].has_masks:
+        return None
+    from ..datasets import DigitScenes
+
+    return DigitScenes("train"), DigitScenes("test")

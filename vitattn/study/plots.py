@@ -1,32 +1,23 @@
-"""Figures of a study folder: the analysis module's MAD–entropy plane and MAD per layer, and the
-study's own scatter of minimum first-layer MAD against test accuracy (one point per run)."""
+"""Figures of a study folder: the analysis module's MAD–entropy plane and MAD per layer, the
+study's own scatter of minimum first-layer MAD against test accuracy (one point per run), and, on
+datasets with masks, the attentions side by side on a few test scenes (where one query looks in the
+first block, and PCA images of the probed block's patch features)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..analysis import LocalityReport, plot_locality_plane, plot_mad_per_layer
+from ..analysis.plots import new_figure as _figure
+from ..analysis.plots import save_figure as _save
 from .results import report_of
 
-__all__ = ["plot_min_mad_vs_accuracy", "write_plots"]
+__all__ = ["plot_attention_comparison", "plot_min_mad_vs_accuracy", "write_plots"]
 
 _MARKERS = "o^sDvP*X"
-
-
-def _figure(**kwargs: Any) -> Any:
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError("plots need matplotlib (pip install 'vitattn[study]')") from err
-    return Figure(layout="constrained", **kwargs)
-
-
-def _save(fig: Any, path: str | Path | None) -> Any:
-    if path is not None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(str(path), dpi=130, format="png")  # a bare Figure renders with Agg
-    return fig
 
 
 def _group(run: dict[str, Any]) -> str:
@@ -68,8 +59,96 @@ def plot_min_mad_vs_accuracy(
     return _save(fig, path)
 
 
+def _query_patch(mask: torch.Tensor, label: int, grid: tuple[int, int]) -> int:
+    """Row-major index of the patch under the centroid of the main digit's pixels (``label + 1``)."""
+    ys, xs = torch.nonzero(mask == label + 1, as_tuple=True)
+    h, w = mask.shape
+    if ys.numel() == 0:
+        return (grid[0] // 2) * grid[1] + grid[1] // 2
+    row = min(int(ys.double().mean() * grid[0] / h), grid[0] - 1)
+    col = min(int(xs.double().mean() * grid[1] / w), grid[1] - 1)
+    return row * grid[1] + col
+
+
+def plot_attention_comparison(
+    folder: Path, data: dict[str, Any], num_images: int = 4, path: str | Path | None = None
+) -> Any:
+    """The first seed of each protocol / attention on ``num_images`` test scenes, side by side.
+
+    Per run two rows: where the query at the main digit's centre (cyan box) looks in block 0 (mean
+    over heads, over the patches) and the PCA image (first three components as RGB) of the probed
+    block's patch features. Reloads each run's ``model.safetensors`` from ``folder``; None when the
+    dataset has no masks.
+    """
+    from safetensors.torch import load_file
+
+    from ..probe import pca_images
+    from .config import StudyConfig
+    from .datasets import DATASETS, probe_datasets
+    from .model import build_model
+
+    cfg = data["config"]
+    sets = probe_datasets(cfg["dataset"]) if DATASETS[cfg["dataset"]].has_masks else None
+    if sets is None or not data["runs"]:
+        return None
+    from matplotlib.patches import Rectangle
+
+    from ..analysis import attention_maps
+
+    test = sets[1]
+    items = [test[i] for i in range(min(num_images, len(test)))]
+    images = torch.stack([it[0] for it in items])
+    spec = DATASETS[cfg["dataset"]]
+    mean = torch.tensor(spec.mean).view(1, -1, 1, 1)
+    std = torch.tensor(spec.std).view(1, -1, 1, 1)
+    x = (images - mean) / std
+    grid = tuple(cfg["grid_size"])
+    queries = [_query_patch(it[2], int(it[1]), grid) for it in items]
+    config = StudyConfig.from_dict(cfg)
+    firsts: dict[str, dict[str, Any]] = {}
+    for r in data["runs"]:
+        firsts.setdefault(_group(r), r)
+    rows = 1 + 2 * len(firsts)
+    n = len(items)
+    fig = _figure(figsize=(1.7 * n + 1.2, 1.6 * rows))
+    axes = fig.subplots(rows, n, squeeze=False)
+    for j in range(n):
+        axes[0][j].imshow(images[j].permute(1, 2, 0).numpy())
+        axes[0][j].set_title(f"label {int(items[j][1])}", fontsize=8)
+    axes[0][0].set_ylabel("scene", fontsize=8)
+    gh, gw = grid
+    for k, (name, run) in enumerate(firsts.items()):
+        model = build_model(config, run["attention"])
+        model.load_state_dict(load_file(str(folder / run["checkpoint"])))
+        model.eval()
+        probe = run.get("probe") or {}
+        layer = int(probe.get("layer", len(model.blocks) - 1))
+        with torch.no_grad():
+            maps = attention_maps(model, x, layers=[0])[0]  # (B, H, N, N)
+            feats = model.forward_intermediates(
+                x, indices=[layer], output_fmt="NCHW", intermediates_only=True
+            )
+        pca = pca_images(feats[-1])
+        prefix = int(model.num_prefix_tokens)
+        for j in range(n):
+            q = queries[j]
+            row = maps[j, :, prefix + q, prefix:].mean(0).reshape(gh, gw)
+            ax = axes[1 + 2 * k][j]
+            ax.imshow(row.numpy(), cmap="magma")
+            ax.add_patch(Rectangle((q % gw - 0.5, q // gw - 0.5), 1, 1, fill=False, ec="cyan", lw=1.2))
+            axes[2 + 2 * k][j].imshow(pca[j].permute(1, 2, 0).numpy())
+        axes[1 + 2 * k][0].set_ylabel(f"{name}\nblock 0 attention", fontsize=7)
+        axes[2 + 2 * k][0].set_ylabel(f"{name}\nPCA block {layer}", fontsize=7)
+    for ax in axes.flat:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle(f"{cfg['dataset']}: attention of the main digit's centre and patch-feature PCA", fontsize=9)
+    return _save(fig, path)
+
+
 def write_plots(folder: Path, data: dict[str, Any]) -> list[Path]:
-    """Write ``locality_plane.png``, ``mad_per_layer.png`` and ``min_mad_vs_acc.png`` into ``folder``.
+    """Write ``locality_plane.png``, ``mad_per_layer.png``, ``min_mad_vs_acc.png`` and, on
+    datasets with masks, ``attention_comparison.png`` into ``folder``.
 
     The two analysis plots show one run per protocol / attention (its first seed: heads of
     different seeds are not the same heads, so they are not averaged)."""
@@ -85,4 +164,7 @@ def write_plots(folder: Path, data: dict[str, Any]) -> list[Path]:
     plot_locality_plane(firsts, paths[0], title=f"Attention locality per head ({what})")
     plot_mad_per_layer(firsts, paths[1], title=f"Locality per layer ({what}; band: min–max over heads)")
     plot_min_mad_vs_accuracy(runs, paths[2], title=f"First-layer locality vs accuracy ({cfg['dataset']})")
+    comparison = folder / "attention_comparison.png"
+    if plot_attention_comparison(folder, data, path=comparison) is not None:
+        paths.append(comparison)
     return paths

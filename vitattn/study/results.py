@@ -11,10 +11,19 @@ Schema (``schema_version`` 1; extra keys may be added, none removed)::
                "layers": [{"layer": int, "mad": [per head], "entropy": [per head]}, ...],
                "first_layers": [int, ...], "min_mad_first": float,   # min head MAD over those blocks
                "mean_entropy": [per layer], "mean_mad": [per layer],
+               "sparsity": [per layer],           # mean over heads of the fraction of exact zeros
+               "mean_sparsity": float,            # over layers and heads (0 for softmax)
+               "probe": null | {                  # dense probe (datasets with masks: scenes)
+                   "linear_miou": float, "knn_miou": float,          # in [0, 1]
+                   "linear_pixel_acc": float, "knn_pixel_acc": float,
+                   "alignment": float | null,     # mean cosine of patch tokens to the class token
+                   "layer": int},                 # the probed block (non-negative)
                "num_images": int, "seconds": float, "resumed_from_epoch": int, "world_size": int,
                "history": [{"epoch", "train_loss", "lr", "seconds"}], "checkpoint": str}, ...]}
 
-MAD is normalized by the grid diagonal and entropy by log(patches): both in [0, 1].
+MAD is normalized by the grid diagonal and entropy by log(patches): both in [0, 1]. ``sparsity``,
+``mean_sparsity`` and ``probe`` were added in schema version 1 without a version change (files
+without them still load; ``probe`` is null where a run has no probe).
 """
 
 from __future__ import annotations
@@ -76,6 +85,9 @@ def run_record(result: RunResult, first_layers: list[int], epochs: int, root: Pa
         "min_mad_first": min(first) if first else math.nan,
         "mean_mad": [_mean(row["mad"]) for row in layers],
         "mean_entropy": [_mean(row["entropy"]) for row in layers],
+        "sparsity": [_mean(row) for row in rep.sparsity],
+        "mean_sparsity": rep.mean_sparsity,
+        "probe": result.probe,
         "num_images": rep.num_images,
         "seconds": result.seconds,
         "resumed_from_epoch": result.resumed_from_epoch,
@@ -131,6 +143,23 @@ def validate_results(data: dict[str, Any]) -> None:
                     lw,
                     f"normalized MAD / entropy must lie in [0, 1], got {v!r}",
                 )
+
+        probe = run.get("probe")
+        need(probe is None or isinstance(probe, dict), w, "probe must be null or an object")
+        if isinstance(probe, dict):
+            for key in ("linear_miou", "knn_miou"):
+                v = probe.get(key)
+                need(
+                    isinstance(v, float) and 0.0 <= v <= 1.0,
+                    f"{w}.probe",
+                    f"{key} must be a float in [0, 1], got {v!r}",
+                )
+            layer = probe.get("layer")
+            need(
+                isinstance(layer, int) and not isinstance(layer, bool) and layer >= 0,
+                f"{w}.probe",
+                f"layer must be a non-negative int, got {layer!r}",
+            )
 
 
 def _clean(obj: Any) -> Any:
@@ -191,6 +220,10 @@ def write_csv(path: Path, runs: list[dict[str, Any]]) -> None:
         "epochs",
         "test_acc",
         "min_mad_first",
+        "mean_sparsity",
+        "linear_miou",
+        "knn_miou",
+        "probe_layer",
     ]
     head += [f"mad_l{i}" for i in range(depth)] + [f"entropy_l{i}" for i in range(depth)]
     buf = io.StringIO()
@@ -199,7 +232,9 @@ def write_csv(path: Path, runs: list[dict[str, Any]]) -> None:
     for r in runs:
         row = [r["name"], r["protocol"], *(int(r["components"][c]) for c in COMPONENTS), r["attention"]]
         row += [int(r.get("prr", False)), r["seed"], r.get("epochs"), f"{r['test_acc']:.4f}"]
-        row += [_num(r.get("min_mad_first"))]
+        probe = r.get("probe") or {}
+        row += [_num(r.get("min_mad_first")), _num(r.get("mean_sparsity"))]
+        row += [_num(probe.get("linear_miou")), _num(probe.get("knn_miou")), probe.get("layer", "")]
         row += [_num(v) for v in r.get("mean_mad", [])] + [_num(v) for v in r.get("mean_entropy", [])]
         writer.writerow(row)
     path.write_text(buf.getvalue())
@@ -209,9 +244,24 @@ def _num(v: float | None, digits: int = 4) -> str:
     return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
 
 
+def _mean_std(name: str, values: list[float]) -> dict[str, float]:
+    """``{name_mean, name_std}`` over seeds (NaN mean when there are none, std 0 for one)."""
+    return {
+        f"{name}_mean": statistics.fmean(values) if values else math.nan,
+        f"{name}_std": statistics.stdev(values) if len(values) > 1 else 0.0,
+    }
+
+
+def _pm(mean: float, std: float, seeds: int, digits: int = 1) -> str:
+    if math.isnan(mean):
+        return "–"
+    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if seeds > 1 else "")
+
+
 def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Runs grouped by (protocol, attention, prr), in first-seen order, with over-seed statistics:
-    accuracy mean / std, min MAD of the first layers mean / min / max, mean entropy per layer."""
+    accuracy mean / std, min MAD of the first layers mean / min / max, mean sparsity, linear and
+    k-NN probe mIoU mean / std (NaN without a probe), mean entropy per layer."""
     groups: dict[tuple[str, str, bool], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["protocol"], r["attention"], bool(r.get("prr", False))), []).append(r)
@@ -220,6 +270,8 @@ def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         accs = [100 * r["test_acc"] for r in rs]
         mads = [r["min_mad_first"] for r in rs if r.get("min_mad_first") is not None]
         depth = min(len(r["mean_entropy"]) for r in rs)
+        sparsity = [r["mean_sparsity"] for r in rs if r.get("mean_sparsity") is not None]
+        probes = [r["probe"] for r in rs if r.get("probe")]
         rows.append(
             dict(
                 protocol=protocol,
@@ -232,6 +284,9 @@ def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 min_mad_lo=min(mads) if mads else math.nan,
                 min_mad_hi=max(mads) if mads else math.nan,
                 entropy=[_mean(r["mean_entropy"][i] for r in rs) for i in range(depth)],
+                sparsity=statistics.fmean(sparsity) if sparsity else math.nan,
+                **_mean_std("linear_miou", [100 * p["linear_miou"] for p in probes]),
+                **_mean_std("knn_miou", [100 * p["knn_miou"] for p in probes]),
                 first_layers=rs[0].get("first_layers", []),
             )
         )
@@ -255,18 +310,25 @@ def summary_table(runs: list[dict[str, Any]]) -> str:
         "seeds",
         "test acc %",
         f"min MAD ({first_txt})",
+        "sparsity",
+        "linear mIoU %",
+        "k-NN mIoU %",
         f"mean entropy per layer (0–{depth - 1})",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         c = r["components"]
-        acc = f"{r['acc_mean']:.1f}" + (f" ± {r['acc_std']:.1f}" if r["seeds"] > 1 else "")
+        acc = _pm(r["acc_mean"], r["acc_std"], r["seeds"])
+        dense = [
+            _pm(r["linear_miou_mean"], r["linear_miou_std"], r["seeds"]),
+            _pm(r["knn_miou_mean"], r["knn_miou_std"], r["seeds"]),
+        ]
+        sparsity = "–" if math.isnan(r["sparsity"]) else f"{r['sparsity']:.2f}"
         mad = _num(r["min_mad_mean"], 3)
         if r["seeds"] > 1:
             mad += f" [{_num(r['min_mad_lo'], 3)}–{_num(r['min_mad_hi'], 3)}]"
         ent = " ".join(_num(v, 2) for v in r["entropy"])
         marks = ["✓" if c[k] else "·" for k in COMPONENTS]
-        lines.append(
-            "| " + " | ".join([r["protocol"], *marks, r["attention"], str(r["seeds"]), acc, mad, ent]) + " |"
-        )
+        cells = [r["protocol"], *marks, r["attention"], str(r["seeds"]), acc, mad, sparsity, *dense, ent]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

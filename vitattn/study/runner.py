@@ -76,6 +76,23 @@ def _describe(config: StudyConfig, n_runs: int, env: DistEnv) -> str:
     )
 
 
+def _run_line(record: dict[str, Any]) -> str:
+    """One line of a finished run: accuracy, minimum MAD, sparsity, probe mIoU, time."""
+    first = record["first_layers"]
+    parts = [
+        f"test acc {100 * record['test_acc']:.2f} %",
+        f"min MAD (blocks {first[0]}-{first[-1]}) {record['min_mad_first']:.4f}",
+        f"sparsity {record['mean_sparsity']:.2f}",
+    ]
+    probe = record.get("probe")
+    if probe:
+        parts.append(
+            f"probe (block {probe['layer']}) mIoU linear {100 * probe['linear_miou']:.1f} % / "
+            f"k-NN {100 * probe['knn_miou']:.1f} %"
+        )
+    return ", ".join(parts + [f"{record['seconds']:.0f} s"])
+
+
 def _clear(out: Path) -> None:
     for name in ("results.json", "results.csv", "summary.md"):
         (out / name).unlink(missing_ok=True)
@@ -160,11 +177,7 @@ def run_study(
                 write_csv(out / "results.csv", runs)
                 for stale in [folder / "state.json", *folder.glob("state-e*.safetensors")]:
                     stale.unlink(missing_ok=True)
-                say(
-                    f"  {spec.name}: test acc {100 * record['test_acc']:.2f} %, min MAD (blocks 0-"
-                    f"{len(record['first_layers']) - 1}) {record['min_mad_first']:.4f}, "
-                    f"{record['seconds']:.0f} s"
-                )
+                say(f"  {spec.name}: {_run_line(record)}")
             barrier(env)
         table = summary_table(runs)
         data = {"config": cfg_dict, "runs": runs}
@@ -178,7 +191,9 @@ def run_study(
             say(f"\n{table}\n")
             say(
                 f"MAD: mean attention distance / grid diagonal; min over the heads of blocks "
-                f"0..{config.first_layers - 1}; entropy: mean over heads / log(patches). "
+                f"0..{config.first_layers - 1}; sparsity: fraction of exact zeros in the attention "
+                f"maps; mIoU: linear and k-NN segmentation probes of the frozen features (–: no "
+                f"masks); entropy: mean over heads / log(patches). "
                 f"{time.perf_counter() - t0:.0f} s. Results, CSV, plots and checkpoints in {out}"
             )
             data = load_results(results_path)

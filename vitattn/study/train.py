@@ -19,12 +19,12 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 from ..analysis import LocalityReport, locality_report
 from .checkpoint import load_state, save_model, save_state
 from .config import StudyConfig
-from .datasets import load_datasets
+from .datasets import load_datasets, probe_datasets
 from .distributed import DistEnv, all_reduce_sum, barrier
 from .model import build_model
 from .protocols import Protocol, build_criterion, build_cutmix, build_test_transform, build_train_transform
 
-__all__ = ["RunResult", "RunSpec", "WarmupCosine", "evaluate", "train_run"]
+__all__ = ["RunResult", "RunSpec", "WarmupCosine", "dense_probe_record", "evaluate", "train_run"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class RunResult:
     resumed_from_epoch: int
     checkpoint: Path
     world_size: int = 1
+    probe: dict[str, Any] | None = None
 
 
 class WarmupCosine:
@@ -137,9 +138,61 @@ def _analysis_batches(
 
 
 def _progress(total: int, desc: str, enabled: bool) -> Any:
+    """A tqdm bar on stderr when it is a terminal; none in a log file (the per-epoch lines stay)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit="batch", leave=False, disable=not enabled, file=sys.stderr)
+    live = enabled and sys.stderr.isatty()
+    return tqdm(total=total, desc=desc, unit="batch", leave=False, disable=not live, file=sys.stderr)
+
+
+def dense_probe_record(model: nn.Module, config: StudyConfig, device: torch.device) -> dict[str, Any] | None:
+    """Linear and k-NN segmentation probes of the frozen ``model`` on the dataset's scenes.
+
+    Returns ``{"linear_miou", "knn_miou", "linear_pixel_acc", "knn_pixel_acc", "alignment",
+    "layer"}`` (mIoU and accuracy in [0, 1], ``layer`` the non-negative block index), or None when
+    the dataset has no masks or ``config.probe`` is off.
+    """
+    sets = probe_datasets(config.dataset) if config.probe else None
+    if sets is None:
+        return None
+    from torchvision.transforms import v2
+
+    from ..probe import extract_dense_features, probe_features
+
+    train, test = sets
+    train = _subset(train, config.probe_train_images)
+    test = _subset(test, config.limit_test)
+    spec = config.spec
+    normalize = v2.Normalize(list(spec.mean), list(spec.std))
+    features = {
+        name: extract_dense_features(
+            model,
+            data,
+            layers=(config.probe_layer,),
+            num_classes=data_set.num_seg_classes,
+            ignore_index=data_set.ignore_index,
+            transform=normalize,
+            device=device,
+            progress=False,
+        )
+        for name, data, data_set in (("train", train, sets[0]), ("test", test, sets[1]))
+    }
+    common = dict(device=device, progress=False)
+    linear = probe_features(
+        features["train"], features["test"], method="linear", epochs=config.probe_epochs, **common
+    )
+    knn = probe_features(
+        features["train"], features["test"], method="knn", bank_size=config.probe_bank_size, **common
+    )
+    layer = linear.layers[-1]
+    return {
+        "linear_miou": float(linear.miou),
+        "knn_miou": float(knn.miou),
+        "linear_pixel_acc": float(linear.pixel_acc),
+        "knn_pixel_acc": float(knn.pixel_acc),
+        "alignment": linear.per_layer[layer].alignment,
+        "layer": int(layer),
+    }
 
 
 def train_run(
@@ -233,11 +286,12 @@ def train_run(
             return None
 
     test_acc = evaluate(model, test_set, env)
-    report = None
+    report, probe = None, None
     if env.is_main:
         report = locality_report(
             model, _analysis_batches(test_set, config.analysis_images), progress=False, name=spec.name
         )
+        probe = dense_probe_record(model, config, env.device)
         save_model(model, folder / "model.safetensors")
     barrier(env)
     return RunResult(
@@ -249,4 +303,5 @@ def train_run(
         resumed_from_epoch=first_epoch,
         checkpoint=folder / "model.safetensors",
         world_size=env.world_size,
+        probe=probe,
     )
