@@ -96,7 +96,8 @@ def test_cli_end_to_end_writes_every_output(quick_tiny: tuple[Path, str]) -> Non
     for key in ("mean_sparsity", "linear_miou", "knn_miou", "probe_layer"):
         assert key in head, key
     assert "| protocol | AA | CM | LS |" in stdout and "min MAD (block 0)" in stdout
-    assert "| sparsity | linear mIoU % | k-NN mIoU % |" in stdout and "probe (block 1) mIoU linear" in stdout
+    assert "| sparsity | linear mIoU % | k-NN mIoU % | patch–CLS cos |" in stdout
+    assert "probe (block 1) mIoU linear" in stdout
     assert (out / "summary.md").read_text().strip() == summary_table(data["runs"])
 
 
@@ -357,15 +358,15 @@ def test_summary_aggregates_seeds() -> None:
     assert (rows[0]["min_mad_lo"], rows[0]["min_mad_hi"]) == (0.2, 0.3)
     table = summary_table([run("baseline", 0, 0.9, 0.3), run("baseline", 1, 0.8, 0.2)])
     assert "85.0 ± 7.1" in table and "0.250 [0.200–0.300]" in table and "| 0.60 |" in table
-    assert "| – | – | – |" in table  # runs without sparsity or a probe
+    assert "| – | – | – | – |" in table  # runs without sparsity or a probe
     probed = [run("baseline", 0, 0.9, 0.3), run("baseline", 1, 0.8, 0.2)]
     for r, (lin, knn, sp) in zip(probed, [(0.2, 0.3, 0.5), (0.4, 0.1, 0.3)], strict=True):
-        r.update(probe={"linear_miou": lin, "knn_miou": knn, "layer": 0}, mean_sparsity=sp)
+        r.update(probe={"linear_miou": lin, "knn_miou": knn, "layer": 0, "alignment": sp}, mean_sparsity=sp)
     row = summary_rows(probed)[0]
     assert row["linear_miou_mean"] == pytest.approx(30.0)
     assert row["knn_miou_std"] == pytest.approx(math.sqrt(200))
     assert row["sparsity"] == pytest.approx(0.4)
-    assert "| 0.40 | 30.0 ± 14.1 | 20.0 ± 14.1 |" in summary_table(probed)
+    assert "| 0.40 | 30.0 ± 14.1 | 20.0 ± 14.1 | 0.400 ± 0.141 |" in summary_table(probed)
 
 
 # --- missing data -----------------------------------------------------------------------------

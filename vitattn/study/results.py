@@ -261,7 +261,8 @@ def _pm(mean: float, std: float, seeds: int, digits: int = 1) -> str:
 def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Runs grouped by (protocol, attention, prr), in first-seen order, with over-seed statistics:
     accuracy mean / std, min MAD of the first layers mean / min / max, mean sparsity, linear and
-    k-NN probe mIoU mean / std (NaN without a probe), mean entropy per layer."""
+    k-NN probe mIoU and patch–class-token alignment mean / std (NaN without a probe), mean entropy
+    per layer."""
     groups: dict[tuple[str, str, bool], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["protocol"], r["attention"], bool(r.get("prr", False))), []).append(r)
@@ -287,6 +288,7 @@ def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 sparsity=statistics.fmean(sparsity) if sparsity else math.nan,
                 **_mean_std("linear_miou", [100 * p["linear_miou"] for p in probes]),
                 **_mean_std("knn_miou", [100 * p["knn_miou"] for p in probes]),
+                **_mean_std("alignment", [p["alignment"] for p in probes if p.get("alignment") is not None]),
                 first_layers=rs[0].get("first_layers", []),
             )
         )
@@ -313,6 +315,7 @@ def summary_table(runs: list[dict[str, Any]]) -> str:
         "sparsity",
         "linear mIoU %",
         "k-NN mIoU %",
+        "patch–CLS cos",
         f"mean entropy per layer (0–{depth - 1})",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
@@ -322,6 +325,7 @@ def summary_table(runs: list[dict[str, Any]]) -> str:
         dense = [
             _pm(r["linear_miou_mean"], r["linear_miou_std"], r["seeds"]),
             _pm(r["knn_miou_mean"], r["knn_miou_std"], r["seeds"]),
+            _pm(r["alignment_mean"], r["alignment_std"], r["seeds"], digits=3),
         ]
         sparsity = "–" if math.isnan(r["sparsity"]) else f"{r['sparsity']:.2f}"
         mad = _num(r["min_mad_mean"], 3)
