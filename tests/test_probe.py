@@ -35,13 +35,7 @@ K, S, P = 4, 16, 4  # classes, image side, patch side of the synthetic data
 G = S // P
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one thread is faster, and on a shared 2-core machine far faster (no spin-waits)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- mIoU

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from vitattn.cli import main
 
@@ -16,12 +15,7 @@ TINY = [
 SMALL = ["--limit-train", "64", "--limit-test", "32", "--epochs", "2", "--no-progress"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_probe_scenes_end_to_end(tmp_path, capsys) -> None:

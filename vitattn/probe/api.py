@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from .extract import DenseFeatures, extract_dense_features, resolve_num_classes
+from .extract import DenseFeatures, device_of, extract_dense_features, resolve_num_classes
 from .features import Backbone
 from .knn import KNN_DEFAULTS, knn_probe
 from .linear import LINEAR_DEFAULTS, linear_probe
@@ -181,15 +181,7 @@ def dense_probe(
     )
     tr = extract_dense_features(backbone, train, desc="train features", **kw)
     te = extract_dense_features(backbone, test, desc="test features", **kw)
-    dev = device if device is not None else _features_device(backbone)
+    dev = device if device is not None else device_of(backbone)
     return probe_features(
         tr, te, method=method, device=dev, progress=progress, seed=seed, batch_size=batch_size, **options
     )
-
-
-def _features_device(backbone: Backbone) -> torch.device:
-    if isinstance(backbone, torch.nn.Module):
-        p = next(iter(backbone.parameters()), None)
-        if p is not None:
-            return p.device
-    return torch.device("cpu")

@@ -110,7 +110,7 @@ def extract_dense_features(
     if len(dataset) == 0:  # type: ignore[arg-type]
         raise ValueError(f"the dataset ({type(dataset).__name__}) is empty")
     idx = block_indices(layers, backbone_depth(backbone), "layers")
-    dev = torch.device(device) if device is not None else _device_of(backbone)
+    dev = torch.device(device) if device is not None else device_of(backbone)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=_collate)
     n = len(dataset)  # type: ignore[arg-type]
     feats: dict[int, torch.Tensor] = {}
@@ -147,7 +147,8 @@ def extract_dense_features(
     return DenseFeatures(idx, feats, masks, alignment, num_classes, ignore_index)
 
 
-def _device_of(backbone: Backbone) -> torch.device:
+def device_of(backbone: Backbone) -> torch.device:
+    """The device of ``backbone``'s first parameter (CPU for a callable or a module without any)."""
     if isinstance(backbone, torch.nn.Module):
         p = next(iter(backbone.parameters()), None)
         if p is not None:
