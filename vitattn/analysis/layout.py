@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ..layers.locat import grid_pair
+from ..functional import grid_pair
+from ..models._grid import feat_size
 
 __all__ = ["model_grid_size", "model_num_prefix_tokens", "resolve_layout"]
 
@@ -19,14 +20,7 @@ def model_grid_size(model: nn.Module, image_size: Sequence[int] | None = None) -
     models get the grid of each input), else ``patch_embed.grid_size``.
     """
     embed = getattr(model, "patch_embed", None)
-    if embed is None:
-        return None
-    dynamic = getattr(embed, "dynamic_feat_size", None)
-    if image_size is not None and callable(dynamic):
-        gh, gw = dynamic((int(image_size[0]), int(image_size[1])))
-        return int(gh), int(gw)
-    grid = getattr(embed, "grid_size", None)
-    return None if grid is None else grid_pair("patch_embed.grid_size", tuple(int(g) for g in grid))
+    return None if embed is None else feat_size(embed, image_size)
 
 
 def model_num_prefix_tokens(model: nn.Module) -> int | None:

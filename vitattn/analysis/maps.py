@@ -16,27 +16,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..functional import capture_attention_weights
-from ..models.blocks import block_indices
+from ..functional import capture_attention_weights, scores
+from ..layers.attention import project_qkv, resolve_attn_mask
+from ..models.blocks import block_indices, model_blocks
 
 __all__ = ["attention_maps", "evaluating", "record_attention", "resolve_layers", "timm_attention_probs"]
 
 MapSink = Callable[[int, torch.Tensor], None]
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.Module):
-        raise TypeError(
-            f"model must be a ViT with a `blocks` sequence (a timm VisionTransformer or a vitattn model), "
-            f"got {type(model).__name__}"
-        )
-    return list(blocks)  # type: ignore[arg-type]
-
-
 def resolve_layers(model: nn.Module, layers: int | Iterable[int] | None = None) -> list[int]:
     """Sorted, de-duplicated block indices into ``model.blocks`` (negatives count from the end)."""
-    depth = len(_blocks(model))
+    depth = len(model_blocks(model))
     if layers is None:
         return list(range(depth))
     items = [layers] if isinstance(layers, int) else list(layers)
@@ -61,23 +52,14 @@ def timm_attention_probs(
 ) -> torch.Tensor:
     """Probabilities ``(B, H, N, N)`` of timm's ``Attention`` on its input ``x: (B, N, C)``.
 
-    timm's own formula: ``softmax(q·scale @ kᵀ + mask)`` with q, k from ``qkv``, ``q_norm``, ``k_norm``
+    timm's formula ``softmax(q kᵀ · scale + mask)`` with q, k from ``qkv``, ``q_norm``, ``k_norm``
+    (:func:`~vitattn.layers.attention.project_qkv`), the scores from :func:`vitattn.functional.scores`
     (``attn_mask``: bool keep-mask or additive; ``is_causal`` takes precedence). Float32 at least.
     """
-    b, n, _ = x.shape
-    qkv = attn.qkv(x).reshape(b, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
-    q, k, _ = qkv.unbind(0)
-    q, k = attn.q_norm(q), attn.k_norm(k)
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    scores = (q.to(dtype) * attn.scale) @ k.to(dtype).transpose(-2, -1)
-    if is_causal:
-        scores = scores + scores.new_full((n, n), float("-inf")).triu_(1)
-    elif attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
-        else:
-            scores = scores + attn_mask.to(dtype)
-    return scores.softmax(dim=-1)
+    q, k, _ = project_qkv(attn, x)
+    assert q is not None and k is not None
+    mask = resolve_attn_mask(x.shape[1], attn_mask, is_causal, x.device)
+    return scores(q, k, scale=float(attn.scale), mask=mask).softmax(dim=-1)
 
 
 def _call_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any, bool]:
@@ -101,7 +83,7 @@ def record_attention(
     ``Attention`` nor calls :func:`vitattn.functional.attention`, and ``RuntimeError`` for one that
     calls it more than once per forward.
     """
-    blocks = _blocks(model)
+    blocks = model_blocks(model)
     chosen = resolve_layers(model, layers)
     state: dict[str, Any] = {"block": None, "probs": []}
     handles = []

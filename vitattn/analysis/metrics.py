@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..layers.locat import grid_pair
+from ..functional import compute_dtype, grid_pair
 
 __all__ = ["attention_entropy", "grid_diagonal", "grid_distances", "mean_attention_distance"]
 
@@ -62,7 +62,7 @@ def _patch_rows(
             f"{fn}: attn of shape {tuple(attn.shape)} does not match grid_size ({gh}, {gw}) with "
             f"num_prefix_tokens={p}, which needs (..., {n}, {n}) = {p} + {gh}*{gw} tokens"
         )
-    a = attn[..., p:, p:].to(torch.promote_types(attn.dtype, torch.float32))
+    a = attn[..., p:, p:].to(compute_dtype(attn))
     mass = a.sum(-1, keepdim=True)
     valid = mass.squeeze(-1) > 0
     a = a / torch.where(mass > 0, mass, torch.ones_like(mass))

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..layers.locat import grid_pair
+from ..functional import grid_pair
 from .metrics import grid_distances, mean_attention_distance
 from .report import LocalityReport
 

@@ -1,27 +1,37 @@
 """Pure tensor functions of the attention pipeline (no nn.Module, no parameters)."""
 
-from .attention import attention
+from ._checks import grid_pair
+from .attention import Explanation, attention, explain
 from .capture import capture_attention_weights
-from .dispatch import available_backends, explain, register_backend
+from .dispatch import available_backends, get_default_backend, register_backend, set_default_backend
+from .dtypes import compute_dtype
 from .entmax15 import entmax15
 from .entmax_alpha import entmax, sparsemax
 from .gaussian import GaussianBias, gaussian_clamp, gaussian_eps
 from .normalize import Normalizer, normalize
 from .prr import prr
+from .scoring import apply_mask, scores
 
 __all__ = [
+    "Explanation",
     "GaussianBias",
     "Normalizer",
+    "apply_mask",
     "attention",
     "available_backends",
     "capture_attention_weights",
+    "compute_dtype",
     "entmax",
     "entmax15",
     "explain",
     "gaussian_clamp",
     "gaussian_eps",
+    "get_default_backend",
+    "grid_pair",
     "normalize",
     "prr",
     "register_backend",
+    "scores",
+    "set_default_backend",
     "sparsemax",
 ]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
+
 import torch
 
 
@@ -50,3 +53,20 @@ def check_broadcastable(name: str, t: torch.Tensor, target: tuple[int, ...], tar
             f"{name} of shape {shape_str(t)} does not broadcast to {target_name} "
             f"({', '.join(str(s) for s in target)})"
         )
+
+
+def grid_pair(name: str, value: int | Sequence[int]) -> tuple[int, int]:
+    """``value`` (one int, or two: rows, columns) as ``(rows, columns)``; ``ValueError`` naming ``name``.
+
+    Items must be integers (``operator.index``: ints, integer tensors and numpy ints, not floats).
+    """
+    try:
+        items = value if isinstance(value, Sequence) else (value, value)
+        pair = tuple(operator.index(v) for v in items)
+    except TypeError:
+        pair = ()
+    if len(pair) != 2 or min(pair) < 1:
+        raise ValueError(
+            f"{name} must be two positive ints (rows, columns) or one positive int, got {value!r}"
+        )
+    return int(pair[0]), int(pair[1])

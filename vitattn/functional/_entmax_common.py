@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from .dtypes import compute_dtype
+
+__all__ = ["compute_dtype", "support_jvp"]
+
 
 def support_jvp(
     grad_out: torch.Tensor, g: torch.Tensor, dim: int, out: torch.Tensor | None = None
@@ -24,8 +28,3 @@ def support_jvp(
     g_sum = g.sum(dim, keepdim=True)
     coef = gx.sum(dim, keepdim=True) / g_sum.clamp_min(torch.finfo(g.dtype).tiny)
     return gx.addcmul_(coef, g, value=-1.0)
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Reduced-precision inputs are normalized in float32; float32/float64 stay as they are."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 
 from . import torch_backend as _torch_backend  # noqa: F401  (registers the reference backend)
-from ._checks import check_broadcastable, check_floating, check_rank, shape_str
+from ._checks import check_floating, check_rank, shape_str
 from .capture import active_callbacks
-from .dispatch import AttentionCall, select_backend
+from .dispatch import AttentionCall, backend_reasons, check_backend_name, resolve_backend, select_backend
 from .gaussian import GaussianBias
 from .normalize import Normalizer, resolve_normalizer
+from .scoring import check_mask_and_bias
 
 
 def _validate(
@@ -35,30 +36,7 @@ def _validate(
         raise ValueError(f"q and k must share the head dim D, got q {shape_str(q)} and k {shape_str(k)}")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"k and v must share the key count Nk, got k {shape_str(k)} and v {shape_str(v)}")
-    target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor):
-            raise TypeError(f"mask must be a tensor or None, got {type(mask).__name__}")
-        if mask.dtype != torch.bool and not mask.is_floating_point():
-            raise TypeError(
-                f"mask must be a boolean keep-mask or an additive float mask, got dtype {mask.dtype}"
-            )
-        check_broadcastable("mask", mask, target, "(B, H, Nq, Nk)")
-    if isinstance(bias, GaussianBias):
-        n = bias.num_tokens
-        if q.shape[2] != n or k.shape[2] != n:
-            raise ValueError(
-                f"GaussianBias describes N = {bias.num_prefix_tokens} prefix + {bias.grid_size[0]}x"
-                f"{bias.grid_size[1]} patches = {n} tokens, but q is {shape_str(q)} and k is {shape_str(k)}"
-            )
-        check_broadcastable(
-            "bias.sigma", bias.sigma[..., :1, :1], (q.shape[0], q.shape[1], 1, 1), "(B, H, ., .)"
-        )
-    elif bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"bias must be a tensor, a GaussianBias or None, got {type(bias).__name__}")
-        check_floating("bias", bias)
-        check_broadcastable("bias", bias, target, "(B, H, Nq, Nk)")
+    check_mask_and_bias(q, k, mask, bias)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
 
@@ -128,19 +106,11 @@ def attention(
         ``out`` of shape ``(B, H, Nq, Dv)`` in the dtype of ``v``, and the probabilities when
         ``return_weights=True``.
     """
-    _validate(q, k, v, mask, bias, dropout_p)
+    call = make_call(
+        q, k, v, normalizer=normalizer, scale=scale, mask=mask, bias=bias,
+        return_weights=return_weights, dropout_p=dropout_p,
+    )  # fmt: skip
     callbacks = active_callbacks()
-    call = AttentionCall(
-        q=q,
-        k=k,
-        v=v,
-        normalizer=resolve_normalizer(normalizer),
-        scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
-        mask=mask,
-        bias=bias,
-        return_weights=bool(return_weights) or bool(callbacks),
-        dropout_p=float(dropout_p),
-    )
     out, probs = select_backend(call, backend).run(call)
     if callbacks:
         assert probs is not None
@@ -149,4 +119,129 @@ def attention(
     if return_weights:
         assert probs is not None
         return out, probs
+    return out
+
+
+def make_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    normalizer: Normalizer = "softmax",
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | GaussianBias | None = None,
+    return_weights: bool = False,
+    dropout_p: float = 0.0,
+) -> AttentionCall:
+    """The validated :class:`AttentionCall` that :func:`attention` hands to a backend for these arguments.
+
+    Inside :func:`capture_attention_weights` the call asks for the weights.
+    """
+    _validate(q, k, v, mask, bias, dropout_p)
+    return AttentionCall(
+        q=q,
+        k=k,
+        v=v,
+        normalizer=resolve_normalizer(normalizer),
+        scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
+        mask=mask,
+        bias=bias,
+        return_weights=bool(return_weights) or bool(active_callbacks()),
+        dropout_p=float(dropout_p),
+    )
+
+
+def _describe(name: str, t: object) -> str:
+    if isinstance(t, GaussianBias):
+        return (
+            f"{name}: GaussianBias(grid_size={t.grid_size}, num_prefix_tokens={t.num_prefix_tokens}, "
+            f"initial_grid_size={t.initial_grid_size}, sigma {shape_str(t.sigma)} {t.sigma.dtype}, "
+            f"alpha {shape_str(t.alpha)} {t.alpha.dtype})"
+        )
+    if isinstance(t, torch.Tensor):
+        grad = ", requires_grad" if t.requires_grad else ""
+        return f"{name}: {shape_str(t)} {t.dtype} on {t.device}{grad}"
+    return f"{name}: None"
+
+
+class Explanation(dict):
+    """``{backend name: None if it can run the call, else why not}`` (in ``"auto"`` order), plus context.
+
+    Attributes:
+        backend: the ``backend`` asked for; ``resolved``: what it resolves to after the defaults
+            (:func:`~vitattn.functional.get_default_backend`); ``chosen``: the backend that would run
+            the call, or None when none can; ``error``: why not, then; ``inputs``: one line per argument
+            (shape, dtype, device) and the call's flags.
+
+    ``str()`` (and ``print``) gives the whole report as text.
+    """
+
+    backend: str
+    resolved: str
+    chosen: str | None
+    error: str | None
+    inputs: list[str]
+
+    def __str__(self) -> str:
+        lines = ["attention call:"]
+        lines += [f"  {line}" for line in self.inputs]
+        via = "" if self.resolved == self.backend else f" -> {self.resolved!r} (default backend)"
+        lines.append(f"backend={self.backend!r}{via}")
+        for name, reason in self.items():
+            lines.append(f"  {name}: {'can run it' if reason is None else 'declines: ' + reason}")
+        if self.chosen is not None:
+            lines.append(f"runs on: {self.chosen}")
+        else:
+            lines.append(f"runs on: none ({self.error})")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def explain(
+    q: torch.Tensor | AttentionCall,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+    **kwargs: Any,
+) -> Explanation:
+    """Why each backend would or would not run ``attention(q, k, v, **same kwargs)``.
+
+    Takes the arguments of :func:`attention` (or an internal ``AttentionCall`` as ``q``) and runs
+    nothing. Returns an :class:`Explanation`: a dict ``{backend: None or the reason it declines}``
+    whose ``str()`` lists the inputs' shapes, dtypes and devices, every backend's answer and the
+    backend that would run the call; ``print(explain(q, k, v))`` shows it. For ``backend="auto"``
+    the reasons are those ``"auto"`` sees; for a named (or default) backend, that backend's answer
+    is the one for a named backend. Invalid arguments raise as :func:`attention` would (an unknown
+    keyword a ``TypeError``).
+    """
+    if isinstance(q, AttentionCall):
+        if k is not None or v is not None or kwargs:
+            raise TypeError("explain(call) takes the AttentionCall alone")
+        call = q
+    else:
+        if k is None or v is None:
+            raise TypeError("explain(q, k, v, ...) needs q, k and v (or one AttentionCall)")
+        call = make_call(q, k, v, **kwargs)  # normalizer, scale, mask, bias, return_weights, dropout_p
+    check_backend_name(backend)
+    resolved = resolve_backend(backend)
+    out = Explanation(backend_reasons(call, explicit=False))
+    if resolved != "auto":
+        out[resolved] = backend_reasons(call, explicit=True)[resolved]  # its answer when named
+    out.backend, out.resolved, out.chosen, out.error = backend, resolved, None, None
+    try:
+        out.chosen = select_backend(call, backend).name
+    except ValueError as e:
+        out.error = str(e)
+    out.inputs = [
+        _describe("q", call.q),
+        _describe("k", call.k),
+        _describe("v", call.v),
+        _describe("mask", call.mask),
+        _describe("bias", call.bias),
+        f"normalizer={call.normalizer!r}, scale={call.scale:g}, return_weights={call.return_weights}, "
+        f"dropout_p={call.dropout_p:g}, grad enabled={torch.is_grad_enabled()}",
+    ]
     return out

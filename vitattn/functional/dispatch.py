@@ -8,10 +8,20 @@ named (the Triton interpreter on CPU tensors, a debugging aid, is never picked b
 ``backend="auto"`` takes the first backend in preference order that supports the call; an explicit
 backend that cannot run a call raises a ``ValueError`` carrying its reason. The pure-PyTorch backend
 supports everything and is the reference every other backend is tested against.
+
+Which backend ``"auto"`` means (first match wins):
+
+1. a layer's or a call's own ``backend=`` other than ``"auto"``;
+2. :func:`set_default_backend` (process-wide, ``None`` clears it);
+3. the ``VITATTN_BACKEND`` environment variable, read once when vitattn is imported;
+4. the automatic choice above.
+
+A default from 2 or 3 is treated like a named backend: a call it cannot run raises, with its reason.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,6 +57,9 @@ class AttentionBackend(Protocol):
 
 _REGISTRY: dict[str, AttentionBackend] = {}
 _AUTO_ORDER: list[str] = []
+ENV_VAR = "VITATTN_BACKEND"
+_ENV_BACKEND: str | None = os.environ.get(ENV_VAR, "").strip() or None  # read once, like TIMM_FUSED_ATTN
+_DEFAULT_BACKEND: str | None = None  # set_default_backend
 
 
 def register_backend(backend: AttentionBackend, *, prefer: bool = False) -> None:
@@ -65,23 +78,66 @@ def available_backends() -> list[str]:
     return list(_REGISTRY)
 
 
+def check_backend_name(backend: object, name: str = "backend") -> str:
+    """``backend`` if it is ``"auto"`` or a registered name, else a ``ValueError`` naming ``name``."""
+    if backend == "auto" or (isinstance(backend, str) and backend in _REGISTRY):
+        return backend  # type: ignore[return-value]
+    raise ValueError(f"{name} must be 'auto' or one of {available_backends()}, got {backend!r}")
+
+
+def set_default_backend(backend: str | None) -> None:
+    """Use ``backend`` wherever ``backend="auto"`` is asked for (layers and :func:`attention` calls).
+
+    ``"auto"`` restores the automatic choice; ``None`` clears this setting, so that the
+    ``VITATTN_BACKEND`` environment variable (if set) applies again. Precedence: a layer's or call's
+    own ``backend`` > this > ``VITATTN_BACKEND`` > automatic.
+    """
+    global _DEFAULT_BACKEND
+    name = "set_default_backend(backend)"
+    _DEFAULT_BACKEND = None if backend is None else check_backend_name(backend, name)
+
+
+def get_default_backend() -> str:
+    """What ``"auto"`` resolves to: :func:`set_default_backend`, else ``VITATTN_BACKEND``, else "auto"."""
+    if _DEFAULT_BACKEND is not None:
+        return _DEFAULT_BACKEND
+    if _ENV_BACKEND is not None:
+        return check_backend_name(_ENV_BACKEND, f"the environment variable {ENV_VAR}")
+    return "auto"
+
+
+def resolve_backend(backend: str) -> str:
+    """``backend`` itself unless it is ``"auto"``; then :func:`get_default_backend`."""
+    return get_default_backend() if backend == "auto" else backend
+
+
+def backend_reasons(call: AttentionCall, explicit: bool = False) -> dict[str, str | None]:
+    """For each backend in ``"auto"`` order, ``None`` if it can run ``call``, or why not."""
+    return {name: _REGISTRY[name].unsupported(call, explicit=explicit) for name in _AUTO_ORDER}
+
+
 def explain(call: AttentionCall) -> dict[str, str | None]:
-    """For each backend, ``None`` if ``backend="auto"`` could pick it for ``call``, or why not."""
-    return {name: _REGISTRY[name].unsupported(call, explicit=False) for name in _AUTO_ORDER}
+    """For each backend, ``None`` if ``backend="auto"`` could pick it for ``call``, or why not.
+
+    The internal form; :func:`vitattn.functional.explain` takes the arguments of ``attention()``.
+    """
+    return backend_reasons(call, explicit=False)
 
 
 def select_backend(call: AttentionCall, backend: str) -> AttentionBackend:
-    """Resolve ``backend`` ("auto" or a registered name) for ``call``."""
+    """Resolve ``backend`` ("auto" or a registered name; "auto" honours the default) for ``call``."""
+    requested = backend
+    backend = resolve_backend(backend)
     if backend == "auto":
         for name in _AUTO_ORDER:
             if _REGISTRY[name].unsupported(call, explicit=False) is None:
                 return _REGISTRY[name]
-        reasons = "; ".join(f"{n}: {r}" for n, r in explain(call).items())
+        reasons = "; ".join(f"{n}: {r}" for n, r in backend_reasons(call).items())
         raise ValueError(f"no attention backend supports this call ({reasons})")
-    if backend not in _REGISTRY:
-        raise ValueError(f"backend must be 'auto' or one of {available_backends()}, got {backend!r}")
+    check_backend_name(backend)
     chosen = _REGISTRY[backend]
     reason = chosen.unsupported(call, explicit=True)
     if reason is not None:
-        raise ValueError(f"backend={backend!r} cannot run this call: {reason}")
+        via = "" if requested == backend else f" (the default backend, see {ENV_VAR} / set_default_backend)"
+        raise ValueError(f"backend={backend!r}{via} cannot run this call: {reason}")
     return chosen

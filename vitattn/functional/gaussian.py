@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_floating, check_rank, shape_str
+from ._checks import check_floating, check_rank, grid_pair, shape_str
+from .dtypes import compute_dtype
 
 __all__ = ["GaussianBias", "gaussian_eps", "gaussian_clamp"]
 
@@ -29,15 +30,6 @@ _CLAMP_FLOOR = -6550.0  # float16-safe floor of D_m at the smallest eps
 _EXPONENT_FLOOR = -40.0  # per-axis exponent floor, see axis_factors
 _NUMERATOR_CACHE_SIZE = 32  # grids x devices x dtypes whose numerator tables are kept
 _NUMERATORS: dict[tuple, torch.Tensor] = {}
-
-
-def _pair(name: str, value: tuple[int, int] | list[int] | int) -> tuple[int, int]:
-    if isinstance(value, int):
-        value = (value, value)
-    out = tuple(int(v) for v in value)
-    if len(out) != 2 or min(out) < 1:
-        raise ValueError(f"{name} must be two positive ints (rows, columns), got {value!r}")
-    return out  # type: ignore[return-value]
 
 
 def gaussian_eps(initial_grid_size: tuple[int, int]) -> float:
@@ -75,9 +67,9 @@ class GaussianBias:
     initial_grid_size: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "grid_size", _pair("grid_size", self.grid_size))
+        object.__setattr__(self, "grid_size", grid_pair("grid_size", self.grid_size))
         init = self.grid_size if self.initial_grid_size is None else self.initial_grid_size
-        object.__setattr__(self, "initial_grid_size", _pair("initial_grid_size", init))
+        object.__setattr__(self, "initial_grid_size", grid_pair("initial_grid_size", init))
         if int(self.num_prefix_tokens) < 0:
             raise ValueError(f"num_prefix_tokens must be >= 0, got {self.num_prefix_tokens}")
         object.__setattr__(self, "num_prefix_tokens", int(self.num_prefix_tokens))
@@ -118,7 +110,7 @@ class GaussianBias:
 
     # ---- tensors --------------------------------------------------------------------------------
     def _work_dtype(self) -> torch.dtype:
-        return torch.float64 if self.sigma.dtype == torch.float64 else torch.float32
+        return compute_dtype(self.sigma)
 
     def denominators(self) -> torch.Tensor:
         """``(B, H, Np, 2)`` effective denominators ``r * sigma + eps`` in float32 (float64 stays)."""

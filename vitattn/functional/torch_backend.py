@@ -15,38 +15,23 @@ from .blocked import gaussian_softmax_attention
 from .dispatch import AttentionCall, register_backend
 from .gaussian import GaussianBias
 from .normalize import normalize
+from .scoring import additive_terms, is_keep_mask, scores_unchecked
+from .scoring import dense_bias as _dense_bias
 
 
 def dense_bias(call: AttentionCall, dtype: torch.dtype) -> torch.Tensor | None:
     """The additive bias as a tensor (``GaussianBias`` made dense), or ``None``."""
-    if call.bias is None:
-        return None
-    if isinstance(call.bias, GaussianBias):
-        return call.bias.dense(dtype)
-    return call.bias.to(dtype)
+    return _dense_bias(call.bias, dtype)
 
 
 def additive_mask(call: AttentionCall, dtype: torch.dtype) -> torch.Tensor | None:
     """Bias and mask folded into one additive float tensor (``-inf`` where the mask drops a key)."""
-    add = dense_bias(call, dtype)
-    mask = call.mask
-    if mask is None:
-        return add
-    if mask.dtype == torch.bool:
-        if add is None:
-            return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        return add.masked_fill(~mask, float("-inf"))
-    mask = mask.to(dtype)
-    return mask if add is None else add + mask
+    return additive_terms(call.bias, call.mask, dtype)
 
 
 def scores_of(call: AttentionCall) -> torch.Tensor:
-    """``(B, H, Nq, Nk)`` scores ``q kᵀ * scale + bias (+ mask)``; half inputs give float32 scores."""
-    q, k = call.q, call.k
-    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    scores = torch.matmul(q.to(work), k.to(work).transpose(-1, -2)).mul_(call.scale)
-    add = additive_mask(call, work)
-    return scores if add is None else scores + add
+    """``(B, H, Nq, Nk)`` scores of a validated call: :func:`vitattn.functional.scores` of its fields."""
+    return scores_unchecked(call.q, call.k, call.scale, call.bias, call.mask)
 
 
 def _blocked_gaussian_applies(call: AttentionCall) -> bool:
@@ -92,7 +77,7 @@ class TorchBackend:
     @staticmethod
     def _sdpa(call: AttentionCall) -> torch.Tensor:
         mask = call.mask
-        if call.bias is None and (mask is None or mask.dtype == torch.bool):
+        if call.bias is None and (mask is None or is_keep_mask(mask)):
             attn_mask = mask
         else:
             attn_mask = additive_mask(call, call.q.dtype)

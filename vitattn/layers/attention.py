@@ -5,13 +5,35 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from timm.layers import register_notrace_function
 from torch import nn
 
 from ..functional import GaussianBias, attention
+from ..functional.dispatch import check_backend_name
 from ..functional.normalize import Normalizer, resolve_normalizer
 
-__all__ = ["Attention", "EntmaxAttention", "attend", "resolve_attn_mask"]
+__all__ = ["Attention", "EntmaxAttention", "attend", "project_qkv", "resolve_attn_mask"]
+
+
+def project_qkv(
+    module: nn.Module, x: torch.Tensor, *, need_qk: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """q, k, v ``(B, H, N, d)`` of a timm-style attention module on its input ``x: (B, N, C)``.
+
+    ``module`` has ``qkv`` (one fused linear), ``num_heads``, ``head_dim``, ``q_norm`` and ``k_norm``:
+    timm's ``Attention`` or any vitattn layer. q and k come after ``q_norm`` / ``k_norm``, unscaled.
+    ``need_qk=False`` computes only the v third of the projection and returns ``(None, None, v)``.
+    """
+    b, n, _ = x.shape
+    heads, dim = int(module.num_heads), int(module.head_dim)
+    if not need_qk:
+        weight, bias = module.qkv.weight, module.qkv.bias
+        width = heads * dim
+        v = F.linear(x, weight[2 * width :], None if bias is None else bias[2 * width :])
+        return None, None, v.reshape(b, n, heads, dim).transpose(1, 2)
+    q, k, v = module.qkv(x).reshape(b, n, 3, heads, dim).permute(2, 0, 3, 1, 4).unbind(0)
+    return module.q_norm(q), module.k_norm(k), v
 
 
 def resolve_attn_mask(
@@ -38,6 +60,7 @@ def attend(
     normalizer: str | float,
     scale: float,
     dropout_p: float,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """The layers' attention call: timm's mask semantics, then :func:`vitattn.functional.attention`.
 
@@ -57,6 +80,7 @@ def attend(
         mask=resolve_attn_mask(q.shape[2], attn_mask, is_causal, q.device),
         bias=bias,
         dropout_p=dropout_p,
+        backend=backend,
     )
 
 
@@ -68,8 +92,11 @@ class Attention(nn.Module):
 
     Same constructor arguments, submodules and state-dict keys (``qkv``, ``q_norm``, ``k_norm``,
     ``norm``, ``gate``, ``proj``) as ``timm.layers.Attention``, plus ``normalizer`` (``"softmax"``,
-    ``"entmax15"``, ``"sparsemax"`` or a float alpha > 1). The attention itself is
-    :func:`vitattn.functional.attention`.
+    ``"entmax15"``, ``"sparsemax"`` or a float alpha > 1) and ``backend`` (``"auto"`` or a name from
+    :func:`vitattn.functional.available_backends`). The attention itself is
+    :func:`vitattn.functional.attention`; a layer with ``backend="auto"`` follows the global default
+    (:func:`vitattn.set_default_backend`, else the ``VITATTN_BACKEND`` environment variable, else the
+    automatic choice), a named backend always wins.
     """
 
     def __init__(
@@ -87,6 +114,7 @@ class Attention(nn.Module):
         proj_drop: float = 0.0,
         norm_layer: type[nn.Module] | None = None,
         normalizer: Normalizer = "softmax",
+        backend: str = "auto",
         device: Any = None,
         dtype: Any = None,
         **kwargs: Any,
@@ -107,6 +135,7 @@ class Attention(nn.Module):
         self.attn_dim = num_heads * attn_head_dim
         self.scale = attn_head_dim**-0.5
         self.normalizer = resolve_normalizer(normalizer)
+        self.backend = check_backend_name(backend)
 
         self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias, **dd)
         self.q_norm = norm_layer(attn_head_dim, **dd) if qk_norm else nn.Identity()  # type: ignore[misc]
@@ -118,7 +147,8 @@ class Attention(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, head_dim={self.head_dim}, normalizer={self.normalizer!r}"
+        out = f"num_heads={self.num_heads}, head_dim={self.head_dim}, normalizer={self.normalizer!r}"
+        return out if self.backend == "auto" else f"{out}, backend={self.backend!r}"
 
     def attention_bias(self, q: torch.Tensor) -> torch.Tensor | GaussianBias | None:
         """Additive score bias from the normalized queries ``q: (B, H, N, d)``; none here."""
@@ -130,12 +160,12 @@ class Attention(nn.Module):
         """``x: (B, N, C)`` -> ``(B, N, dim_out)``; ``attn_mask`` as in timm (bool keep-mask or additive)."""
         b, n, _ = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
-        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = project_qkv(self, x)
         dropout_p = self.attn_drop.p if self.training else 0.0
         bias = self.attention_bias(q)
-        out = attend(q, k, v, attn_mask, is_causal, bias, self.normalizer, self.scale, dropout_p)
+        out = attend(
+            q, k, v, attn_mask, is_causal, bias, self.normalizer, self.scale, dropout_p, self.backend
+        )
         out = self.norm(out.transpose(1, 2).reshape(b, n, self.attn_dim))
         if gate is not None:
             out = out * gate

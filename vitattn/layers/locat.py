@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,23 +12,12 @@ import torch.nn.functional as F
 from timm.layers import register_notrace_function
 from torch import nn
 
-from ..functional import GaussianBias
+from ..functional import GaussianBias, compute_dtype
+from ..functional._checks import grid_pair  # re-exported: its home was here
 from ..functional.normalize import Normalizer
 from .attention import Attention
 
 __all__ = ["GaussianAugment", "LocAtAttention", "gaussian_bias_from_queries", "grid_pair"]
-
-
-def grid_pair(name: str, value: int | Sequence[int]) -> tuple[int, int]:
-    """``value`` as ``(rows, columns)`` of positive ints, or a ``ValueError`` naming ``name``."""
-    try:
-        items = value if isinstance(value, Sequence) else (value, value)
-        pair = tuple(operator.index(v) for v in items)
-    except TypeError:
-        pair = ()
-    if len(pair) != 2 or min(pair) < 1:
-        raise ValueError(f"{name} must be a positive int or two positive ints (rows, columns), got {value!r}")
-    return int(pair[0]), int(pair[1])
 
 
 class GaussianAugment(nn.Module):
@@ -97,7 +85,7 @@ def gaussian_bias_from_queries(
     """
     c = float(max(initial_grid_size) ** 2)
     shift = math.log(c - 1.0) if c > 2.0 else 0.0
-    work = torch.promote_types(q_sp.dtype, torch.float32)
+    work = compute_dtype(q_sp)
     with _autocast_off(q_sp.device.type):
         # both heads in one matmul: q_sp is a strided view, so this reads (and copies) it once
         out = F.linear(q_sp.to(work), weight.to(work), bias.to(work))  # (B, H, Np, 3)

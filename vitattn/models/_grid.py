@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..functional import grid_pair
 from ..layers.locat import LocAtAttention
 
 __all__ = ["GridSync", "attach_grid_sync", "feat_size"]
@@ -14,14 +16,19 @@ __all__ = ["GridSync", "attach_grid_sync", "feat_size"]
 _ATTR = "_vitattn_grid_sync"
 
 
-def feat_size(patch_embed: nn.Module, img_size: tuple[int, int]) -> tuple[int, int]:
-    """Patch grid ``(gh, gw)`` that ``patch_embed`` makes from an ``img_size = (H, W)`` input."""
+def feat_size(patch_embed: nn.Module, img_size: Sequence[int] | None = None) -> tuple[int, int] | None:
+    """Patch grid ``(gh, gw)`` that ``patch_embed`` makes from an ``img_size = (H, W)`` input, or None.
+
+    ``patch_embed.dynamic_feat_size(img_size)`` when the input size is known and the embed has it
+    (so ``dynamic_img_size`` models get the grid of each input), else ``patch_embed.grid_size``
+    (None when the embed has neither).
+    """
     dynamic = getattr(patch_embed, "dynamic_feat_size", None)
-    if callable(dynamic):
-        gh, gw = dynamic(img_size)
+    if img_size is not None and callable(dynamic):
+        gh, gw = dynamic((int(img_size[0]), int(img_size[1])))
         return int(gh), int(gw)
-    gh, gw = patch_embed.grid_size  # type: ignore[misc]
-    return int(gh), int(gw)
+    grid = getattr(patch_embed, "grid_size", None)
+    return None if grid is None else grid_pair("patch_embed.grid_size", tuple(int(g) for g in grid))
 
 
 class GridSync:
@@ -39,6 +46,8 @@ class GridSync:
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             return
         grid = feat_size(module, (int(x.shape[-2]), int(x.shape[-1])))
+        if grid is None:
+            raise TypeError(f"{type(module).__name__} has neither dynamic_feat_size nor grid_size")
         for block in self.blocks:
             attn = getattr(block, "attn", None)
             if isinstance(attn, LocAtAttention) and attn.grid_size != grid:

@@ -4,6 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from torch import nn
+
+__all__ = ["block_indices", "model_blocks"]
+
+
+def model_blocks(model: nn.Module, name: str = "model") -> list[nn.Module]:
+    """``model.blocks`` as a list, or a ``TypeError`` naming the argument ``name``."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(model, nn.Module) or not isinstance(blocks, nn.Module):
+        raise TypeError(
+            f"{name} must be a timm VisionTransformer or a vitattn model (a ViT with a `blocks` "
+            f"sequence), got {type(model).__name__}"
+        )
+    return list(blocks)  # type: ignore[arg-type]
+
 
 def block_indices(items: Iterable[object], depth: int, name: str = "layers") -> tuple[int, ...]:
     """Sorted, de-duplicated indices into ``depth`` blocks; negative ones count from the end.

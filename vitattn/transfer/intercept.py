@@ -15,12 +15,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..functional import attention
 from ..functional.normalize import Normalizer
 from ..layers import Attention, convertible_attention
+from ..layers.attention import project_qkv
+from ..models.blocks import model_blocks
 from .scores import ScoreInputs
 
 __all__ = [
@@ -41,14 +42,8 @@ AttentionRule = Callable[
 
 
 def blocks_of(model: nn.Module, name: str) -> list[nn.Module]:
-    """``model.blocks`` as a list, or a ``TypeError`` naming the argument."""
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(model, nn.Module) or not isinstance(blocks, nn.Module):
-        raise TypeError(
-            f"{name} must be a timm VisionTransformer or a vitattn model (with `blocks`), "
-            f"got {type(model).__name__}"
-        )
-    return list(blocks)  # type: ignore[arg-type]
+    """``model.blocks`` as a list, or a ``TypeError`` naming the argument (see :func:`model_blocks`)."""
+    return model_blocks(model, name)
 
 
 def layer_attention(model: nn.Module, index: int, name: str) -> nn.Module:
@@ -93,19 +88,6 @@ def plain_rule(attn: nn.Module, scores: ScoreInputs, v: torch.Tensor) -> torch.T
     )
 
 
-def _qkv(attn: nn.Module, x: torch.Tensor, need_qk: bool) -> tuple[torch.Tensor | None, ...]:
-    """``x: (B, N, C)`` -> q, k (after q_norm / k_norm; ``None`` unless ``need_qk``), v: ``(B, H, N, d)``."""
-    b, n, _ = x.shape
-    heads, dim = int(attn.num_heads), int(attn.head_dim)
-    if not need_qk:  # only the v third of the qkv projection
-        weight, bias = attn.qkv.weight, attn.qkv.bias
-        width = heads * dim
-        v = F.linear(x, weight[2 * width :], None if bias is None else bias[2 * width :])
-        return None, None, v.reshape(b, n, heads, dim).transpose(1, 2)
-    q, k, v = attn.qkv(x).reshape(b, n, 3, heads, dim).permute(2, 0, 3, 1, 4).unbind(0)
-    return attn.q_norm(q), attn.k_norm(k), v
-
-
 def _forward(
     index: int,
     attn: nn.Module,
@@ -123,7 +105,7 @@ def _forward(
         )
     b, n, _ = x.shape
     gate = attn.gate(x).sigmoid() if getattr(attn, "gate", None) is not None else None
-    q, k, v = _qkv(attn, x, need_qk)
+    q, k, v = project_qkv(attn, x, need_qk=need_qk)
     out = rule(index, attn, q, k, v)  # type: ignore[arg-type]
     out = out.transpose(1, 2).reshape(b, n, -1)
     norm = getattr(attn, "norm", None)  # timm's scale_norm (absent in old timm versions)

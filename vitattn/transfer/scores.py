@@ -4,7 +4,7 @@ Attention distillation compares the *scores* of two models layer by layer. Holdi
 themselves costs ``B·H·N²`` per layer; holding what they are made of costs ``B·H·N·d`` (plus, for a
 LocAt layer, GAug's per-query σ and α). :class:`ScoreInputs` is that description; it makes the dense
 scores on demand, for all heads or for a slice of batch and heads, with the library's own formula
-(:func:`vitattn.functional.torch_backend.scores_of`).
+(:func:`vitattn.functional.scores`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..functional import GaussianBias
-from ..functional._checks import check_floating, check_rank, shape_str
-from ..functional.dispatch import AttentionCall
-from ..functional.torch_backend import scores_of
+from ..functional import GaussianBias, scores
+from ..functional.scoring import check_qk
 
 __all__ = ["ScoreInputs", "cross_entropy_sum"]
 
@@ -46,14 +44,7 @@ class ScoreInputs:
     bias: torch.Tensor | GaussianBias | None = None
 
     def __post_init__(self) -> None:
-        check_rank("q", self.q, 4, "(B, H, N, d)")
-        check_rank("k", self.k, 4, "(B, H, N, d)")
-        check_floating("q", self.q)
-        if self.q.shape[:2] != self.k.shape[:2] or self.q.shape[-1] != self.k.shape[-1]:
-            raise ValueError(
-                f"q and k must share (B, H) and the head dim d, got q {shape_str(self.q)} "
-                f"and k {shape_str(self.k)}"
-            )
+        check_qk(self.q, self.k)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -63,18 +54,7 @@ class ScoreInputs:
 
     def scores(self) -> torch.Tensor:
         """Dense ``(B, H, Nq, Nk)`` scores; float32 for half-precision inputs (float64 stays)."""
-        call = AttentionCall(
-            q=self.q,
-            k=self.k,
-            v=self.k,  # unused by scores_of
-            normalizer="softmax",
-            scale=float(self.scale),
-            mask=None,
-            bias=self.bias,
-            return_weights=True,
-            dropout_p=0.0,
-        )
-        return scores_of(call)
+        return scores(self.q, self.k, scale=float(self.scale), bias=self.bias)
 
     def select(self, batch: slice, heads: slice) -> ScoreInputs:
         """The same layer restricted to a slice of the batch and of the heads."""

@@ -1,0 +1,148 @@
+"""Attention scores ``q kᵀ · scale + bias (+ mask)``, and the mask rule, stated once for the library.
+
+Every place that forms scores (the reference backend, attention transfer, attention maps of timm
+layers) goes through :func:`scores`, and every place that applies a mask goes through
+:func:`apply_mask`: a boolean mask is a keep-mask (``True`` = attend, dropped keys at ``-inf``), a
+float mask is added.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_broadcastable, check_floating, check_rank, shape_str
+from .dtypes import compute_dtype
+from .gaussian import GaussianBias
+
+__all__ = ["apply_mask", "check_qk", "check_mask_and_bias", "is_keep_mask", "scores"]
+
+
+def is_keep_mask(mask: torch.Tensor | None) -> bool:
+    """``True`` for a boolean keep-mask (``True`` = attend); ``False`` for an additive float mask or None."""
+    return mask is not None and mask.dtype == torch.bool
+
+
+def apply_mask(
+    scores: torch.Tensor | None, mask: torch.Tensor | None, dtype: torch.dtype | None = None
+) -> torch.Tensor | None:
+    """``scores`` with ``mask`` applied: a bool keep-mask puts dropped keys at ``-inf``, a float one is added.
+
+    With ``scores=None`` the result is the mask as an additive tensor in ``dtype`` (0 / ``-inf`` for a
+    bool mask), or None when there is no mask either. The result broadcasts both shapes.
+    """
+    if mask is None:
+        return scores
+    if scores is None:
+        if dtype is None:
+            raise TypeError("apply_mask needs dtype when scores is None")
+        if is_keep_mask(mask):
+            return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return mask.to(dtype)
+    if is_keep_mask(mask):
+        return scores.masked_fill(~mask, float("-inf"))
+    return scores + mask.to(scores.dtype)
+
+
+def dense_bias(bias: torch.Tensor | GaussianBias | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The additive bias as a tensor in ``dtype`` (a ``GaussianBias`` made dense), or None."""
+    if bias is None:
+        return None
+    if isinstance(bias, GaussianBias):
+        return bias.dense(dtype)
+    return bias.to(dtype)
+
+
+def check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
+    """q ``(B, H, Nq, D)`` and k ``(B, H, Nk, D)``: 4-D, floating, one dtype, same ``(B, H)`` and ``D``."""
+    for name, t in (("q", q), ("k", k)):
+        check_rank(name, t, 4, "(B, H, N, D)")
+        check_floating(name, t)
+    if q.dtype != k.dtype:
+        raise TypeError(f"q and k must share a dtype, got q {q.dtype} and k {k.dtype}")
+    if q.shape[:2] != k.shape[:2]:
+        raise ValueError(f"q and k must share (B, H), got q {shape_str(q)} and k {shape_str(k)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share the head dim D, got q {shape_str(q)} and k {shape_str(k)}")
+
+
+def check_mask_and_bias(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | GaussianBias | None
+) -> None:
+    """``mask`` and ``bias`` fit the ``(B, H, Nq, Nk)`` scores of ``q`` and ``k`` (errors name the shapes)."""
+    target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"mask must be a tensor or None, got {type(mask).__name__}")
+        if mask.dtype != torch.bool and not mask.is_floating_point():
+            raise TypeError(
+                f"mask must be a boolean keep-mask or an additive float mask, got dtype {mask.dtype}"
+            )
+        check_broadcastable("mask", mask, target, "(B, H, Nq, Nk)")
+    if isinstance(bias, GaussianBias):
+        n = bias.num_tokens
+        if q.shape[2] != n or k.shape[2] != n:
+            raise ValueError(
+                f"GaussianBias describes N = {bias.num_prefix_tokens} prefix + {bias.grid_size[0]}x"
+                f"{bias.grid_size[1]} patches = {n} tokens, but q is {shape_str(q)} and k is {shape_str(k)}"
+            )
+        check_broadcastable(
+            "bias.sigma", bias.sigma[..., :1, :1], (q.shape[0], q.shape[1], 1, 1), "(B, H, ., .)"
+        )
+    elif bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a tensor, a GaussianBias or None, got {type(bias).__name__}")
+        check_floating("bias", bias)
+        check_broadcastable("bias", bias, target, "(B, H, Nq, Nk)")
+
+
+def additive_terms(
+    bias: torch.Tensor | GaussianBias | None, mask: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """Bias and mask folded into one additive tensor in ``dtype`` (``-inf`` where the mask drops a key)."""
+    return apply_mask(dense_bias(bias, dtype), mask, dtype)
+
+
+def scores_unchecked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | GaussianBias | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`scores` without the argument checks (for callers that validated already)."""
+    work = compute_dtype(q, k)
+    out = torch.matmul(q.to(work), k.to(work).transpose(-1, -2)).mul_(scale)
+    add = additive_terms(bias, mask, work)
+    return out if add is None else out + add
+
+
+def scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scale: float | None = None,
+    bias: torch.Tensor | GaussianBias | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention scores ``q kᵀ · scale + bias``, with ``mask`` applied.
+
+    Args:
+        q: ``(B, H, Nq, D)`` queries.
+        k: ``(B, H, Nk, D)`` keys (same dtype).
+        scale: score scale, ``D ** -0.5`` by default.
+        bias: additive float tensor broadcastable to ``(B, H, Nq, Nk)``, or a :class:`GaussianBias`
+            (then ``Nq = Nk = N`` of its token layout).
+        mask: boolean keep-mask (``True`` = attend; dropped keys get ``-inf``) or additive float
+            mask, broadcastable to ``(B, H, Nq, Nk)``.
+
+    Returns:
+        ``(B, H, Nq, Nk)`` scores in :func:`~vitattn.functional.compute_dtype` of the inputs: float32
+        for float16 / bfloat16 inputs, float32 and float64 stay. Differentiable in q, k and the bias.
+
+    Raises:
+        ValueError / TypeError naming the argument and the shapes that do not fit.
+    """
+    check_qk(q, k)
+    check_mask_and_bias(q, k, mask, bias)
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    return scores_unchecked(q, k, scale, bias, mask)
