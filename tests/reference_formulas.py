@@ -43,3 +43,32 @@ def plain_attention(q, k, v, normalizer, scale=None, mask=None, bias=None):
     else:
         p = entmax_pkg.entmax_bisect(s, alpha=float(normalizer), dim=-1, n_iter=200)
     return p @ v, p
+
+
+def naive_gaug_params(q_sp, log_var, log_alpha, initial):
+    """GAug's (σ, α) from spatial queries, straight from the definition: σ = c·sigmoid(z − ln(c − 1)),
+    c = max(initial grid)² (no shift when c ≤ 2), α = softplus; ``log_var`` / ``log_alpha`` are the
+    ``nn.Linear`` heads. In float64."""
+    import math
+
+    c = float(max(initial) ** 2)
+    shift = math.log(c - 1) if c > 2 else 0.0
+    q = q_sp.double()
+    z = q @ log_var.weight.double().T + log_var.bias.double()
+    sigma = c / (1.0 + torch.exp(-(z - shift)))
+    a = q @ log_alpha.weight.double().T + log_alpha.bias.double()
+    alpha = torch.log1p(torch.exp(a))
+    return sigma, alpha
+
+
+def naive_rotary(x, rope, half=False):
+    """timm's rotary embedding on ``x: (..., N, d)`` from its ``rope = cat(sin, cos)`` table: pairs
+    (x0, x1), (x2, x3), ... rotated (``half=False``), or the halves of d (``half=True``)."""
+    sin, cos = rope.double().chunk(2, dim=-1)
+    x = x.double()
+    if half:
+        x1, x2 = x.chunk(2, dim=-1)
+        turned = torch.cat([-x2, x1], dim=-1)
+    else:
+        turned = torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).reshape(x.shape)
+    return x * cos + turned * sin

@@ -24,9 +24,9 @@ from vitattn.models import LocAtViT
 
 from .helpers import official_locat_attention, official_prr, stress_gaug
 
-# The official outputs live in the workspace's shared/ folder beside the checkout (override with
+# The official outputs ship with the tests in tests/data/reference (override with
 # VITATTN_REFERENCE_DIR). Under CI they must be there: a missing folder fails instead of skipping.
-_DEFAULT_REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
+_DEFAULT_REFERENCE = Path(__file__).resolve().parent / "data" / "reference"
 REFERENCE = Path(os.environ.get("VITATTN_REFERENCE_DIR", _DEFAULT_REFERENCE))
 REF_FILES = sorted(REFERENCE.glob("locatvit_*.safetensors"))
 

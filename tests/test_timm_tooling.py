@@ -53,6 +53,13 @@ def image_size(model: torch.nn.Module) -> tuple[int, int]:
     return tuple(int(s) for s in model.patch_embed.img_size)
 
 
+def block_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The model's blocks by qualified name: ``blocks.i`` of a ViT / Eva, ``layers.i`` (stages) of a Swin."""
+    if hasattr(model, "blocks"):
+        return {f"blocks.{i}": b for i, b in enumerate(model.blocks)}
+    return {f"layers.{i}": stage for i, stage in enumerate(model.layers)}
+
+
 def test_cases_cover_the_registered_models() -> None:
     assert {"locatvit_tiny", "locatvit_small", "locatvit_base"} <= set(vitattn_model_names())
 
@@ -101,11 +108,12 @@ def test_fx_block_features_match_eager(case: str) -> None:
     """``timm.models.create_feature_extractor`` on the blocks and the final output, as timm's test."""
     model = build(case).eval()
     x = torch.randn(1, 3, *image_size(model))
-    nodes = [f"blocks.{i}" for i in range(len(model.blocks))]
+    blocks = block_modules(model)
+    nodes = list(blocks)
     expected: dict[str, torch.Tensor] = {}
     hooks = [
-        model.blocks[i].register_forward_hook(lambda m, a, o, name=name: expected.__setitem__(name, o))
-        for i, name in enumerate(nodes)
+        block.register_forward_hook(lambda m, a, o, name=name: expected.__setitem__(name, o))
+        for name, block in blocks.items()
     ]
     with torch.no_grad():
         logits = model(x)
@@ -168,11 +176,14 @@ def test_features_only(case: str) -> None:
     kind, what = case.split(":")
     if kind == "registered":
         model = timm.create_model(what, features_only=True, out_indices=(0, 1), **small_kwargs(what)).eval()
+        size = (small_kwargs(what)["img_size"],) * 2
     else:
         model = FeatureGetterNet(build(case), out_indices=(0, 1)).eval()
-    size = image_size(model.model)
+        size = image_size(model.model)
     with torch.no_grad():
         outputs = model(torch.randn(1, 3, *size))
+    if str(getattr(model, "output_fmt", "NCHW")).endswith("NHWC"):  # a Swin's stages, as timm's own
+        outputs = [o.permute(0, 3, 1, 2) for o in outputs]
     _check_feature_maps(outputs, model.feature_info.channels(), model.feature_info.reduction(), size)
 
 

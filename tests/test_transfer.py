@@ -223,6 +223,12 @@ def test_other_bad_inputs() -> None:
     with pytest.raises(TypeError, match=r"student\.blocks\[1\]\.attn is Identity"):
         AttentionCopy(vit(seed=1), odd, layers=[1])
     AttentionCopy(vit(seed=1), odd, layers=[0, 2])  # unsupported blocks outside `layers` are fine
+    rotary = vit(seed=2)  # a rotary layer's q, k cannot be recomputed from its qkv alone
+    from vitattn.layers import RopeAttention
+
+    rotary.blocks[1].attn = RopeAttention(16, num_heads=2)
+    with pytest.raises(TypeError, match=r"student\.blocks\[1\]\.attn is RopeAttention"):
+        AttentionDistill(vit(seed=1), rotary, layers=[1])
     checkpointed = vit(seed=2)
     checkpointed.set_grad_checkpointing(True)
     with pytest.raises(RuntimeError, match="gradient checkpointing"):

@@ -1,8 +1,16 @@
-"""nn.Modules, drop-ins for timm's ViT attention: Attention, EntmaxAttention, LocAtAttention, PRR."""
+"""nn.Modules, drop-ins for timm's attention: Attention, EntmaxAttention, LocAtAttention, PRR, and the
+rotary (Eva) and window (Swin) layers."""
 
 from .attention import Attention, EntmaxAttention
 from .convert import convert_attention, convertible_attention
 from .locat import GaussianAugment, LocAtAttention
+from .locat_rope import LocAtRopeAttention, RopeAttention, convert_rope_attention, convertible_rope_attention
+from .locat_window import (
+    LocAtWindowAttention,
+    WindowAttention,
+    convert_window_attention,
+    convertible_window_attention,
+)
 from .prr import PRR
 
 __all__ = [
@@ -11,6 +19,14 @@ __all__ = [
     "EntmaxAttention",
     "GaussianAugment",
     "LocAtAttention",
+    "LocAtRopeAttention",
+    "LocAtWindowAttention",
+    "RopeAttention",
+    "WindowAttention",
     "convert_attention",
+    "convert_rope_attention",
+    "convert_window_attention",
     "convertible_attention",
+    "convertible_rope_attention",
+    "convertible_window_attention",
 ]

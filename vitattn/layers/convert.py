@@ -29,9 +29,14 @@ def _timm_attention_classes() -> tuple[type, ...]:
 
 
 def convertible_attention(module: nn.Module) -> bool:
-    """Whether ``module`` is a plain multi-head self-attention with ``qkv`` / ``proj`` linears."""
+    """Whether ``module`` is a plain multi-head self-attention with ``qkv`` / ``proj`` linears
+    (not a rotary layer: its q, k are rotated inside ``forward``, which a recompute from ``qkv``
+    would miss)."""
+    from .locat_rope import RopeAttention
+
     return (
-        isinstance(module, _timm_attention_classes())
+        not isinstance(module, RopeAttention)
+        and isinstance(module, _timm_attention_classes())
         and isinstance(getattr(module, "qkv", None), nn.Linear)
         and isinstance(getattr(module, "proj", None), nn.Linear)
     )

@@ -1,8 +1,24 @@
-"""LocAtViT models, registered with timm (``timm.create_model("locatvit_tiny")`` after ``import vitattn``)."""
+"""LocAt models, registered with timm (``timm.create_model("locatvit_tiny")`` after ``import vitattn``):
+the ViT family, the RoPE ViT on timm's Eva (``locatvit_*_rope_mixed``) and Swin (``locatswin_*``)."""
 
 from . import hub
+from .locatrope import LocAtRoPEViT, locatvit_base_rope_mixed, locatvit_tiny_rope_mixed
+from .locatswin import LocAtSwin, locatswin_base, locatswin_tiny
 from .locatvit import HUB_WEIGHTS, LocAtViT, locatvit_base, locatvit_small, locatvit_tiny
 
 hub.install()  # timm's ``hf-hub:`` loader also takes the official release's mixin-style config.json
 
-__all__ = ["HUB_WEIGHTS", "LocAtViT", "hub", "locatvit_base", "locatvit_small", "locatvit_tiny"]
+__all__ = [
+    "HUB_WEIGHTS",
+    "LocAtRoPEViT",
+    "LocAtSwin",
+    "LocAtViT",
+    "hub",
+    "locatswin_base",
+    "locatswin_tiny",
+    "locatvit_base",
+    "locatvit_base_rope_mixed",
+    "locatvit_small",
+    "locatvit_tiny",
+    "locatvit_tiny_rope_mixed",
+]

@@ -1,0 +1,190 @@
+"""Swin window attention on vitattn's pipeline, with or without GAug (the official ``LocAtSwin``).
+
+timm's ``swin_transformer.WindowAttention`` attends within each window of ``window_size`` patches,
+adding a learned relative-position bias and, in shifted blocks, the shift mask (0 / -100 between
+patches that were not neighbours before the cyclic shift). The layers here compute the same q, k, v
+and hand the relative-position bias plus the shift mask to :func:`vitattn.functional.attention` as
+one additive float mask:
+
+- :class:`WindowAttention`: any normalizer (``"softmax"`` gives timm's outputs);
+- :class:`LocAtWindowAttention`: plus GAug's Gaussian bias per window: the grid is the window,
+  there are no prefix tokens, and c, eps and the clamp come from the window size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from timm.layers import to_2tuple
+from timm.models.swin_transformer import WindowAttention as TimmWindowAttention
+from torch import nn
+
+from ..functional import GaussianBias
+from ..functional.normalize import Normalizer, resolve_normalizer
+from .attention import attend
+from .locat import GaussianAugment, grid_pair
+
+__all__ = [
+    "LocAtWindowAttention",
+    "WindowAttention",
+    "convert_window_attention",
+    "convertible_window_attention",
+    "window_additive_mask",
+]
+
+
+def window_additive_mask(rel_pos_bias: torch.Tensor, mask: torch.Tensor | None, batch: int) -> torch.Tensor:
+    """The additive float mask of one window-attention call, broadcastable to ``(B_, H, N, N)``.
+
+    ``rel_pos_bias: (1, H, N, N)``; ``mask``: timm's shift mask ``(nW, N, N)`` or None, for
+    ``batch = B_ = images * nW`` windows ordered image-major (as ``window_partition`` makes them).
+    """
+    if mask is None:
+        return rel_pos_bias
+    nw, n = mask.shape[0], mask.shape[-1]
+    total = rel_pos_bias[:, None] + mask.to(rel_pos_bias.dtype)[None, :, None]  # (1, nW, H, N, N)
+    return total.expand(batch // nw, -1, -1, -1, -1).reshape(batch, rel_pos_bias.shape[1], n, n)
+
+
+class WindowAttention(TimmWindowAttention):
+    """timm's Swin ``WindowAttention`` computed by :func:`vitattn.functional.attention`.
+
+    Same arguments, submodules and state-dict keys (``qkv``, ``proj``,
+    ``relative_position_bias_table``), plus ``normalizer`` (``"softmax"``, ``"entmax15"``,
+    ``"sparsemax"`` or a float alpha > 1). ``forward(x, mask)`` as timm's: ``x: (nW*B, N, C)``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        head_dim: int | None = None,
+        window_size: int | Sequence[int] = 7,
+        qkv_bias: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        normalizer: Normalizer = "softmax",
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__(
+            dim,
+            num_heads,
+            head_dim=head_dim,
+            window_size=to_2tuple(window_size),
+            qkv_bias=qkv_bias,
+            attn_drop=attn_drop,
+            proj_drop=proj_drop,
+            device=device,
+            dtype=dtype,
+        )
+        self.head_dim = int(head_dim or dim // num_heads)
+        self.normalizer = resolve_normalizer(normalizer)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_heads={self.num_heads}, head_dim={self.head_dim}, window_size={self.window_size}, "
+            f"normalizer={self.normalizer!r}"
+        )
+
+    def attention_bias(self, q: torch.Tensor) -> GaussianBias | None:
+        """Additive score bias from the queries ``q: (B_, H, N, d)`` of the windows; none here."""
+        return None
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x: (nW*B, N, C)``, ``mask``: timm's shift mask ``(nW, N, N)`` or None -> ``(nW*B, N, C)``."""
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        bias = self.attention_bias(q)
+        additive = window_additive_mask(self._get_rel_pos_bias(), mask, b)
+        dropout_p = self.attn_drop.p if self.training else 0.0
+        out = attend(q, k, v, additive, False, bias, self.normalizer, self.scale, dropout_p)
+        return self.proj_drop(self.proj(out.transpose(1, 2).reshape(b, n, -1)))
+
+
+class LocAtWindowAttention(WindowAttention):
+    """:class:`WindowAttention` with GAug's Gaussian bias in every window (official ``LocAtSwin``).
+
+    The bias grid is the window (``window_size`` rows x columns), with no prefix tokens; c, eps and
+    the clamp come from ``initial_window_size`` (default: the window the layer is built with). If
+    the window is later resized (timm's ``set_window_size``), σ is rescaled by
+    ``min(window) / min(initial window)`` as GAug does for a new resolution (the official release
+    has no window resizing).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        head_dim: int | None = None,
+        window_size: int | Sequence[int] = 7,
+        *,
+        initial_window_size: int | Sequence[int] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(dim, num_heads, head_dim, window_size, **kwargs)
+        self.gaug = GaussianAugment(self.head_dim, device=self.qkv.weight.device, dtype=self.qkv.weight.dtype)
+        init = self.window_size if initial_window_size is None else initial_window_size
+        self.initial_window_size = grid_pair("initial_window_size", init)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, initial_window_size={self.initial_window_size}"
+
+    def attention_bias(self, q: torch.Tensor) -> GaussianBias:
+        """GAug bias of every window from its queries ``q: (B_, H, N, d)``, ``N = window area``."""
+        return self.gaug(q, tuple(self.window_size), 0, self.initial_window_size)
+
+
+def convertible_window_attention(module: nn.Module) -> bool:
+    """Whether ``module`` is timm's Swin ``WindowAttention`` (or vitattn's) with qkv / proj linears."""
+    return (
+        isinstance(module, TimmWindowAttention)
+        and isinstance(getattr(module, "qkv", None), nn.Linear)
+        and isinstance(getattr(module, "proj", None), nn.Linear)
+        and isinstance(getattr(module, "relative_position_bias_table", None), nn.Parameter)
+    )
+
+
+def convert_window_attention(old: nn.Module, cls: type[WindowAttention], **kwargs: Any) -> WindowAttention:
+    """A ``cls`` layer computing with ``old``'s weights (``qkv``, ``proj``, the relative-position table
+    and index move into it); GAug heads and the initial window are kept from a LocAt layer, else
+    created fresh. ``kwargs`` go to ``cls``. Raises ``TypeError`` for any other module."""
+    if not convertible_window_attention(old):
+        raise TypeError(
+            f"cannot convert {type(old).__module__}.{type(old).__name__}: "
+            "expected timm's Swin WindowAttention"
+        )
+    qkv: nn.Linear = old.qkv  # type: ignore[assignment]
+    num_heads = int(old.num_heads)  # type: ignore[arg-type]
+    attn_drop, proj_drop = getattr(old, "attn_drop", None), getattr(old, "proj_drop", None)
+    if issubclass(cls, LocAtWindowAttention):
+        kwargs.setdefault("initial_window_size", getattr(old, "initial_window_size", None))
+    new = cls(
+        qkv.in_features,
+        num_heads,
+        head_dim=qkv.out_features // (3 * num_heads),
+        window_size=tuple(old.window_size),  # type: ignore[arg-type]
+        qkv_bias=qkv.bias is not None,
+        attn_drop=attn_drop.p if isinstance(attn_drop, nn.Dropout) else 0.0,
+        proj_drop=proj_drop.p if isinstance(proj_drop, nn.Dropout) else 0.0,
+        device="meta",  # placeholders, replaced just below
+        **kwargs,
+    )
+    new.qkv, new.proj = qkv, old.proj  # type: ignore[assignment]
+    new.relative_position_bias_table = old.relative_position_bias_table  # type: ignore[assignment]
+    new.relative_position_index = old.relative_position_index  # type: ignore[assignment]
+    new.dim = old.dim  # type: ignore[assignment]
+    gaug = getattr(new, "gaug", None)
+    if gaug is not None:
+        old_gaug = getattr(old, "gaug", None)
+        new.gaug = (
+            old_gaug
+            if isinstance(old_gaug, GaussianAugment)
+            else GaussianAugment(new.head_dim, device=qkv.weight.device, dtype=qkv.weight.dtype)
+        )
+    if qkv.weight.device.type != "meta" and any(t.is_meta for t in (*new.parameters(), *new.buffers())):
+        raise TypeError(f"convert_window_attention cannot create the extra parameters of {cls.__name__}")
+    new.train(old.training)
+    return new
