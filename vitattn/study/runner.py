@@ -24,7 +24,7 @@ import torch
 from .config import StudyConfig, config_diff
 from .distributed import DistEnv, barrier, init_distributed, shutdown_distributed
 from .results import load_results, run_record, summary_table, write_csv, write_results
-from .train import RunSpec, train_run
+from .train import RunResult, RunSpec, train_run
 
 __all__ = ["StudyConfigMismatch", "StudyOutcome", "default_out_dir", "run_specs", "run_study"]
 
@@ -101,6 +101,65 @@ def _clear(out: Path) -> None:
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
 
 
+def _previous_runs(
+    config: StudyConfig, out: Path, say: Callable[[str], None]
+) -> tuple[list[dict[str, Any]], bool]:
+    """The finished runs an earlier call left in ``out`` and whether that study is complete.
+
+    Raises :class:`StudyConfigMismatch` when ``out`` holds a study of another configuration.
+    """
+    results_path = out / "results.json"
+    if not results_path.is_file():
+        return [], False
+    old = load_results(results_path)
+    diff = config_diff(old["config"], config.to_dict())
+    if diff:
+        raise StudyConfigMismatch(
+            f"{str(out)!r} holds a study with another configuration ({'; '.join(diff)}); "
+            "choose another --out, pass --overwrite, or --resume to continue that study"
+        )
+    if old.get("status") != "complete":
+        say(f"vitattn study: resuming the study in {str(out)!r} ({len(old['runs'])} run(s) already finished)")
+    return old["runs"], old.get("status") == "complete"
+
+
+def _record_run(
+    result: RunResult, config: StudyConfig, out: Path, runs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Append the finished run to ``results.json`` and the CSV; drop its training state (rank 0)."""
+    record = run_record(result, config.first_layer_indices, config.epochs, out)
+    runs.append(record)
+    write_results(out / "results.json", config.to_dict(), runs, "running")
+    write_csv(out / "results.csv", runs)
+    folder = out / "checkpoints" / result.spec.name
+    for stale in [folder / "state.json", *folder.glob("state-e*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    return record
+
+
+def _finish_study(
+    config: StudyConfig, out: Path, runs: list[dict[str, Any]], seconds: float, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """Mark the study complete, write the summary and the plots, print the table (rank 0)."""
+    from .plots import write_plots
+
+    results_path = out / "results.json"
+    table = summary_table(runs)
+    write_results(results_path, config.to_dict(), runs, "complete")
+    write_csv(out / "results.csv", runs)
+    (out / "summary.md").write_text(table + "\n")
+    write_plots(out, load_results(results_path))
+    say(f"\n{table}\n")
+    say(
+        f"MAD: mean attention distance / grid diagonal; min over the heads of blocks "
+        f"0..{config.first_layers - 1}; sparsity: fraction of exact zeros in the attention "
+        f"maps; mIoU: linear and k-NN segmentation probes of the frozen features (–: no "
+        f"masks); entropy: mean over heads / log(patches). "
+        f"{seconds:.0f} s. Results, CSV, plots and checkpoints in {out}"
+    )
+    return load_results(results_path)
+
+
 def run_study(
     config: StudyConfig,
     out: str | Path | None = None,
@@ -131,33 +190,22 @@ def run_study(
         torch.set_num_threads(int(config.threads))
     say: Callable[[str], None] = log if env.is_main else (lambda _: None)
     out = Path(out) if out is not None else default_out_dir(config)
-    results_path = out / "results.json"
     try:
         if overwrite and env.is_main:
             _clear(out)
         barrier(env)
         cfg_dict = config.to_dict()
-        runs: list[dict[str, Any]] = []
-        if results_path.is_file():
-            old = load_results(results_path)
-            diff = config_diff(old["config"], cfg_dict)
-            if diff:
-                raise StudyConfigMismatch(
-                    f"{str(out)!r} holds a study with another configuration ({'; '.join(diff)}); "
-                    "choose another --out, pass --overwrite, or --resume to continue that study"
-                )
-            runs = old["runs"]
-            if old.get("status") == "complete":
-                table = summary_table(runs)
-                say(f"vitattn study: {str(out)!r} already holds this complete study\n{table}")
-                return StudyOutcome("complete", old, out, table)
-            say(f"vitattn study: resuming the study in {str(out)!r} ({len(runs)} run(s) already finished)")
+        runs, complete = _previous_runs(config, out, say)
+        if complete:
+            table = summary_table(runs)
+            say(f"vitattn study: {str(out)!r} already holds this complete study\n{table}")
+            return StudyOutcome("complete", load_results(out / "results.json"), out, table)
         specs = run_specs(config)
         say(_describe(config, len(specs), env))
         say(f"output: {out}")
         if env.is_main:
             out.mkdir(parents=True, exist_ok=True)
-            write_results(results_path, cfg_dict, runs, "running")
+            write_results(out / "results.json", cfg_dict, runs, "running")
         done = {r["name"] for r in runs}
         t0 = time.perf_counter()
         for k, spec in enumerate(specs):
@@ -168,35 +216,17 @@ def run_study(
             result = train_run(config, spec, folder, env, stop_after_epochs=stop_after_epochs, log=say)
             if result is None:
                 say(f"stopped after epoch {stop_after_epochs}; run the same command again to resume")
-                data = load_results(results_path) if env.is_main else {"config": cfg_dict, "runs": runs}
+                data = (
+                    load_results(out / "results.json") if env.is_main else {"config": cfg_dict, "runs": runs}
+                )
                 return StudyOutcome("interrupted", data, out, summary_table(runs))
             if env.is_main:
-                record = run_record(result, config.first_layer_indices, config.epochs, out)
-                runs.append(record)
-                write_results(results_path, cfg_dict, runs, "running")
-                write_csv(out / "results.csv", runs)
-                for stale in [folder / "state.json", *folder.glob("state-e*.safetensors")]:
-                    stale.unlink(missing_ok=True)
+                record = _record_run(result, config, out, runs)
                 say(f"  {spec.name}: {_run_line(record)}")
             barrier(env)
-        table = summary_table(runs)
         data = {"config": cfg_dict, "runs": runs}
         if env.is_main:
-            write_results(results_path, cfg_dict, runs, "complete")
-            write_csv(out / "results.csv", runs)
-            (out / "summary.md").write_text(table + "\n")
-            from .plots import write_plots
-
-            write_plots(out, load_results(results_path))
-            say(f"\n{table}\n")
-            say(
-                f"MAD: mean attention distance / grid diagonal; min over the heads of blocks "
-                f"0..{config.first_layers - 1}; sparsity: fraction of exact zeros in the attention "
-                f"maps; mIoU: linear and k-NN segmentation probes of the frozen features (–: no "
-                f"masks); entropy: mean over heads / log(patches). "
-                f"{time.perf_counter() - t0:.0f} s. Results, CSV, plots and checkpoints in {out}"
-            )
-            data = load_results(results_path)
-        return StudyOutcome("complete", data, out, table)
+            data = _finish_study(config, out, runs, time.perf_counter() - t0, say)
+        return StudyOutcome("complete", data, out, summary_table(runs))
     finally:
         shutdown_distributed(env)

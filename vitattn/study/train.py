@@ -195,6 +195,104 @@ def dense_probe_record(model: nn.Module, config: StudyConfig, device: torch.devi
     }
 
 
+@dataclass
+class _Training:
+    """The state one run trains: model (and its DDP wrapper), optimizer, schedule, loss, history."""
+
+    model: nn.Module
+    net: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    cutmix: Any
+    criterion: nn.Module
+    first_epoch: int
+    history: list[dict[str, Any]]
+
+
+def _run_datasets(config: StudyConfig, spec: RunSpec) -> tuple[Dataset, Dataset]:
+    """The run's ``(train, test)`` sets: the protocol's train transform, the plain test one, limits."""
+    ds = config.spec
+    train_set, test_set = load_datasets(
+        config.dataset,
+        build_train_transform(spec.protocol, ds, hflip=bool(config.hflip)),
+        build_test_transform(ds),
+        config.data_dir,
+        config.download,
+    )
+    return _subset(train_set, config.limit_train), _subset(test_set, config.limit_test)
+
+
+def _setup_training(
+    config: StudyConfig, spec: RunSpec, folder: Path, env: DistEnv, train_set: Dataset, log: Any
+) -> _Training:
+    """Seeded model, AdamW, warmup-cosine schedule and loss; restored from ``folder`` when it holds
+    an unfinished run's state (the order of the seeded draws is part of the resume contract)."""
+    if config.batch_size % env.world_size:
+        raise ValueError(f"batch_size {config.batch_size} is not divisible by the {env.world_size} ranks")
+    _seed_everything(spec.seed)  # same initial weights on every rank
+    model = build_model(config, spec.attention).to(env.device)
+    optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr)
+    steps_per_epoch = len(_loader(train_set, config, env, spec.seed, 0))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        WarmupCosine(round(config.warmup_epochs * steps_per_epoch), config.epochs * steps_per_epoch),
+    )
+    _seed_everything(spec.seed * 1000 + 7 + env.rank)  # augmentation streams differ per rank
+    state = load_state(folder, env, model, optimizer, scheduler)
+    first_epoch = state["epoch"] if state else 0
+    if state:
+        log(f"  {spec.name}: resumed from epoch {first_epoch} (checkpoint in {folder})")
+    net: nn.Module = model
+    if env.distributed:
+        net = DistributedDataParallel(
+            model, device_ids=[env.device.index] if env.device.type == "cuda" else None
+        )
+    return _Training(
+        model=model,
+        net=net,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        cutmix=build_cutmix(spec.protocol, config.spec.num_classes, config.cutmix_alpha),
+        criterion=build_criterion(spec.protocol, config.label_smoothing),
+        first_epoch=first_epoch,
+        history=list(state["history"]) if state else [],
+    )
+
+
+def _train_epoch(
+    tr: _Training, train_set: Dataset, config: StudyConfig, spec: RunSpec, env: DistEnv, epoch: int
+) -> dict[str, Any]:
+    """One epoch over ``train_set``; the history entry ``{epoch, train_loss, lr, seconds}``."""
+    t0 = time.perf_counter()
+    tr.net.train()
+    loader = _loader(train_set, config, env, spec.seed, epoch)
+    loss_sum, count = 0.0, 0
+    bar = _progress(
+        len(loader), f"{spec.name} epoch {epoch + 1}/{config.epochs}", config.progress and env.is_main
+    )
+    for x, y in loader:
+        x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+        if tr.cutmix is not None:
+            x, y = tr.cutmix(x, y)
+        loss = tr.criterion(tr.net(x), y)
+        tr.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        tr.optimizer.step()
+        tr.scheduler.step()
+        loss_sum += float(loss.detach()) * x.shape[0]
+        count += x.shape[0]
+        bar.update(1)
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+    bar.close()
+    loss_sum, count = all_reduce_sum(env, [loss_sum, count])
+    return dict(
+        epoch=epoch + 1,
+        train_loss=loss_sum / max(count, 1),
+        lr=float(tr.scheduler.get_last_lr()[0]),
+        seconds=round(time.perf_counter() - t0, 2),
+    )
+
+
 def train_run(
     config: StudyConfig,
     spec: RunSpec,
@@ -208,99 +306,53 @@ def train_run(
 
     Checkpoints the full training state after every epoch (see :mod:`.checkpoint`). Returns None
     when ``stop_after_epochs`` stopped it early (an interruption on purpose, for tests); else the
-    test accuracy, the locality report of the first ``analysis_images`` test images, the per-epoch
-    history, and ``model.safetensors`` written in ``folder``.
+    test accuracy, the locality report of the first ``analysis_images`` test images, the dense
+    probe, the per-epoch history, and ``model.safetensors`` written in ``folder``.
     """
     start = time.perf_counter()
-    ds = config.spec
-    train_set, test_set = load_datasets(
-        config.dataset,
-        build_train_transform(spec.protocol, ds, hflip=bool(config.hflip)),
-        build_test_transform(ds),
-        config.data_dir,
-        config.download,
-    )
-    train_set, test_set = _subset(train_set, config.limit_train), _subset(test_set, config.limit_test)
-    if config.batch_size % env.world_size:
-        raise ValueError(f"batch_size {config.batch_size} is not divisible by the {env.world_size} ranks")
-
-    _seed_everything(spec.seed)  # same initial weights on every rank
-    model = build_model(config, spec.attention).to(env.device)
-    optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr)
-    steps_per_epoch = len(_loader(train_set, config, env, spec.seed, 0))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        WarmupCosine(round(config.warmup_epochs * steps_per_epoch), config.epochs * steps_per_epoch),
-    )
-    _seed_everything(spec.seed * 1000 + 7 + env.rank)  # augmentation streams differ per rank
-    state = load_state(folder, env, model, optimizer, scheduler)
-    first_epoch = state["epoch"] if state else 0
-    history: list[dict[str, Any]] = list(state["history"]) if state else []
-    if state:
-        log(f"  {spec.name}: resumed from epoch {first_epoch} (checkpoint in {folder})")
-
-    net: nn.Module = model
-    if env.distributed:
-        net = DistributedDataParallel(
-            model, device_ids=[env.device.index] if env.device.type == "cuda" else None
-        )
-    cutmix = build_cutmix(spec.protocol, ds.num_classes, config.cutmix_alpha)
-    criterion = build_criterion(spec.protocol, config.label_smoothing)
-    show = config.progress and env.is_main
-
-    for epoch in range(first_epoch, config.epochs):
-        t0 = time.perf_counter()
-        net.train()
-        loader = _loader(train_set, config, env, spec.seed, epoch)
-        loss_sum, count = 0.0, 0
-        bar = _progress(len(loader), f"{spec.name} epoch {epoch + 1}/{config.epochs}", show)
-        for x, y in loader:
-            x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-            if cutmix is not None:
-                x, y = cutmix(x, y)
-            loss = criterion(net(x), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            loss_sum += float(loss.detach()) * x.shape[0]
-            count += x.shape[0]
-            bar.update(1)
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
-        bar.close()
-        loss_sum, count = all_reduce_sum(env, [loss_sum, count])
-        entry = dict(
-            epoch=epoch + 1,
-            train_loss=loss_sum / max(count, 1),
-            lr=float(scheduler.get_last_lr()[0]),
-            seconds=round(time.perf_counter() - t0, 2),
-        )
-        history.append(entry)
+    train_set, test_set = _run_datasets(config, spec)
+    tr = _setup_training(config, spec, folder, env, train_set, log)
+    for epoch in range(tr.first_epoch, config.epochs):
+        entry = _train_epoch(tr, train_set, config, spec, env, epoch)
+        tr.history.append(entry)
         log(
             f"  {spec.name}: epoch {epoch + 1}/{config.epochs}  train loss {entry['train_loss']:.4f}  "
             f"({entry['seconds']:.1f} s)"
         )
-        save_state(folder, env, epoch + 1, model, optimizer, scheduler, history)
+        save_state(folder, env, epoch + 1, tr.model, tr.optimizer, tr.scheduler, tr.history)
         if stop_after_epochs is not None and epoch + 1 >= stop_after_epochs and epoch + 1 < config.epochs:
             barrier(env)
             return None
+    return _finish_run(tr, config, spec, folder, env, test_set, time.perf_counter() - start)
 
-    test_acc = evaluate(model, test_set, env)
+
+def _finish_run(
+    tr: _Training,
+    config: StudyConfig,
+    spec: RunSpec,
+    folder: Path,
+    env: DistEnv,
+    test_set: Dataset,
+    elapsed: float,
+) -> RunResult:
+    """Test accuracy (every rank), then on rank 0 the locality report, the dense probe and the
+    weights; the :class:`RunResult` (``report`` and ``probe`` None on other ranks)."""
+    t0 = time.perf_counter()
+    test_acc = evaluate(tr.model, test_set, env)
     report, probe = None, None
     if env.is_main:
-        report = locality_report(
-            model, _analysis_batches(test_set, config.analysis_images), progress=False, name=spec.name
-        )
-        probe = dense_probe_record(model, config, env.device)
-        save_model(model, folder / "model.safetensors")
+        batches = _analysis_batches(test_set, config.analysis_images)
+        report = locality_report(tr.model, batches, progress=False, name=spec.name)
+        probe = dense_probe_record(tr.model, config, env.device)
+        save_model(tr.model, folder / "model.safetensors")
     barrier(env)
     return RunResult(
         spec=spec,
         test_acc=test_acc,
         report=report,  # type: ignore[arg-type]  # None on ranks other than 0
-        history=history,
-        seconds=round(time.perf_counter() - start, 2),
-        resumed_from_epoch=first_epoch,
+        history=tr.history,
+        seconds=round(elapsed + time.perf_counter() - t0, 2),
+        resumed_from_epoch=tr.first_epoch,
         checkpoint=folder / "model.safetensors",
         world_size=env.world_size,
         probe=probe,
