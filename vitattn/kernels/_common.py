@@ -21,8 +21,11 @@ NEWTON_MAX_STEPS: tl.constexpr = tl.constexpr(32)
 
 @triton.jit
 def _dot(a, b, F32_DOT: tl.constexpr):
-    """``a @ b`` accumulated in float32; ``F32_DOT`` upcasts both operands and uses IEEE float32."""
-    if F32_DOT:
+    """``a @ b`` accumulated in float32. ``F32_DOT`` (see ``backend.dot_mode``): 0 = the operands' own
+    dot (fp16 / bf16 tensor cores), 1 = both upcast, IEEE float32, 2 = float32 operands as TF32."""
+    if F32_DOT == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+    elif F32_DOT:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b)
@@ -35,15 +38,23 @@ def _offset(base, b, h, stride_b, stride_h):
 
 
 @triton.jit
+def _tile_ptrs(base, offs_r, offs_c, stride_r, stride_c):
+    """``base + offs_r * stride_r + offs_c * stride_c`` in 64-bit arithmetic: with a permuted layout (a
+    row stride of B * H * D, a transposed operand) or a flat row index over B * H * N rows, the products
+    pass 2^31 long before any tensor does."""
+    return base + offs_r.to(tl.int64)[:, None] * stride_r + offs_c.to(tl.int64)[None, :] * stride_c
+
+
+@triton.jit
 def _load_tile(base, offs_r, offs_c, stride_r, stride_c, n_r, n_c):
     """``(len(offs_r), len(offs_c))`` tile with zeros outside ``n_r x n_c``."""
-    ptrs = base + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c
+    ptrs = _tile_ptrs(base, offs_r, offs_c, stride_r, stride_c)
     return tl.load(ptrs, mask=(offs_r[:, None] < n_r) & (offs_c[None, :] < n_c), other=0.0)
 
 
 @triton.jit
 def _store_tile(base, value, offs_r, offs_c, stride_r, stride_c, n_r, n_c):
-    ptrs = base + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c
+    ptrs = _tile_ptrs(base, offs_r, offs_c, stride_r, stride_c)
     tl.store(ptrs, value.to(base.dtype.element_ty), mask=(offs_r[:, None] < n_r) & (offs_c[None, :] < n_c))
 
 
@@ -55,7 +66,7 @@ def _gauss_rows(den_base, alpha_base, offs_m, n_q, num_prefix, s_dp, s_dc, s_ap)
     """
     p = offs_m - num_prefix
     ok = (p >= 0) & (offs_m < n_q)
-    p = tl.where(ok, p, 0)
+    p = tl.where(ok, p, 0).to(tl.int64)
     inv_r = 1.0 / tl.load(den_base + p * s_dp, mask=ok, other=1.0).to(tl.float32)
     inv_c = 1.0 / tl.load(den_base + p * s_dp + s_dc, mask=ok, other=1.0).to(tl.float32)
     alpha = tl.load(alpha_base + p * s_ap, mask=ok, other=0.0).to(tl.float32)
@@ -89,10 +100,10 @@ def _scores(
         z += gbias
     valid = (offs_m[:, None] < n_q) & (offs_n[None, :] < n_k)
     if HAS_ADD:
-        add = tl.load(add_base + offs_m[:, None] * s_am + offs_n[None, :] * s_an, mask=valid, other=0.0)
+        add = tl.load(_tile_ptrs(add_base, offs_m, offs_n, s_am, s_an), mask=valid, other=0.0)
         z += add.to(tl.float32)
     if HAS_KEEP:
-        keep = tl.load(keep_base + offs_m[:, None] * s_km + offs_n[None, :] * s_kn, mask=valid, other=0)
+        keep = tl.load(_tile_ptrs(keep_base, offs_m, offs_n, s_km, s_kn), mask=valid, other=0)
         valid = valid & (keep != 0)
     return tl.where(valid, z, float("-inf"))
 

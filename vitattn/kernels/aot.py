@@ -74,10 +74,10 @@ class Result:
 
 
 def _flags(build: Build) -> dict[str, object]:
-    """The constexpr switches of a variant (``tl.dot`` on bf16/fp16 operands, never the f32 path)."""
+    """The constexpr switches of a variant (``tl.dot`` on bf16/fp16 operands; fp32: the TF32 dots)."""
     flags: dict[str, object] = dict(
         GAUSS=build.bias == "gaussian", HAS_ADD=build.bias == "additive", HAS_KEEP=build.bias == "bool",
-        F32_DOT=build.dtype == "fp32",
+        F32_DOT=2 if build.dtype == "fp32" else 0,  # fp32: TF32 dots, the only float32 path "auto" takes
         BLOCK_M=build.config.block_m, BLOCK_N=build.config.block_n,
         BLOCK_D=build.head_dim, BLOCK_DV=build.head_dim,
     )
@@ -197,7 +197,8 @@ def plan(archs: Iterable[int], head_dim: int, dtype: str, quick: bool = False) -
                     probe = Build(arch, normalizer, bias, pass_, configs.INTERPRET, head_dim, dtype)
                     tiles = configs.AUTOTUNE[probe.kernel]
                     for cfg in tiles[:1] if quick else tiles:
-                        dim = min(head_dim, cfg.head_dim_limit(masked=bias in ("additive", "bool")))
+                        masked = bias in ("additive", "bool")
+                        dim = min(head_dim, cfg.head_dim_limit(masked, fp32=dtype == "fp32"))
                         builds.append(Build(arch, normalizer, bias, pass_, cfg, dim, dtype))
         delta_cfg = configs.TileConfig(configs.DELTA_ROWS, 16, 4, 1)
         builds.append(Build(arch, "-", "-", "delta", delta_cfg, head_dim, dtype))
@@ -227,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities")
     parser.add_argument("--head-dim", type=int, default=128, help="largest padded head dim (16..128)")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="q/k/v element type")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
+                        help="q/k/v element type (fp32: the TF32 kernels)")
     parser.add_argument("--quick", action="store_true", help="only the first autotune config per kernel")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     parser.add_argument("--fresh", action="store_true", help="compile into an empty triton cache")

@@ -20,13 +20,26 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import _dot, _gauss_rows, _gauss_tile, _load_tile, _offset, _probs, _score_block, _store_tile
+from ._common import (
+    _dot,
+    _gauss_rows,
+    _gauss_tile,
+    _load_tile,
+    _offset,
+    _probs,
+    _score_block,
+    _store_tile,
+    _tile_ptrs,
+)
 
 
 @triton.jit
 def _bwd_delta_kernel(O, DO, DELTA, n_rows, head_dv, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """``DELTA[r] = sum_d O[r, d] * DO[r, d]`` over ``n_rows`` contiguous rows of width ``head_dv``."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """``DELTA[r] = sum_d O[r, d] * DO[r, d]`` over ``n_rows`` contiguous rows of width ``head_dv``.
+
+    The flat row index runs over B * H * Nq rows: ``offs_m * head_dv`` is taken in 64 bits.
+    """
+    offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_DV)
     o = _load_tile(O, offs_m, offs_d, head_dv, 1, n_rows, head_dv).to(tl.float32)
     do = _load_tile(DO, offs_m, offs_d, head_dv, 1, n_rows, head_dv).to(tl.float32)
@@ -147,7 +160,7 @@ def _bwd_dq_kernel(
         ds = g * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, F32_DOT)
         if ADD_GRAD != 0:
-            ptrs = dadd_base + offs_m[:, None] * s_gm + offs_n[None, :] * s_gn
+            ptrs = _tile_ptrs(dadd_base, offs_m, offs_n, s_gm, s_gn)
             inside = (offs_m[:, None] < n_q) & (offs_n[None, :] < n_k)
             if ADD_GRAD == 1:
                 tl.store(ptrs, ds, mask=inside)

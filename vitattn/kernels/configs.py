@@ -17,9 +17,13 @@ class TileConfig:
     num_stages: int
     max_head_dim: int = 128  # used only for padded head dims up to this (larger ones spill)
     max_head_dim_masked: int | None = None  # the same with an additive / boolean mask tile to load
+    max_head_dim_fp32: int | None = None  # the same with float32 (TF32) operands: twice the shared memory
 
-    def head_dim_limit(self, masked: bool) -> int:
-        return self.max_head_dim_masked if masked and self.max_head_dim_masked else self.max_head_dim
+    def head_dim_limit(self, masked: bool, fp32: bool = False) -> int:
+        limit = self.max_head_dim_masked if masked and self.max_head_dim_masked else self.max_head_dim
+        if fp32 and self.max_head_dim_fp32:
+            limit = min(limit, self.max_head_dim_fp32)
+        return limit
 
     def __str__(self) -> str:
         return f"M{self.block_m}xN{self.block_n} w{self.num_warps} s{self.num_stages}"
@@ -27,28 +31,30 @@ class TileConfig:
 
 # Kernel name -> autotune list. Every entry fits sm_80's 163 KiB of shared memory at its largest head
 # dim and compiles without register spills on sm_90 there (checked by ``python -m vitattn.kernels.aot``;
-# some spill a little on sm_80 at head dim 128, see docs/kernels.md).
+# some spill a little on sm_80 at head dim 128, see docs/kernels.md). With float32 operands (the TF32
+# path) the tiles take twice the shared memory: ``max_head_dim_fp32`` marks the entries that exceed
+# sm_80's or sm_90's limit at head dim 128 then (``python -m vitattn.kernels.aot --dtype fp32``).
 AUTOTUNE: dict[str, tuple[TileConfig, ...]] = {
     "fwd_softmax": (
-        TileConfig(128, 64, 8, 3, max_head_dim_masked=64),
+        TileConfig(128, 64, 8, 3, max_head_dim_masked=64, max_head_dim_fp32=64),
         TileConfig(128, 32, 8, 3),
-        TileConfig(64, 64, 4, 3, max_head_dim_masked=64),
+        TileConfig(64, 64, 4, 3, max_head_dim_masked=64, max_head_dim_fp32=64),
         TileConfig(64, 32, 4, 2),
     ),
     "fwd_entmax15": (
         TileConfig(128, 32, 8, 2, max_head_dim_masked=64),
         TileConfig(64, 32, 8, 2),
-        TileConfig(64, 64, 8, 3),
+        TileConfig(64, 64, 8, 3, max_head_dim_fp32=64),
         TileConfig(128, 64, 8, 3, max_head_dim=64),
     ),
     "bwd_dkdv": (
         TileConfig(32, 64, 8, 2),
-        TileConfig(64, 32, 8, 2),
+        TileConfig(64, 32, 8, 2, max_head_dim_fp32=64),
         TileConfig(32, 64, 8, 3),
         TileConfig(32, 128, 8, 2, max_head_dim=64),
     ),
     "bwd_dq": (
-        TileConfig(128, 32, 8, 2),
+        TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
         TileConfig(64, 32, 8, 2),
         TileConfig(128, 32, 8, 3, max_head_dim=64),
         TileConfig(64, 32, 4, 2, max_head_dim=64),
@@ -56,9 +62,10 @@ AUTOTUNE: dict[str, tuple[TileConfig, ...]] = {
 }
 
 
-def autotune_list(kernel: str, block_d: int, masked: bool) -> tuple[TileConfig, ...]:
-    """The configs of ``kernel`` usable at padded head dim ``block_d`` (with a mask tile if ``masked``)."""
-    return tuple(c for c in AUTOTUNE[kernel] if block_d <= c.head_dim_limit(masked))
+def autotune_list(kernel: str, block_d: int, masked: bool, fp32: bool = False) -> tuple[TileConfig, ...]:
+    """The configs of ``kernel`` usable at padded head dim ``block_d`` (with a mask tile if ``masked``,
+    with float32 operands if ``fp32``)."""
+    return tuple(c for c in AUTOTUNE[kernel] if block_d <= c.head_dim_limit(masked, fp32))
 
 
 # The row-term kernel of the backward needs no tuning.

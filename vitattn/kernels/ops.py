@@ -8,10 +8,11 @@ exception is the gradient of an additive mask, which has the mask's own shape).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ import triton
 from torch.autograd.function import once_differentiable
 
 from . import configs
+from .backend import dot_mode, tf32_allowed
 
 _MODULES = ("_common", "softmax", "entmax15", "backward")
 _KERNEL_ATTRS = {
@@ -59,18 +61,23 @@ def kernels() -> dict[str, Any]:
     return {key: getattr(mods[mod], attr) for key, (mod, attr) in _KERNEL_ATTRS.items()}
 
 
-def _tuned(name: str, fn: Any, block_d: int, masked: bool) -> Any:
-    """``fn`` wrapped in ``triton.autotune`` over the configs of ``name`` usable at ``block_d`` (cached).
+def _tuned(name: str, fn: Any, block_d: int, masked: bool, fp32: bool = False) -> Any:
+    """``fn`` wrapped in ``triton.autotune`` over the configs of ``name`` usable at ``block_d`` (with
+    float32 operands if ``fp32``), cached.
 
     ``VITATTN_TRITON_TILES=first`` keeps only the first usable config (no autotuning: tests and memcheck
     runs that would otherwise compile and time every config).
     """
     first_only = os.environ.get("VITATTN_TRITON_TILES", "") == "first"
-    key = f"{name}@{block_d}{'-masked' if masked else ''}{'-first' if first_only else ''}"
+    key = f"{name}@{block_d}" + "".join(
+        tag for tag, on in (("-masked", masked), ("-fp32", fp32), ("-first", first_only)) if on
+    )
     if key not in _TUNED:
-        tiles = configs.autotune_list(name, block_d, masked)
+        tiles = configs.autotune_list(name, block_d, masked, fp32)
         if not tiles:
-            raise RuntimeError(f"no tile config of {name} serves head dim {block_d} (masked={masked})")
+            raise RuntimeError(
+                f"no tile config of {name} serves head dim {block_d} (masked={masked}, fp32={fp32})"
+            )
         tiles = tiles[:1] if first_only else tiles
         flags = [p.name for p in fn.params if p.is_constexpr and not p.name.startswith("BLOCK")]
         _TUNED[key] = triton.autotune(
@@ -85,15 +92,38 @@ def _tuned(name: str, fn: Any, block_d: int, masked: bool) -> Any:
     return _TUNED[key]
 
 
+def launch_device(tensors: Iterable[Any]) -> torch.device | None:
+    """The device of the first CUDA tensor among ``tensors`` (``None`` if none is on CUDA)."""
+    for t in tensors:
+        dev = getattr(t, "device", None)
+        if isinstance(dev, torch.device) and dev.type == "cuda":
+            return dev
+    return None
+
+
+def device_guard(tensors: Iterable[Any]) -> contextlib.AbstractContextManager[Any]:
+    """``torch.cuda.device(index)`` of the tensors' CUDA device (a no-op on CPU / in the interpreter).
+
+    Triton launches on the *current* device and its current stream: without the guard a tensor on
+    ``cuda:1`` while device 0 is current is read by a kernel running on device 0.
+    """
+    dev = launch_device(tensors)
+    if dev is None:
+        return contextlib.nullcontext()
+    return torch.cuda.device(dev.index)
+
+
 def _launch(name: str, grid: Callable[[int, int], tuple[int, ...]], args: Sequence[Any], **meta: Any) -> None:
     fn = kernels()[name]
-    if interpreting():
-        c = configs.INTERPRET
-        fn[grid(c.block_m, c.block_n)](*args, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **meta)
-    else:
-        block_d = max(meta["BLOCK_D"], meta["BLOCK_DV"])
-        masked = bool(meta["HAS_ADD"] or meta["HAS_KEEP"])
-        _tuned(name, fn, block_d, masked)[lambda m: grid(m["BLOCK_M"], m["BLOCK_N"])](*args, **meta)
+    with device_guard(args):
+        if interpreting():
+            c = configs.INTERPRET
+            fn[grid(c.block_m, c.block_n)](*args, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **meta)
+        else:
+            block_d = max(meta["BLOCK_D"], meta["BLOCK_DV"])
+            masked = bool(meta["HAS_ADD"] or meta["HAS_KEEP"])
+            fp32 = bool(meta["F32_DOT"])  # on a GPU: float32 operands (TF32 or IEEE)
+            _tuned(name, fn, block_d, masked, fp32)[lambda m: grid(m["BLOCK_M"], m["BLOCK_N"])](*args, **meta)
 
 
 def block_dim(d: int) -> int:
@@ -120,6 +150,7 @@ class _Problem:
     grid_w: int
     clamp: float
     entmax: bool
+    tf32: bool = False  # TF32 dots for float32 inputs on a GPU (fixed at the forward, reused by the backward)
 
     def operands(self, dummy: torch.Tensor) -> list[Any]:
         """``ADD, KEEP, DEN, ALPHA`` pointers (a dummy where absent)."""
@@ -138,10 +169,10 @@ class _Problem:
                 self.grid_w, self.clamp]
 
     def flags(self, q: torch.Tensor, v: torch.Tensor) -> dict[str, Any]:
-        f32_dot = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreting())
         return dict(
             GAUSS=self.den is not None, HAS_ADD=self.add is not None, HAS_KEEP=self.keep is not None,
-            F32_DOT=f32_dot, BLOCK_D=block_dim(q.shape[3]), BLOCK_DV=block_dim(v.shape[3]),
+            F32_DOT=dot_mode(q.dtype, q.device.type, self.tf32, interpreting()),
+            BLOCK_D=block_dim(q.shape[3]), BLOCK_DV=block_dim(v.shape[3]),
         )
 
 
@@ -173,9 +204,10 @@ def _backward(ctx, grad_out: torch.Tensor):
 
     delta = torch.empty(b, h, n_q, device=q.device, dtype=torch.float32)
     rows = configs.INTERPRET_DELTA_ROWS if interpreting() else configs.DELTA_ROWS
-    kernels()["bwd_delta"][(triton.cdiv(b * h * n_q, rows),)](
-        o_or_og, do, delta, b * h * n_q, dv, BLOCK_M=rows, BLOCK_DV=block_dim(dv)
-    )
+    with device_guard([o_or_og]):
+        kernels()["bwd_delta"][(triton.cdiv(b * h * n_q, rows),)](
+            o_or_og, do, delta, b * h * n_q, dv, BLOCK_M=rows, BLOCK_DV=block_dim(dv)
+        )
 
     dq = torch.empty(b, h, n_q, d, device=q.device, dtype=q.dtype)
     dk = torch.empty(b, h, n_k, d, device=q.device, dtype=k.dtype)
@@ -240,6 +272,7 @@ def fused_attention(
     num_prefix: int = 0,
     grid_w: int = 1,
     clamp: float = 0.0,
+    tf32: bool | None = None,
 ) -> torch.Tensor:
     """``normalize(q kᵀ * scale + gaussian + add, masked by keep) v`` with the fused kernels.
 
@@ -252,6 +285,8 @@ def fused_attention(
         sigma_den: ``(B', H', Np, 2)`` Gaussian denominators ``r * sigma + eps`` (broadcastable in B, H).
         alpha: ``(B', H', Np, 1)`` Gaussian amplitudes.
         num_prefix, grid_w, clamp: prefix tokens, grid columns and the lower clamp of the Gaussian bias.
+        tf32: TF32 dots for float32 inputs on a GPU (``None``: :func:`~vitattn.kernels.backend.tf32_allowed`);
+            float32 in the interpreter is always IEEE.
 
     Returns:
         ``(B, H, Nq, Dv)`` in v's dtype; rows with every key masked are 0.
@@ -266,6 +301,7 @@ def fused_attention(
         den = sigma_den.float().expand(b, h, n_p, 2)
         alp = alpha.float()[..., 0].expand(b, h, n_p)
     scalars = _Problem(
-        None, None, None, None, float(scale), int(num_prefix), int(grid_w), float(clamp), bool(entmax)
+        None, None, None, None, float(scale), int(num_prefix), int(grid_w), float(clamp), bool(entmax),
+        tf32=tf32_allowed() if tf32 is None else bool(tf32),
     )
     return _FusedAttention.apply(q, k, v, add4, den, alp, keep4, scalars)

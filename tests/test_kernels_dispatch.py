@@ -1,0 +1,367 @@
+"""What the Triton backend does around its kernels, checked without a GPU: the device guard of every
+launch, the one launch dtype (autocast, mixed q/k/v dtypes), the float32 / TF32 rule of
+``backend="auto"``, and 64-bit pointer offsets.
+
+CUDA tensors are ``FakeTensor`` objects (``torch._subclasses.fake_tensor``: a device and a dtype, no
+storage), so ``TritonBackend.unsupported`` and the launch wrappers see ``cuda:1`` on a CPU-only
+machine. The ``triton_interpreter`` tests run the kernels in Triton's interpreter (see
+``tests/test_kernels.py`` for how the flag is set), and the offset test compiles the kernels for sm_80
+in a subprocess without the interpreter (as ``python -m vitattn.kernels.aot`` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+
+if "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from vitattn.functional import attention
+from vitattn.functional.dispatch import AttentionCall
+from vitattn.kernels import backend as kb
+from vitattn.kernels import configs
+from vitattn.kernels.backend import DOT_IEEE, DOT_NATIVE, DOT_TF32, FLOAT32_REASON, TritonBackend
+
+pytest.importorskip("triton")
+from vitattn.kernels import ops  # noqa: E402  (imports triton)
+
+interpreted = pytest.mark.triton_interpreter
+BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+
+
+def _fake(*shape, device="cuda:1", dtype=BF16) -> torch.Tensor:
+    with FakeTensorMode():
+        return torch.empty(*shape, device=device, dtype=dtype)
+
+
+def _call(q, k=None, v=None, **kw) -> AttentionCall:
+    base = dict(normalizer="softmax", scale=0.5, mask=None, bias=None, return_weights=False, dropout_p=0.0)
+    base.update(kw)
+    return AttentionCall(q, q if k is None else k, q if v is None else v, **base)
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32(monkeypatch):
+    """TF32 off (the default) unless a test turns it on; torch's switch restored afterwards."""
+    monkeypatch.delenv(kb.TF32_ENV, raising=False)
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    matmul.fp32_precision = "none"
+    yield
+    matmul.fp32_precision = saved
+
+
+class _DeviceRecorder:
+    """Stands in for ``torch.cuda.device``: records each index entered and which one is current."""
+
+    def __init__(self):
+        self.entered: list[int] = []
+        self.stack: list[int] = []
+
+    def __call__(self, index):
+        @contextlib.contextmanager
+        def guard():
+            self.entered.append(index)
+            self.stack.append(index)
+            try:
+                yield
+            finally:
+                self.stack.pop()
+
+        return guard()
+
+    @property
+    def current(self) -> int | None:
+        return self.stack[-1] if self.stack else None
+
+
+class _RecordingKernel:
+    """A kernel object: ``fn[grid](*args, **meta)`` records the current (recorded) device, then runs
+    the real kernel if there is one."""
+
+    def __init__(self, name, recorder, seen, real=None):
+        self.name, self.recorder, self.seen, self.real = name, recorder, seen, real
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.seen.append((self.name, self.recorder.current))
+            if self.real is not None:
+                self.real[grid](*args, **meta)
+
+        return launch
+
+
+# ---- 1. device guard ---------------------------------------------------------------------------------
+
+
+def test_launch_device_is_the_first_cuda_tensors():
+    cpu, on1, on0 = torch.empty(2), _fake(2), _fake(2, device="cuda:0")
+    assert ops.launch_device([cpu, 3, 0.5, on1, on0]) == torch.device("cuda", 1)
+    assert ops.launch_device([on0, on1]) == torch.device("cuda", 0)
+    assert ops.launch_device([cpu, 3]) is None
+
+
+def test_device_guard_enters_the_tensors_device(monkeypatch):
+    rec = _DeviceRecorder()
+    monkeypatch.setattr(torch.cuda, "device", rec)
+    with ops.device_guard([torch.empty(1), _fake(2)]):
+        assert rec.current == 1
+    with ops.device_guard([torch.empty(1)]):  # CPU / interpreter: no guard, no CUDA call
+        assert rec.current is None
+    assert rec.entered == [1]
+
+
+@pytest.mark.parametrize("interp", [True, False], ids=["interpreter-path", "autotuned-path"])
+def test_launch_runs_inside_the_device_guard(monkeypatch, interp):
+    rec, seen = _DeviceRecorder(), []
+    fake = _RecordingKernel("fwd_softmax", rec, seen)
+    monkeypatch.setattr(torch.cuda, "device", rec)
+    monkeypatch.setattr(ops, "kernels", lambda: {"fwd_softmax": fake})
+    monkeypatch.setattr(ops, "interpreting", lambda: interp)
+    tuned = []
+    monkeypatch.setattr(ops, "_tuned", lambda name, fn, *key: tuned.append(key) or fn)
+    meta = dict(HAS_ADD=False, HAS_KEEP=True, BLOCK_D=16, BLOCK_DV=64, F32_DOT=DOT_TF32)
+    ops._launch("fwd_softmax", lambda bm, bn: (1, 1), [_fake(1, 2, 5, 16), 0.5, 7], **meta)
+    assert seen == [("fwd_softmax", 1)]
+    assert tuned == ([] if interp else [(64, True, True)])  # (block_d, masked, fp32): the fp32 tile list
+
+
+@interpreted
+@pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
+def test_every_launch_of_forward_and_backward_is_guarded(monkeypatch, normalizer):
+    """Forward and the three backward kernels (the row-term kernel is launched on its own) all run
+    with the tensors' device current: here the kernels run in the interpreter on CPU tensors and
+    ``launch_device`` claims they are on ``cuda:1``."""
+    rec, seen = _DeviceRecorder(), []
+    real = ops.kernels()
+    wrapped = {name: _RecordingKernel(name, rec, seen, fn) for name, fn in real.items()}
+    monkeypatch.setattr(torch.cuda, "device", rec)
+    monkeypatch.setattr(ops, "kernels", lambda: wrapped)
+    monkeypatch.setattr(ops, "launch_device", lambda tensors: torch.device("cuda", 1))
+    q, k, v = (torch.randn(1, 2, 19, 16, requires_grad=True) for _ in range(3))
+    out = ops.fused_attention(q, k, v, entmax=normalizer == "entmax15", scale=0.25)
+    out.sum().backward()
+    fwd = "fwd_softmax" if normalizer == "softmax" else "fwd_entmax15"
+    assert seen == [(fwd, 1), ("bwd_delta", 1), ("bwd_dkdv", 1), ("bwd_dq", 1)]
+    ref = attention(q.detach(), k.detach(), v.detach(), normalizer=normalizer, scale=0.25, backend="torch")
+    torch.testing.assert_close(out.detach(), ref, atol=2e-5, rtol=0)
+
+
+# ---- 2. one launch dtype -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dtypes", "autocast", "want"),
+    [
+        ((BF16, BF16, BF16), None, BF16),
+        ((F16, F16, F16), None, F16),
+        ((F32, F32, BF16), None, F32),  # the common dtype
+        ((F16, BF16, BF16), None, F32),
+        ((F32, F32, BF16), BF16, BF16),  # timm qk_norm under autocast
+        ((F32, F32, F32), F16, F16),
+        ((BF16, BF16, BF16), F16, F16),
+    ],
+)
+def test_launch_dtype_is_autocasts_else_the_common_one(dtypes, autocast, want):
+    assert kb.launch_dtype(dtypes, autocast) == (want, None)
+
+
+def test_launch_dtype_declines_what_the_kernels_cannot_compute():
+    reason = "dtype torch.float64 is not one of float16, bfloat16, float32"
+    assert kb.launch_dtype([F64, F64, F64]) == (None, reason)
+    dtype, reason = kb.launch_dtype([F32, F64, F32], BF16)  # autocast does not narrow float64
+    assert dtype is None and "torch.float64" in reason
+    dtype, reason = kb.launch_dtype([F32, F32, F32], F64)
+    assert dtype is None and reason.startswith("autocast dtype torch.float64")
+
+
+def test_autocast_dtype_reads_the_autocast_state():
+    assert kb.autocast_dtype("cpu") is None
+    with torch.autocast("cpu", dtype=BF16):
+        assert kb.autocast_dtype("cpu") == BF16
+        assert kb.autocast_dtype("cuda") is None
+    assert kb.autocast_dtype("meta") is None
+
+
+def test_mixed_dtypes_under_cuda_autocast_are_taken(monkeypatch):
+    q, v = _fake(2, 3, 17, 32, dtype=F32), _fake(2, 3, 17, 32, dtype=BF16)
+    call = _call(q, q, v)
+    assert TritonBackend().unsupported(call) == FLOAT32_REASON  # no autocast: float32 is the common dtype
+    assert TritonBackend().unsupported(call, explicit=True) is None
+    monkeypatch.setattr(kb, "autocast_dtype", lambda device_type: BF16 if device_type == "cuda" else None)
+    assert TritonBackend().unsupported(call) is None
+    assert "float64" in TritonBackend().unsupported(_call(q, q, _fake(2, 3, 17, 32, dtype=F64)))
+
+
+def _leaves(*dtypes, n=21, d=16):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(1, 2, n, d, generator=g) * 2).to(dt).requires_grad_() for dt in dtypes]
+
+
+@interpreted
+def test_run_casts_to_the_autocast_dtype():
+    q, k, v = _leaves(F32, F32, F32)
+    with torch.autocast("cpu", dtype=BF16):
+        out, _ = TritonBackend().run(_call(q, k, v))
+    assert out.dtype == BF16
+    ref = attention(*(t.detach().to(BF16).double() for t in (q, k, v)), scale=0.5, backend="torch")
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 2.5e-2
+    grads = torch.autograd.grad(out.float().sum(), [q, k, v])
+    assert all(g.dtype == F32 and torch.isfinite(g).all() for g in grads)
+
+
+@interpreted
+def test_run_computes_mixed_dtypes_in_the_common_dtype():
+    q, k, v = _leaves(F32, F32, BF16)
+    out, _ = TritonBackend().run(_call(q, k, v))
+    assert out.dtype == BF16  # v's dtype, as attention() promises
+    ref = attention(q.detach().double(), k.detach().double(), v.detach().double(), scale=0.5, backend="torch")
+    assert ((out.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-6).all()  # float32, rounded to bf16 once
+    grads = torch.autograd.grad(out.float().sum(), [q, k, v])
+    assert [g.dtype for g in grads] == [F32, F32, BF16]
+
+
+# ---- 3. float32 on CUDA: TF32 or not at all (for "auto") ---------------------------------------------
+
+
+def test_float32_reason_is_a_function_of_device_dtype_and_flags():
+    assert kb.float32_reason("cuda", F32, explicit=False, tf32=False) == FLOAT32_REASON
+    assert kb.float32_reason("cuda", F32, explicit=False, tf32=True) is None
+    assert kb.float32_reason("cuda", F32, explicit=True, tf32=False) is None  # named: IEEE float32
+    assert kb.float32_reason("cuda", BF16, explicit=False, tf32=False) is None
+    assert kb.float32_reason("cpu", F32, explicit=True, tf32=False) is None  # the interpreter
+
+
+def test_float32_cuda_inputs_need_tf32_for_auto(monkeypatch):
+    backend = TritonBackend()
+    call = _call(_fake(2, 3, 17, 32, dtype=F32))
+    assert backend.unsupported(call) == FLOAT32_REASON
+    assert backend.unsupported(_call(_fake(2, 3, 17, 32, dtype=F16))) is None
+    monkeypatch.setenv(kb.TF32_ENV, "1")
+    assert backend.unsupported(call) is None
+    monkeypatch.setenv(kb.TF32_ENV, "0")
+    assert backend.unsupported(call) == FLOAT32_REASON
+    torch.backends.cuda.matmul.allow_tf32 = True  # restored by the fixture
+    assert kb.tf32_allowed() and backend.unsupported(call) is None
+
+
+@pytest.mark.parametrize(
+    ("dtype", "device", "tf32", "interp", "want"),
+    [
+        (F32, "cuda", True, False, DOT_TF32),
+        (F32, "cuda", False, False, DOT_IEEE),
+        (F32, "cuda", True, True, DOT_IEEE),  # the interpreter runs float32 exactly
+        (F32, "cpu", True, True, DOT_IEEE),
+        (BF16, "cpu", False, True, DOT_IEEE),
+        (BF16, "cuda", True, False, DOT_NATIVE),
+        (F16, "cuda", False, False, DOT_NATIVE),
+    ],
+)
+def test_dot_mode(dtype, device, tf32, interp, want):
+    assert kb.dot_mode(dtype, device, tf32, interp) == want
+
+
+def test_problem_flags_carry_the_dot_mode(monkeypatch):
+    monkeypatch.setattr(ops, "interpreting", lambda: False)
+    q = _fake(1, 2, 5, 16, dtype=F32)
+    prob = ops._Problem(None, None, None, None, 0.5, 0, 1, 0.0, False, tf32=True)
+    assert prob.flags(q, q)["F32_DOT"] == DOT_TF32
+    assert ops._Problem(None, None, None, None, 0.5, 0, 1, 0.0, False).flags(q, q)["F32_DOT"] == DOT_IEEE
+
+
+_TF32_PTX = textwrap.dedent(
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from vitattn.kernels import aot, configs
+    from vitattn.kernels.ops import kernels
+
+    fns = kernels()
+    for pass_ in ("fwd", "bwd_dkdv", "bwd_dq"):
+        build = aot.Build(80, "entmax15", "gaussian", pass_, configs.TileConfig(32, 32, 4, 1), 32, "fp32")
+        for mode in (1, 2):
+            consts = {**aot._flags(build), "F32_DOT": mode}
+            src = aot._source(fns[build.kernel], "fp32", consts)
+            ptx = triton.compile(src, target=GPUTarget("cuda", 80, 32), options={"num_warps": 4}).asm["ptx"]
+            kind = "tf32-mma" if ".tf32.tf32" in ptx else "mma" if "mma.sync" in ptx else "no-mma"
+            print(pass_, mode, kind)
+    """
+)
+
+
+def _compile_check(code: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return res.stdout.strip()
+
+
+def test_float32_dots_are_tf32_or_ieee_as_asked():
+    """``F32_DOT=2`` compiles to TF32 tensor-core MMAs (sm_80), ``F32_DOT=1`` to IEEE float32 (no MMA)."""
+    want = "\n".join(f"{p} 1 no-mma\n{p} 2 tf32-mma" for p in ("fwd", "bwd_dkdv", "bwd_dq"))
+    assert _compile_check(_TF32_PTX) == want
+
+
+def test_fp32_tile_lists_leave_out_what_overflows_shared_memory():
+    """Float32 tiles take twice the shared memory: at head dim 128 the entries that exceed sm_80's
+    163 KiB (``python -m vitattn.kernels.aot --dtype fp32``) are not autotuned over, and every kernel
+    keeps at least one config, with and without a mask tile."""
+    too_big = {  # measured: sm_80 KiB at head dim 128, float32 operands
+        "fwd_softmax": [(128, 64, 8, 3), (64, 64, 4, 3)],  # 192, 176.5
+        "fwd_entmax15": [(64, 64, 8, 3)],  # 192 (224 masked)
+        "bwd_dkdv": [(64, 32, 8, 2)],  # 168.5 with an additive mask
+        "bwd_dq": [(128, 32, 8, 2)],  # 164
+    }
+    for kernel, bad in too_big.items():
+        for masked in (False, True):
+            tiles = configs.autotune_list(kernel, 128, masked, fp32=True)
+            kept = [(c.block_m, c.block_n, c.num_warps, c.num_stages) for c in tiles]
+            assert kept and not set(kept) & set(bad), (kernel, masked, kept)
+        assert len(configs.autotune_list(kernel, 64, False, fp32=True)) == len(
+            configs.autotune_list(kernel, 64, False)
+        )
+
+
+# ---- 4. 64-bit offsets -------------------------------------------------------------------------------
+
+_NO_I32_MULTIPLY = textwrap.dedent(
+    """
+    import re
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from vitattn.kernels import aot, configs
+    from vitattn.kernels.ops import kernels
+
+    fns = kernels()
+    bad = []
+    for pass_, normalizer in [("fwd", "softmax"), ("fwd", "entmax15"), ("bwd_dkdv", "entmax15"),
+                              ("bwd_dq", "softmax"), ("delta", "-")]:
+        if pass_ == "delta":
+            fn, consts = fns["bwd_delta"], {"BLOCK_M": configs.DELTA_ROWS, "BLOCK_DV": 64}
+        else:
+            build = aot.Build(80, normalizer, "additive", pass_, configs.TileConfig(32, 32, 4, 1), 64, "bf16")
+            fn, consts = fns[build.kernel], aot._flags(build)
+            consts.update(GAUSS=True, HAS_KEEP=True)  # every operand at once
+            if pass_ == "bwd_dq":
+                consts["GAUSS_GRAD"] = True
+        src = aot._source(fn, "bf16", consts)
+        ttir = triton.compile(src, target=GPUTarget("cuda", 80, 32), options={"num_warps": 4}).asm["ttir"]
+        bad += [f"{pass_}/{normalizer}: {line.strip()[:120]}" for line in ttir.splitlines()
+                if re.search(r"arith\\.muli .*: tensor<[0-9x]+xi32>", line)]
+    print("\\n".join(bad) if bad else "ok")
+    """
+)
+
+
+def test_pointer_offsets_are_multiplied_in_64_bits():
+    """No kernel multiplies a tensor of offsets by a stride in int32 (the TTIR for sm_80, every operand
+    present): flat row indices over B * H * Nq rows and permuted layouts pass 2^31."""
+    assert _compile_check(_NO_I32_MULTIPLY) == "ok"
