@@ -489,3 +489,17 @@ def test_gaug_heads_and_weights_get_gradients(name: str) -> None:
         m.log_var.weight.grad is not None and m.log_alpha.weight.grad.abs().sum() > 0 for m in gaug
     )
     assert all(p.grad is not None for n, p in model.named_parameters() if "qkv" in n)
+
+
+def test_rope_model_shares_the_locat_model_checks() -> None:
+    with pytest.raises(ValueError, match="patch_drop_rate=0.5 drops patches"):
+        LocAtRoPEViT(patch_drop_rate=0.5, **ROPE_TINY)
+    model = LocAtRoPEViT(prr=True, **ROPE_TINY).eval()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        feats = model.forward_features(x)
+        logits = model(x)
+        torch.testing.assert_close(logits, model.forward_head(feats))
+        prr, model.prr = model.prr, None  # the same model without PRR: another head input
+        assert not torch.allclose(model(x), logits)
+    assert isinstance(prr, vitattn.PRR) and prr.num_heads == 3

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 from timm.models.vision_transformer import VisionTransformer, global_pool_nlc
+from torch import nn
 
 import vitattn
 from vitattn.layers import LocAtAttention
@@ -217,6 +218,16 @@ def test_fresh_model_gaug_init() -> None:
 def test_model_errors() -> None:
     with pytest.raises(ValueError, match="patch_drop_rate"):
         LocAtViT(img_size=32, patch_size=8, patch_drop_rate=0.5, **TINY)
+    from timm.models.vision_transformer import Block
+
+    class OddBlock(Block):  # a block whose attention is not timm's Attention
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.attn = nn.Identity()
+
+    wrong_block = r"LocAtViT needs timm's Attention .* at blocks\[0\]\.attn, got Identity"
+    with pytest.raises(TypeError, match=wrong_block):
+        LocAtViT(img_size=32, patch_size=8, block_fn=OddBlock, **TINY)
     if "prr" in VisionTransformer.__init__.__annotations__.get("global_pool", ""):
         with pytest.raises(ValueError, match="prr=False"):
             LocAtViT(img_size=32, patch_size=8, global_pool="prr", **TINY)

@@ -11,21 +11,26 @@ from .attention import Attention
 __all__ = ["convertible_attention", "convert_attention"]
 
 
-def _timm_attention_classes() -> tuple[type, ...]:
-    classes: list[type] = [Attention]
-    try:  # timm.layers.Attention (timm >= 1.0.16) and the older copy in vision_transformer
-        from timm.layers import Attention as LayersAttention
+def importable_classes(first: type, *names: tuple[str, str]) -> tuple[type, ...]:
+    """``first`` and each ``(module, class name)`` that this timm version has, without repeats
+    (timm moves and renames its attention classes between releases)."""
+    import importlib
 
-        classes.append(LayersAttention)
-    except ImportError:  # pragma: no cover - depends on the timm version
-        pass
-    try:
-        from timm.models.vision_transformer import Attention as VitAttention
-
-        classes.append(VitAttention)
-    except ImportError:  # pragma: no cover
-        pass
+    classes: list[type] = [first]
+    for module, name in names:
+        try:
+            classes.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):  # pragma: no cover - depends on the timm version
+            pass
     return tuple(dict.fromkeys(classes))
+
+
+def _timm_attention_classes() -> tuple[type, ...]:
+    """vitattn's Attention and timm's (``timm.layers`` since 1.0.16, and the older copy in
+    ``vision_transformer``)."""
+    return importable_classes(
+        Attention, ("timm.layers", "Attention"), ("timm.models.vision_transformer", "Attention")
+    )
 
 
 def convertible_attention(module: nn.Module) -> bool:
@@ -79,8 +84,10 @@ def convert_attention(old: nn.Module, cls: type[Attention], **kwargs: Any) -> At
     gaug = getattr(new, "gaug", None)
     if gaug is not None:  # GAug heads: kept from a LocAt layer, else fresh as in a new model
         old_gaug = getattr(old, "gaug", None)
-        new.gaug = old_gaug if isinstance(old_gaug, type(gaug)) else type(gaug)(
-            new.head_dim, device=qkv.weight.device, dtype=qkv.weight.dtype
+        new.gaug = (
+            old_gaug
+            if isinstance(old_gaug, type(gaug))
+            else type(gaug)(new.head_dim, device=qkv.weight.device, dtype=qkv.weight.dtype)
         )
     if qkv.weight.device.type != "meta" and any(p.is_meta for p in new.parameters()):
         raise TypeError(f"convert_attention cannot create the extra parameters of {cls.__name__}")

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..functional.normalize import Normalizer
 from .attention import Attention, attend
+from .convert import importable_classes
 from .locat import GaussianAugment, LocAtAttention
 
 __all__ = [
@@ -37,20 +38,9 @@ __all__ = [
 
 def rope_attention_classes() -> tuple[type, ...]:
     """The timm rotary attention classes (and vitattn's) that :func:`convert_rope_attention` takes."""
-    classes: list[type] = [RopeAttention]
-    try:
-        from timm.layers import AttentionRope
-
-        classes.append(AttentionRope)
-    except ImportError:  # pragma: no cover - depends on the timm version
-        pass
-    try:
-        from timm.models.eva import EvaAttention
-
-        classes.append(EvaAttention)
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(dict.fromkeys(classes))
+    return importable_classes(
+        RopeAttention, ("timm.layers", "AttentionRope"), ("timm.models.eva", "EvaAttention")
+    )
 
 
 def _rotate(t: torch.Tensor, rope: torch.Tensor, prefix: int, half: bool, dtype: torch.dtype) -> torch.Tensor:

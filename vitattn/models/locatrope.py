@@ -10,26 +10,24 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.eva import Eva, checkpoint_filter_fn
 
 from ..functional.normalize import Normalizer, resolve_normalizer
-from ..layers import PRR
 from ..layers.locat_rope import (
     LocAtRopeAttention,
     RopeAttention,
     convert_rope_attention,
     convertible_rope_attention,
 )
-from ._grid import attach_grid_sync
+from ._locat_common import PRRHeadMixin, convert_all_blocks, make_prr, reject_patch_drop
 from .locatvit import _weight_source
 
 __all__ = ["LocAtRoPEViT", "locatvit_base_rope_mixed", "locatvit_tiny_rope_mixed"]
 
 
-class LocAtRoPEViT(Eva):
+class LocAtRoPEViT(PRRHeadMixin, Eva):
     """LocAt on timm's ``Eva`` (rotary ViTs): every ``Eva`` argument, plus
 
     Args:
@@ -54,43 +52,24 @@ class LocAtRoPEViT(Eva):
     ) -> None:
         if rope_mixed_mode is not None:
             kwargs.setdefault("rope_type", "mixed" if rope_mixed_mode else "cat")
-        if gaug and kwargs.get("patch_drop_rate", 0.0):
-            raise ValueError(
-                f"patch_drop_rate={kwargs['patch_drop_rate']} drops patches, which breaks GAug's patch grid; "
-                "use patch_drop_rate=0 with gaug=True"
-            )
+        reject_patch_drop(gaug, kwargs)
         super().__init__(*args, **kwargs)
         self.use_gaug = bool(gaug)
         self.normalizer = resolve_normalizer(normalizer)
         if self.use_gaug or self.normalizer != "softmax":
             self._convert_blocks()
-        heads = self.blocks[0].attn.num_heads if len(self.blocks) else int(kwargs.get("num_heads", 12))
-        self.prr = PRR(self.embed_dim, heads) if prr else None
+        self.prr = make_prr(self, prr, kwargs)
 
     def _convert_blocks(self) -> None:
         grid = tuple(int(g) for g in self.patch_embed.grid_size)
         cls = LocAtRopeAttention if self.use_gaug else RopeAttention
         extra = dict(grid_size=grid) if self.use_gaug else {}
-        for i, block in enumerate(self.blocks):
-            attn = getattr(block, "attn", None)
-            if attn is None or not convertible_rope_attention(attn):
-                raise TypeError(
-                    f"LocAtRoPEViT needs timm's AttentionRope or EvaAttention at blocks[{i}].attn, got "
-                    f"{type(attn).__name__} (use_post_norm blocks are not supported)"
-                )
-            block.attn = convert_rope_attention(attn, cls, normalizer=self.normalizer, **extra)
-        if self.use_gaug:
-            attach_grid_sync(self)
+        needs = "timm's AttentionRope or EvaAttention (use_post_norm blocks are not supported)"
+        convert_all_blocks(
+            self, convertible_rope_attention, convert_rope_attention, cls, needs, self.use_gaug,
+            normalizer=self.normalizer, **extra,
+        )  # fmt: skip
 
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """``x: (B, N, C)`` from ``forward_features`` -> PRR (if on) -> ``Eva``'s pooling and head.
-
-        With class-token pooling only token 0 of PRR's output is used, so only that row is computed.
-        """
-        if self.prr is not None:
-            token_pool = self.global_pool == "token" and self.attn_pool is None
-            x = self.prr(x, rows=1 if token_pool else None)
-        return super().forward_head(x, pre_logits=pre_logits)
 
 
 def _cfg(**kwargs: Any) -> dict[str, Any]:

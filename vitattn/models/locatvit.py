@@ -4,19 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from timm.data import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, resolve_pretrained_cfg
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
 from ..functional.normalize import Normalizer, resolve_normalizer
-from ..layers import PRR, Attention, LocAtAttention, convert_attention, convertible_attention
-from ._grid import attach_grid_sync
+from ..layers import Attention, LocAtAttention, convert_attention, convertible_attention
+from ._locat_common import PRRHeadMixin, convert_all_blocks, make_prr, reject_patch_drop
 
 __all__ = ["HUB_WEIGHTS", "LocAtViT", "locatvit_base", "locatvit_small", "locatvit_tiny"]
 
 
-class LocAtViT(VisionTransformer):
+class LocAtViT(PRRHeadMixin, VisionTransformer):
     """Locality-Attending ViT: every timm ``VisionTransformer`` argument, plus
 
     Args:
@@ -40,43 +39,23 @@ class LocAtViT(VisionTransformer):
     ) -> None:
         if prr and kwargs.get("global_pool") == "prr":
             raise ValueError("global_pool='prr' already applies PRR: pass prr=False with it, or another pool")
-        if gaug and kwargs.get("patch_drop_rate", 0.0):
-            raise ValueError(
-                f"patch_drop_rate={kwargs['patch_drop_rate']} drops patches, which breaks GAug's patch grid; "
-                "use patch_drop_rate=0 with gaug=True"
-            )
+        reject_patch_drop(gaug, kwargs)
         super().__init__(*args, **kwargs)
         self.use_gaug = bool(gaug)
         self.normalizer = resolve_normalizer(normalizer)
         if self.use_gaug or self.normalizer != "softmax":
             self._convert_blocks()
-        heads = self.blocks[0].attn.num_heads if len(self.blocks) else int(kwargs.get("num_heads", 12))
-        self.prr = PRR(self.embed_dim, heads) if prr else None
+        self.prr = make_prr(self, prr, kwargs)
 
     def _convert_blocks(self) -> None:
         grid = tuple(int(g) for g in self.patch_embed.grid_size)
         cls = LocAtAttention if self.use_gaug else Attention
         extra = dict(grid_size=grid, num_prefix_tokens=self.num_prefix_tokens) if self.use_gaug else {}
-        for i, block in enumerate(self.blocks):
-            attn = getattr(block, "attn", None)
-            if attn is None or not convertible_attention(attn):
-                raise TypeError(
-                    f"LocAtViT needs timm's Attention at blocks[{i}].attn, got {type(attn).__name__} "
-                    "(check block_fn / attn_layer)"
-                )
-            block.attn = convert_attention(attn, cls, normalizer=self.normalizer, **extra)
-        if self.use_gaug:
-            attach_grid_sync(self)
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """``x: (B, N, C)`` from ``forward_features`` -> PRR (if on) -> timm's pooling and head.
-
-        With class-token pooling only token 0 of PRR's output is used, so only that row is computed.
-        """
-        if self.prr is not None:
-            token_pool = self.global_pool == "token" and getattr(self, "attn_pool", None) is None
-            x = self.prr(x, rows=1 if token_pool else None)
-        return super().forward_head(x, pre_logits=pre_logits)
+        needs = "timm's Attention (check block_fn / attn_layer)"
+        convert_all_blocks(
+            self, convertible_attention, convert_attention, cls, needs, self.use_gaug,
+            normalizer=self.normalizer, **extra,
+        )  # fmt: skip
 
 
 def _cfg(**kwargs: Any) -> dict[str, Any]:
