@@ -19,6 +19,9 @@ from timm.models.vision_transformer import global_pool_nlc
 from torch import nn
 
 import vitattn
+from vitattn.functional import dispatch
+from vitattn.functional.dispatch import AttentionCall
+from vitattn.functional.torch_backend import TorchBackend
 from vitattn.layers import (
     GaussianAugment,
     LocAtRopeAttention,
@@ -265,6 +268,18 @@ def test_registered_with_timm() -> None:
     } <= names
     with pytest.raises(ValueError, match="no weights"):
         timm.create_model("locatswin_tiny", pretrained=True)
+    for name, module in (("locatvit_base_rope_mixed", "locatrope"), ("locatswin_base", "locatswin")):
+        entry = timm.models.model_entrypoint(name)
+        assert entry is getattr(vitattn.models, name) and entry.__module__ == f"vitattn.models.{module}"
+        assert entry.__name__ == name and "GAug and PRR" in entry.__doc__
+    swin = timm.create_model("locatswin_tiny", **SWIN_TINY, img_size=32, window_size=4, features_only=True)
+    assert swin.feature_info.out_indices == (0, 1)  # every stage by default
+    # the official spelling overrides rope_type (the registered variants' "mixed" and an explicit one)
+    cat = timm.create_model("locatvit_tiny_rope_mixed", **ROPE_TINY, rope_mixed_mode=False)
+    direct = LocAtRoPEViT(**ROPE_TINY, use_rot_pos_emb=True, rope_type="mixed", rope_mixed_mode=False)
+    assert type(cat.rope).__name__ == type(direct.rope).__name__ == "RotaryEmbeddingCat"
+    with pytest.raises(ValueError, match="global_pool='prr' already applies PRR"):
+        LocAtSwin(**SWIN_TINY, global_pool="prr")
 
 
 # ---- official semantics on the other layouts ---------------------------------------------------------------
@@ -279,17 +294,6 @@ ROPE_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", ROPE_LAYOUTS)
-def test_rope_layout_matches_official_semantics(name: str) -> None:
-    cfg, size = ROPE_LAYOUTS[name]
-    model = timm.create_model("locatvit_tiny_rope_mixed", **{**ROPE_TINY, **cfg}).eval()
-    stress_attention(model)
-    stress_heads(model)
-    image = torch.randn(2, 3, *size)
-    normalizer = cfg.get("normalizer", "softmax")
-    assert_matches(model, image, eva_official(model, image, gaug=True, normalizer=normalizer, prr=True))
-
-
 SWIN_TINY = dict(
     patch_size=4, embed_dim=24, depths=(2, 2), num_heads=(2, 4), num_classes=7, drop_path_rate=0.0
 )
@@ -302,15 +306,25 @@ SWIN_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", SWIN_LAYOUTS)
-def test_swin_layout_matches_official_semantics(name: str) -> None:
-    cfg, size = SWIN_LAYOUTS[name]
-    model = timm.create_model("locatswin_tiny", **{**SWIN_TINY, **cfg}).eval()
+# family: (registered model, its small arguments, its layouts, the plain restatement)
+FAMILY_LAYOUTS = {
+    "rope": ("locatvit_tiny_rope_mixed", ROPE_TINY, ROPE_LAYOUTS, eva_official),
+    "swin": ("locatswin_tiny", SWIN_TINY, SWIN_LAYOUTS, swin_official),
+}
+
+
+@pytest.mark.parametrize(
+    "family, name", [(family, name) for family, spec in FAMILY_LAYOUTS.items() for name in spec[2]]
+)
+def test_layout_matches_official_semantics(family: str, name: str) -> None:
+    model_name, tiny, layouts, official = FAMILY_LAYOUTS[family]
+    cfg, size = layouts[name]
+    model = timm.create_model(model_name, **{**tiny, **cfg}).eval()
     stress_attention(model)
     stress_heads(model)
     image = torch.randn(2, 3, *size)
     normalizer = cfg.get("normalizer", "softmax")
-    assert_matches(model, image, swin_official(model, image, gaug=True, normalizer=normalizer, prr=True))
+    assert_matches(model, image, official(model, image, gaug=True, normalizer=normalizer, prr=True))
 
 
 # ---- vitattn.patch on timm's Eva / RoPE ViTs -----------------------------------------------------------
@@ -379,6 +393,24 @@ def test_patched_eva_is_locatropevit() -> None:
     image = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(model(image), twin(image), atol=1e-5, rtol=1e-5)
+
+
+def test_patch_on_locatropevit_keeps_the_rotary_layers() -> None:
+    """Patching a model whose layers are already vitattn's rotary LocAt layers keeps them rotary (the
+    ViT family's converter would drop the rotation) and keeps their GAug heads."""
+    model = timm.create_model("locatvit_tiny_rope_mixed", **SMALL).eval()
+    stress_attention(model)
+    stress_heads(model)
+    image = torch.randn(2, 3, 32, 32)
+    heads = [block.attn.gaug for block in model.blocks]
+    with torch.no_grad():
+        want = model(image)
+        vitattn.patch(model, "locat")
+        assert all(type(block.attn) is LocAtRopeAttention for block in model.blocks)
+        assert [block.attn.gaug for block in model.blocks] == heads
+        torch.testing.assert_close(model(image), want)
+        vitattn.patch(model, "softmax", normalizer="entmax15")
+        assert all(type(block.attn) is RopeAttention for block in model.blocks)
 
 
 # ---- vitattn.patch on timm's Swin ------------------------------------------------------------------------
@@ -503,3 +535,91 @@ def test_rope_model_shares_the_locat_model_checks() -> None:
         prr, model.prr = model.prr, None  # the same model without PRR: another head input
         assert not torch.allclose(model(x), logits)
     assert isinstance(prr, vitattn.PRR) and prr.num_heads == 3
+
+
+# ---- backend= on every family's layers, and across conversions ----------------------------------------
+@pytest.fixture
+def counting() -> Iterator[list[AttentionCall]]:
+    """A backend named "counting" (the torch backend, recording its calls; last in "auto" order, so
+    "auto" never picks it by itself), unregistered and the global default restored afterwards."""
+    calls: list[AttentionCall] = []
+
+    class Counting(TorchBackend):
+        name = "counting"
+
+        def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+            calls.append(call)
+            return super().run(call)
+
+    saved = dict(dispatch._REGISTRY), list(dispatch._AUTO_ORDER), dispatch._DEFAULT_BACKEND
+    dispatch.register_backend(Counting())
+    try:
+        yield calls
+    finally:
+        dispatch._REGISTRY.clear()
+        dispatch._REGISTRY.update(saved[0])
+        dispatch._AUTO_ORDER[:] = saved[1]
+        dispatch._DEFAULT_BACKEND = saved[2]
+
+
+WINDOW_KW = dict(dim=16, num_heads=2, window_size=4)
+
+
+@pytest.mark.parametrize("cls", [WindowAttention, LocAtWindowAttention])
+def test_window_layers_take_a_backend(cls: type[WindowAttention], counting: list[AttentionCall]) -> None:
+    torch.manual_seed(0)
+    x, shift = torch.randn(4, 16, 16), torch.zeros(2, 16, 16).masked_fill(torch.rand(2, 16, 16) > 0.7, -100.0)
+    auto = cls(**WINDOW_KW).eval()
+    named = cls(**WINDOW_KW, backend="counting").eval()
+    named.load_state_dict(auto.state_dict())
+    assert auto.backend == "auto" and "backend=" not in repr(auto)
+    assert named.backend == "counting" and "backend='counting'" in repr(named)
+    with torch.no_grad():
+        want = auto(x, shift)
+        assert not counting
+        torch.testing.assert_close(named(x, shift), want)  # same result, computed by the named backend
+    assert len(counting) == 1 and counting[0].q.shape == (4, 2, 16, 8)
+    assert (counting[0].bias is not None) == (cls is LocAtWindowAttention)
+    vitattn.set_default_backend("counting")  # a layer left at "auto" follows the global default
+    with torch.no_grad():
+        auto(x, shift)
+    assert len(counting) == 2
+    with pytest.raises(ValueError, match=r"backend must be 'auto' or one of \[.*'torch'.*\], got 'nope'"):
+        cls(**WINDOW_KW, backend="nope")
+
+
+def _timm_layer(family: str) -> nn.Module:
+    """A timm attention layer of ``family``, with dropout rates to carry over."""
+    drops = dict(attn_drop=0.125, proj_drop=0.25)
+    if family == "vit":
+        return timm.layers.Attention(16, num_heads=2, qkv_bias=True, **drops)
+    if family == "rope":
+        return timm.layers.AttentionRope(16, num_heads=2, qkv_bias=True, **drops)
+    return timm.models.swin_transformer.WindowAttention(16, 2, window_size=(4, 4), **drops)
+
+
+_CONVERTERS = {  # family: (converter, its plain layer, its LocAt layer, extra LocAt arguments)
+    "vit": (vitattn.layers.convert_attention, vitattn.Attention, vitattn.LocAtAttention, {"grid_size": 4}),
+    "rope": (vitattn.layers.convert_rope_attention, RopeAttention, LocAtRopeAttention, {"grid_size": 4}),
+    "swin": (vitattn.layers.convert_window_attention, WindowAttention, LocAtWindowAttention, {}),
+}
+
+
+@pytest.mark.parametrize("family", _CONVERTERS)
+def test_conversion_carries_backend_and_dropout(family: str, counting: list[AttentionCall]) -> None:
+    convert, plain, locat, extra = _CONVERTERS[family]
+    timm_layer = _timm_layer(family)
+    first = convert(timm_layer, plain)  # timm's layers have no backend: "auto"
+    assert first.backend == "auto"
+    named = convert(first, locat, backend="counting", **extra)  # the caller's backend wins
+    again = convert(named, plain)  # a vitattn layer's backend carries over, into either class
+    back = convert(again, locat, **extra)
+    assert named.backend == again.backend == back.backend == "counting"
+    assert convert(back, plain, backend="auto").backend == "auto"
+    for layer in (first, named, again, back):
+        assert (layer.attn_drop.p, layer.proj_drop.p) == (0.125, 0.25), type(layer).__name__
+    assert back.qkv is timm_layer.qkv and convert(named, locat).gaug is named.gaug  # the same parameters
+    x = torch.randn(4 if family == "swin" else 2, 16 if family == "swin" else 17, 16)
+    with torch.no_grad():
+        back.eval()(x)
+    assert len(counting) == 1

@@ -201,6 +201,9 @@ def test_registered_models() -> None:
         assert isinstance(model, LocAtViT) and model.embed_dim == dim
         assert model.blocks[0].attn.num_heads == heads and model.prr is not None
         assert model.patch_embed.grid_size == (14, 14) and model.blocks[0].attn.grid_size == (14, 14)
+        entry = timm.models.model_entrypoint(name)  # what timm calls: vitattn's function, documented
+        assert entry is getattr(vitattn.models, name) and entry.__module__ == "vitattn.models.locatvit"
+        assert entry.__name__ == name and f"dim {dim}, depth 12, {heads} heads" in entry.__doc__
     with pytest.raises(ValueError, match="locatvit_small has no published weights.*pretrained_cfg_overlay"):
         timm.create_model("locatvit_small", pretrained=True)
     assert timm.models.get_pretrained_cfg("locatvit_tiny").hf_hub_id == "sinahmr/locatvit_tiny"

@@ -119,6 +119,19 @@ def test_prr_patch_matches_timm_prr_pool() -> None:
         torch.testing.assert_close(model(x), ref(x), atol=1e-5, rtol=1e-5)
 
 
+def test_prr_pools_live_next_to_prr() -> None:
+    """The pooling modules patch installs are vitattn.layers'; vitattn.patch still exports them."""
+    from vitattn.layers import prr as prr_layers
+    from vitattn.patch import PRRPool, PRRPoolNHWC
+
+    assert PRRPool is vitattn.layers.PRRPool is prr_layers.PRRPool
+    assert PRRPool.__module__ == PRRPoolNHWC.__module__ == "vitattn.layers.prr"
+    assert PRRPoolNHWC is vitattn.layers.PRRPoolNHWC is prr_layers.PRRPoolNHWC
+    layer, x = vitattn.PRR(8, 2), torch.randn(2, 3, 4, 8)
+    want = layer(x.reshape(2, 12, 8)).mean(1)  # PRR over the 12 positions, then the average pool
+    torch.testing.assert_close(PRRPoolNHWC(layer, nn.Flatten(1, 2))(x).mean(1), want)
+
+
 def test_prr_patch_on_locatvit_sets_its_prr() -> None:
     model = LocAtViT(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, prr=False)
     vitattn.patch(model, "locat", prr=True)

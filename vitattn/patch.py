@@ -1,39 +1,25 @@
 """``vitattn.patch``: swap the attention of a timm ViT, Eva (RoPE ViT) or Swin in place, weights kept.
 
-One adapter per timm attention family (see :data:`_ADAPTERS`): each says which modules it takes, how
-to convert one and which vitattn layer each ``attention=`` name becomes.
+One :class:`~vitattn.models._locat_common.Family` per timm attention family (the ones the LocAt
+models convert with): each says which modules it takes, how to convert one and which vitattn layer
+each ``attention=`` name becomes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Literal
 
-import torch
-from timm.models.vision_transformer import global_pool_nlc
 from torch import nn
 
 from .functional.normalize import Normalizer, resolve_normalizer
-from .layers import PRR, Attention, EntmaxAttention, LocAtAttention, convert_attention, convertible_attention
-from .layers.convert import _timm_attention_classes
-from .layers.locat_rope import (
-    LocAtRopeAttention,
-    RopeAttention,
-    convert_rope_attention,
-    convertible_rope_attention,
-    rope_attention_classes,
-)
-from .layers.locat_window import (
-    LocAtWindowAttention,
-    WindowAttention,
-    convert_window_attention,
-    convertible_window_attention,
-)
+from .layers import PRR, Attention, EntmaxAttention, LocAtAttention
+from .layers.prr import PRRPool, PRRPoolNHWC  # re-exported: their home was here
 from .models._grid import attach_grid_sync
-from .models.blocks import block_indices
+from .models._locat_common import EVA, SWIN, VIT, Family, prr_heads
+from .models.blocks import block_indices, module_items
 from .models.locatrope import LocAtRoPEViT
-from .models.locatswin import LocAtSwin, prr_nhwc
+from .models.locatswin import LocAtSwin
 from .models.locatvit import LocAtViT
 
 __all__ = ["patch"]
@@ -44,75 +30,8 @@ _LAYERS: dict[str, type[Attention]] = {
     "locat": LocAtAttention,
 }
 _DEFAULT_NORMALIZER = {"softmax": "softmax", "entmax15": "entmax15", "locat": "softmax"}
-
-
-@dataclass(frozen=True)
-class _Adapter:
-    """How ``patch`` converts one family's attention: which modules, how, into which layer per name."""
-
-    family: str
-    accepts: Callable[[nn.Module], bool]
-    convert: Callable[..., nn.Module]
-    layers: dict[str, type[nn.Module]]
-    known: Callable[[], tuple[type, ...]]  # the classes it takes, for the error message
-
-
-def _vit_classes() -> tuple[type, ...]:
-    return (*_timm_attention_classes(), EntmaxAttention, LocAtAttention)
-
-
-def _window_classes() -> tuple[type, ...]:
-    from timm.models.swin_transformer import WindowAttention as TimmWindowAttention
-
-    return (TimmWindowAttention, WindowAttention, LocAtWindowAttention)
-
-
-# The rotary adapter comes first: vitattn's rotary layers are Attention subclasses too.
-_ADAPTERS = (
-    _Adapter(
-        "Eva / RoPE ViT",
-        convertible_rope_attention,
-        convert_rope_attention,
-        {"softmax": RopeAttention, "entmax15": RopeAttention, "locat": LocAtRopeAttention},
-        lambda: (*rope_attention_classes(), LocAtRopeAttention),
-    ),
-    _Adapter("ViT", convertible_attention, convert_attention, dict(_LAYERS), _vit_classes),
-)
-_SWIN_ADAPTER = _Adapter(
-    "Swin",
-    convertible_window_attention,
-    convert_window_attention,
-    {"softmax": WindowAttention, "entmax15": WindowAttention, "locat": LocAtWindowAttention},
-    _window_classes,
-)
-
-
-class PRRPoolNHWC(nn.Module):
-    """PRR over all positions of an NHWC map, then the head's own pooling (a Swin head's ``global_pool``)."""
-
-    def __init__(self, prr: PRR, pool: nn.Module) -> None:
-        super().__init__()
-        self.prr = prr
-        self.pool = pool
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x: (B, H, W, C)`` -> the pool's output on PRR-refined positions."""
-        return self.pool(prr_nhwc(self.prr, x))
-
-
-class PRRPool(nn.Module):
-    """PRR over all tokens, then the model's own pooling (installed as a timm ViT's ``attn_pool``)."""
-
-    def __init__(self, prr: PRR, pool_type: str, num_prefix_tokens: int, include_prefix: bool) -> None:
-        super().__init__()
-        self.prr = prr
-        self.pool_type = pool_type
-        self.num_prefix_tokens = num_prefix_tokens
-        self.include_prefix = include_prefix
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x: (B, N, C)`` -> pooled ``(B, C)`` (or ``(B, N, C)`` with ``pool_type=''``)."""
-        return global_pool_nlc(self.prr(x), self.pool_type, self.num_prefix_tokens, self.include_prefix)
+# The rotary family comes first: vitattn's rotary layers are Attention subclasses too.
+_FAMILIES = (EVA, VIT)
 
 
 def _attention_slots(model: object) -> tuple[list[tuple[str, nn.Module]], bool]:
@@ -126,15 +45,15 @@ def _attention_slots(model: object) -> tuple[list[tuple[str, nn.Module]], bool]:
     if isinstance(getattr(model, "patch_embed", None), nn.Module):
         blocks = getattr(model, "blocks", None)
         if isinstance(blocks, nn.Module):
-            return [(f"blocks[{i}]", b) for i, b in enumerate(blocks)], False  # type: ignore[arg-type]
+            return [(f"blocks[{i}]", b) for i, b in enumerate(module_items(blocks))], False
         layers = getattr(model, "layers", None)
         if isinstance(layers, nn.Module) and all(
-            isinstance(getattr(s, "blocks", None), nn.Module) for s in layers
+            isinstance(getattr(s, "blocks", None), nn.Module) for s in module_items(layers)
         ):
             return [
                 (f"layers[{s}].blocks[{j}]", b)
-                for s, stage in enumerate(layers)
-                for j, b in enumerate(stage.blocks)
+                for s, stage in enumerate(module_items(layers))
+                for j, b in enumerate(module_items(stage.get_submodule("blocks")))
             ], True
     raise TypeError(
         f"model must be a timm VisionTransformer or Eva (patch_embed + blocks) or SwinTransformer "
@@ -142,12 +61,12 @@ def _attention_slots(model: object) -> tuple[list[tuple[str, nn.Module]], bool]:
     )
 
 
-def _adapter(attn: object, swin: bool) -> _Adapter | None:
-    """The adapter taking ``attn`` (None when no adapter knows its class)."""
+def _family(attn: object, swin: bool) -> Family | None:
+    """The attention family taking ``attn`` (None when no family knows its class)."""
     if not isinstance(attn, nn.Module):
         return None
-    candidates = (_SWIN_ADAPTER,) if swin else _ADAPTERS
-    return next((a for a in candidates if a.accepts(attn)), None)
+    candidates = (SWIN,) if swin else _FAMILIES
+    return next((f for f in candidates if f.accepts(attn)), None)
 
 
 def _attention_name(attention: object) -> str:
@@ -159,7 +78,7 @@ def _attention_name(attention: object) -> str:
         raise ValueError(
             f"attention={attention.__module__}.{attention.__qualname__} is not a layer vitattn.patch "
             f"knows; give one of {sorted(_LAYERS)} (or the classes "
-            f"{', '.join(c.__name__ for c in _LAYERS.values())})"
+            f"{', '.join(layer.__name__ for layer in _LAYERS.values())})"
         )
     if not isinstance(attention, str) or attention not in _LAYERS:
         raise ValueError(f"attention must be one of {sorted(_LAYERS)}, got {attention!r}")
@@ -181,8 +100,8 @@ def _layer_normalizer(attention: str, normalizer: Normalizer | None) -> str | fl
 def _unsupported_attention(label: str, attn: object) -> TypeError:
     kind = type(attn)
     families = "; ".join(
-        f"{a.family}: " + ", ".join(f"{c.__module__}.{c.__qualname__}" for c in dict.fromkeys(a.known()))
-        for a in (*sorted(_ADAPTERS, key=lambda a: a.family != "ViT"), _SWIN_ADAPTER)
+        f"{f.name}: " + ", ".join(f"{k.__module__}.{k.__qualname__}" for k in dict.fromkeys(f.known()))
+        for f in (VIT, EVA, SWIN)
     )
     return TypeError(
         f"{label}.attn is {kind.__name__} ({kind.__module__}.{kind.__qualname__}); vitattn.patch "
@@ -198,8 +117,7 @@ def _block_indices(blocks: int | Iterable[int] | None, depth: int) -> list[int]:
 
 
 def _add_prr(model: nn.Module) -> None:
-    heads = next((b.attn.num_heads for b in model.blocks if hasattr(b, "attn")), None)  # type: ignore[union-attr]
-    layer = PRR(int(model.embed_dim), int(heads or 1))  # type: ignore[arg-type]
+    layer = PRR(int(model.embed_dim), prr_heads(model.get_submodule("blocks")))  # type: ignore[arg-type]
     if isinstance(model, (LocAtViT, LocAtRoPEViT)):
         if model.prr is None:
             model.prr = layer
@@ -212,14 +130,15 @@ def _add_prr(model: nn.Module) -> None:
             f"prr=True needs a token- or average-pooled ViT, not one pooling with {type(attn_pool).__name__}"
         )
     include_prefix = bool(getattr(model, "pool_include_prefix", False))
-    model.attn_pool = PRRPool(layer, str(model.global_pool), int(model.num_prefix_tokens), include_prefix)
-    model.pool_include_prefix = True  # timm >= 1.0.2x strips prefix tokens before attn_pool unless set
+    prefix = int(getattr(model, "num_prefix_tokens", 0))
+    model.attn_pool = PRRPool(layer, str(model.global_pool), prefix, include_prefix)
+    # timm >= 1.0.2x strips prefix tokens before attn_pool unless this is set
+    model.pool_include_prefix = True  # type: ignore[assignment]  # nn.Module types only tensors, modules
 
 
 def _add_prr_swin(model: nn.Module, slots: list[tuple[str, nn.Module]]) -> None:
     """PRR over the last stage's NHWC output, before the head's pooling (``head.global_pool``)."""
-    heads = next((int(b.attn.num_heads) for _, b in reversed(slots) if hasattr(b, "attn")), 1)
-    layer = PRR(int(model.num_features), heads)  # type: ignore[arg-type]
+    layer = PRR(int(model.num_features), prr_heads([block for _, block in slots]))  # type: ignore[arg-type]
     if isinstance(model, LocAtSwin):
         if model.prr is None:
             model.prr = layer
@@ -276,18 +195,18 @@ def patch(
             dropout with ``"locat"``, or ``prr=True`` on a model pooling with its own attention pool.
     """
     slots, swin = _attention_slots(model)
-    attention = _attention_name(attention)  # type: ignore[assignment]
-    layer_normalizer = _layer_normalizer(attention, normalizer)
+    name = _attention_name(attention)
+    layer_normalizer = _layer_normalizer(name, normalizer)
     all_blocks = [block for _, block in slots]
     indices = _block_indices(blocks, len(all_blocks))
-    adapters = {}
+    families = {}
     for i in indices:
-        adapter = _adapter(getattr(all_blocks[i], "attn", None), swin)
-        if adapter is None:
+        family = _family(getattr(all_blocks[i], "attn", None), swin)
+        if family is None:
             raise _unsupported_attention(slots[i][0], getattr(all_blocks[i], "attn", None))
-        adapters[i] = adapter
+        families[i] = family
     extra: dict[str, object] = {"normalizer": layer_normalizer}
-    if attention == "locat" and not swin:  # a Swin's GAug grid is each layer's window
+    if name == "locat" and not swin:  # a Swin's GAug grid is each layer's window
         patch_drop = getattr(model, "patch_drop", None)
         if getattr(patch_drop, "prob", 0.0):
             raise ValueError("attention='locat' needs every patch token: this model uses patch dropout")
@@ -295,11 +214,11 @@ def patch(
         extra.update(grid_size=grid, num_prefix_tokens=int(getattr(model, "num_prefix_tokens", 0)))
     for i in indices:
         old = all_blocks[i].attn
-        new = adapters[i].convert(old, adapters[i].layers[attention], **extra)
-        if attention == "locat" and isinstance(old, LocAtAttention) and old.initial_grid_size is not None:
+        new = families[i].convert(old, families[i].layers[name], **extra)
+        if name == "locat" and isinstance(old, LocAtAttention) and old.initial_grid_size is not None:
             new.set_grid(extra["grid_size"], initial_grid_size=old.initial_grid_size)  # type: ignore[operator]
         all_blocks[i].attn = new
-    if attention == "locat" and not swin:
+    if name == "locat" and not swin:
         attach_grid_sync(model)
     if prr:
         _add_prr_swin(model, slots) if swin else _add_prr(model)

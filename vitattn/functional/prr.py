@@ -19,10 +19,10 @@ def prr(x: torch.Tensor, num_heads: int, *, rows: int | None = None, backend: st
     check_rank("x", x, 3, "(B, N, C)")
     if not isinstance(num_heads, int) or num_heads < 1 or x.shape[-1] % num_heads:
         raise ValueError(f"num_heads must be a positive divisor of C, got {num_heads} for x {shape_str(x)}")
-    b, n, c = x.shape
+    b, n, channels = x.shape
     if rows is not None and not (isinstance(rows, int) and 1 <= rows <= n):
         raise ValueError(f"rows must be an int in [1, N={n}] or None, got {rows!r} for x {shape_str(x)}")
-    xh = x.reshape(b, n, num_heads, c // num_heads).transpose(1, 2)  # (B, H, N, C/H)
+    xh = x.reshape(b, n, num_heads, channels // num_heads).transpose(1, 2)  # (B, H, N, C/H)
     queries = xh if rows is None else xh[:, :, :rows]
     out = attention(queries, xh, xh, normalizer="softmax", backend=backend)
-    return out.transpose(1, 2).reshape(b, queries.shape[2], c)
+    return out.transpose(1, 2).reshape(b, queries.shape[2], channels)

@@ -11,10 +11,12 @@ from .locat_window import (
     convert_window_attention,
     convertible_window_attention,
 )
-from .prr import PRR
+from .prr import PRR, PRRPool, PRRPoolNHWC
 
 __all__ = [
     "PRR",
+    "PRRPool",
+    "PRRPoolNHWC",
     "Attention",
     "EntmaxAttention",
     "GaussianAugment",

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal, Protocol, cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,36 @@ from ..functional.normalize import Normalizer, resolve_normalizer
 __all__ = ["Attention", "EntmaxAttention", "attend", "project_qkv", "resolve_attn_mask"]
 
 
+class TimmStyleAttention(Protocol):
+    """The attributes timm's ``Attention`` and the vitattn layers share (what the helpers here read).
+
+    ``nn.Module`` types its attributes as ``Tensor | Module``; a module passed as ``nn.Module`` is
+    read through this view (``cast``) where these attributes are needed. ``gate`` and ``norm`` are
+    left out: older timm versions lack them (read them with ``getattr(module, name, None)``).
+    """
+
+    num_heads: int
+    head_dim: int
+    scale: float
+    qkv: nn.Linear
+    q_norm: nn.Module
+    k_norm: nn.Module
+    proj: nn.Module
+    proj_drop: nn.Module
+
+
+@overload
+def project_qkv(
+    module: nn.Module, x: torch.Tensor, *, need_qk: Literal[True] = ...
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def project_qkv(
+    module: nn.Module, x: torch.Tensor, *, need_qk: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]: ...
+
+
 def project_qkv(
     module: nn.Module, x: torch.Tensor, *, need_qk: bool = True
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
@@ -25,15 +56,16 @@ def project_qkv(
     timm's ``Attention`` or any vitattn layer. q and k come after ``q_norm`` / ``k_norm``, unscaled.
     ``need_qk=False`` computes only the v third of the projection and returns ``(None, None, v)``.
     """
+    attn = cast(TimmStyleAttention, module)
     b, n, _ = x.shape
-    heads, dim = int(module.num_heads), int(module.head_dim)
+    heads, dim = int(attn.num_heads), int(attn.head_dim)
     if not need_qk:
-        weight, bias = module.qkv.weight, module.qkv.bias
+        weight, bias = attn.qkv.weight, attn.qkv.bias
         width = heads * dim
         v = F.linear(x, weight[2 * width :], None if bias is None else bias[2 * width :])
         return None, None, v.reshape(b, n, heads, dim).transpose(1, 2)
-    q, k, v = module.qkv(x).reshape(b, n, 3, heads, dim).permute(2, 0, 3, 1, 4).unbind(0)
-    return module.q_norm(q), module.k_norm(k), v
+    q, k, v = attn.qkv(x).reshape(b, n, 3, heads, dim).permute(2, 0, 3, 1, 4).unbind(0)
+    return attn.q_norm(q), attn.k_norm(k), v
 
 
 def resolve_attn_mask(
@@ -57,7 +89,7 @@ def attend(
     attn_mask: torch.Tensor | None,
     is_causal: bool,
     bias: torch.Tensor | GaussianBias | None,
-    normalizer: str | float,
+    normalizer: Normalizer,
     scale: float,
     dropout_p: float,
     backend: str = "auto",
@@ -112,24 +144,23 @@ class Attention(nn.Module):
         gated: bool = False,
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
-        norm_layer: type[nn.Module] | None = None,
+        norm_layer: Callable[..., nn.Module] | None = None,
         normalizer: Normalizer = "softmax",
         backend: str = "auto",
-        device: Any = None,
-        dtype: Any = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__()
         kwargs.pop("depth", None)  # timm passes the block index to some attention layers
         if kwargs:
             raise TypeError(f"{type(self).__name__} got unexpected arguments {sorted(kwargs)}")
-        dd = {"device": device, "dtype": dtype}
+        dd: dict[str, Any] = {"device": device, "dtype": dtype}
         if attn_head_dim is None:
             if num_heads < 1 or dim % num_heads:
                 raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
             attn_head_dim = dim // num_heads
-        if (qk_norm or scale_norm) and norm_layer is None:
-            norm_layer = nn.LayerNorm
+        make_norm: Callable[..., nn.Module] = nn.LayerNorm if norm_layer is None else norm_layer
         self.num_heads = num_heads
         self.head_dim = attn_head_dim
         self.attn_dim = num_heads * attn_head_dim
@@ -138,10 +169,10 @@ class Attention(nn.Module):
         self.backend = check_backend_name(backend)
 
         self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias, **dd)
-        self.q_norm = norm_layer(attn_head_dim, **dd) if qk_norm else nn.Identity()  # type: ignore[misc]
-        self.k_norm = norm_layer(attn_head_dim, **dd) if qk_norm else nn.Identity()  # type: ignore[misc]
+        self.q_norm = make_norm(attn_head_dim, **dd) if qk_norm else nn.Identity()
+        self.k_norm = make_norm(attn_head_dim, **dd) if qk_norm else nn.Identity()
         self.attn_drop = nn.Dropout(attn_drop)
-        self.norm = norm_layer(self.attn_dim, **dd) if scale_norm else nn.Identity()  # type: ignore[misc]
+        self.norm = make_norm(self.attn_dim, **dd) if scale_norm else nn.Identity()
         self.gate = nn.Linear(dim, self.attn_dim, bias=qkv_bias, **dd) if gated else None
         self.proj = nn.Linear(self.attn_dim, dim_out or dim, bias=proj_bias, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
@@ -158,7 +189,6 @@ class Attention(nn.Module):
         self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
     ) -> torch.Tensor:
         """``x: (B, N, C)`` -> ``(B, N, dim_out)``; ``attn_mask`` as in timm (bool keep-mask or additive)."""
-        b, n, _ = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
         q, k, v = project_qkv(self, x)
         dropout_p = self.attn_drop.p if self.training else 0.0
@@ -166,6 +196,12 @@ class Attention(nn.Module):
         out = attend(
             q, k, v, attn_mask, is_causal, bias, self.normalizer, self.scale, dropout_p, self.backend
         )
+        return self.project_out(out, gate)
+
+    def project_out(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The attention's ``out: (B, H, N, d)`` -> ``(B, N, dim_out)``: heads side by side, ``norm``,
+        times the sigmoid ``gate: (B, N, H*d)`` when the layer is gated, then ``proj`` and its dropout."""
+        b, _, n, _ = out.shape
         out = self.norm(out.transpose(1, 2).reshape(b, n, self.attn_dim))
         if gate is not None:
             out = out * gate

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from .attention import Attention
 
-__all__ = ["convertible_attention", "convert_attention"]
+__all__ = ["convertible_attention", "convert_attention", "finish_conversion", "new_like"]
+
+M = TypeVar("M", bound=nn.Module)
 
 
 def importable_classes(first: type, *names: tuple[str, str]) -> tuple[type, ...]:
@@ -37,14 +40,44 @@ def convertible_attention(module: nn.Module) -> bool:
     """Whether ``module`` is a plain multi-head self-attention with ``qkv`` / ``proj`` linears
     (not a rotary layer: its q, k are rotated inside ``forward``, which a recompute from ``qkv``
     would miss)."""
-    from .locat_rope import RopeAttention
+    from .locat_rope import rope_attention_classes
 
     return (
-        not isinstance(module, RopeAttention)
+        not isinstance(module, rope_attention_classes())
         and isinstance(module, _timm_attention_classes())
         and isinstance(getattr(module, "qkv", None), nn.Linear)
         and isinstance(getattr(module, "proj", None), nn.Linear)
     )
+
+
+def new_like(old: nn.Module, cls: type[M], dim: int, **kwargs: Any) -> M:
+    """``cls(dim, old.num_heads, **kwargs)`` on the meta device, for a converter to fill with ``old``'s
+    submodules. ``old``'s dropout rates (``attn_drop`` / ``proj_drop``) and a vitattn layer's
+    ``backend`` carry over unless ``kwargs`` sets them (timm's layers have no ``backend``: "auto")."""
+    for name in ("attn_drop", "proj_drop"):
+        drop = getattr(old, name, None)
+        kwargs.setdefault(name, drop.p if isinstance(drop, nn.Dropout) else 0.0)
+    kwargs.setdefault("backend", getattr(old, "backend", "auto"))
+    return cls(dim, int(old.num_heads), device="meta", **kwargs)  # type: ignore[arg-type]
+
+
+def finish_conversion(new: M, old: nn.Module, weight: torch.Tensor, converter: str) -> M:
+    """The last step of every converter: ``new``'s GAug heads (if it has them) kept from ``old`` when it
+    has the same kind, else fresh on ``weight``'s device and dtype; ``old``'s train / eval mode.
+
+    Raises ``TypeError`` (naming ``converter``) when a parameter or buffer of ``new`` is still a meta
+    placeholder while ``weight`` is not on the meta device.
+    """
+    gaug: nn.Module | None = getattr(new, "gaug", None)
+    if gaug is not None:  # as in a new model: kept from a LocAt layer, else freshly initialised
+        old_gaug = getattr(old, "gaug", None)
+        if not isinstance(old_gaug, type(gaug)):
+            old_gaug = type(gaug)(new.head_dim, device=weight.device, dtype=weight.dtype)
+        new.gaug = old_gaug
+    if weight.device.type != "meta" and any(t.is_meta for t in (*new.parameters(), *new.buffers())):
+        raise TypeError(f"{converter} cannot create the extra parameters of {type(new).__name__}")
+    new.train(old.training)
+    return new
 
 
 def convert_attention(old: nn.Module, cls: type[Attention], **kwargs: Any) -> Attention:
@@ -52,9 +85,10 @@ def convert_attention(old: nn.Module, cls: type[Attention], **kwargs: Any) -> At
 
     ``old`` is a ``timm`` ``Attention`` (either location) or a vitattn :class:`Attention`. Its
     ``qkv``, ``q_norm``, ``k_norm``, ``norm``, ``gate`` and ``proj`` submodules move into the new layer
-    (the same parameters, so optimizers and ``requires_grad`` carry over); GAug heads are kept from
-    a LocAt layer, otherwise created fresh on the device and dtype of ``old.qkv.weight``. ``kwargs``
-    go to ``cls`` (``normalizer``, ``grid_size``, ...). Raises ``TypeError`` for any other module.
+    (the same parameters, so optimizers and ``requires_grad`` carry over), as do its dropout rates and
+    (a vitattn layer's) ``backend``; GAug heads are kept from a LocAt layer, otherwise created fresh on
+    the device and dtype of ``old.qkv.weight``. ``kwargs`` go to ``cls`` (``normalizer``, ``grid_size``,
+    ``backend``, ...). Raises ``TypeError`` for any other module.
     """
     if not convertible_attention(old):
         raise TypeError(
@@ -65,31 +99,9 @@ def convert_attention(old: nn.Module, cls: type[Attention], **kwargs: Any) -> At
     proj: nn.Linear = old.proj  # type: ignore[assignment]
     num_heads = int(old.num_heads)  # type: ignore[arg-type]
     head_dim = int(getattr(old, "head_dim", qkv.out_features // (3 * num_heads)))
-    attn_drop = getattr(old, "attn_drop", None)
-    proj_drop = getattr(old, "proj_drop", None)
-    new = cls(
-        qkv.in_features,
-        num_heads,
-        attn_head_dim=head_dim,
-        dim_out=proj.out_features,
-        attn_drop=attn_drop.p if isinstance(attn_drop, nn.Dropout) else 0.0,
-        proj_drop=proj_drop.p if isinstance(proj_drop, nn.Dropout) else 0.0,
-        device="meta",  # placeholders, replaced just below
-        **kwargs,
-    )
+    new = new_like(old, cls, qkv.in_features, attn_head_dim=head_dim, dim_out=proj.out_features, **kwargs)
     new.qkv, new.proj = qkv, proj
-    new.q_norm, new.k_norm = old.q_norm, old.k_norm  # type: ignore[assignment]
+    new.q_norm, new.k_norm = old.get_submodule("q_norm"), old.get_submodule("k_norm")
     new.norm = getattr(old, "norm", None) or nn.Identity()
-    new.gate = getattr(old, "gate", None)  # type: ignore[assignment]
-    gaug = getattr(new, "gaug", None)
-    if gaug is not None:  # GAug heads: kept from a LocAt layer, else fresh as in a new model
-        old_gaug = getattr(old, "gaug", None)
-        new.gaug = (
-            old_gaug
-            if isinstance(old_gaug, type(gaug))
-            else type(gaug)(new.head_dim, device=qkv.weight.device, dtype=qkv.weight.dtype)
-        )
-    if qkv.weight.device.type != "meta" and any(p.is_meta for p in new.parameters()):
-        raise TypeError(f"convert_attention cannot create the extra parameters of {cls.__name__}")
-    new.train(old.training)
-    return new
+    new.gate = getattr(old, "gate", None)
+    return finish_conversion(new, old, qkv.weight, "convert_attention")

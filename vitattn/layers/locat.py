@@ -27,11 +27,12 @@ class GaussianAugment(nn.Module):
     (the official parameter names). The bias itself is :class:`vitattn.functional.GaussianBias`.
     """
 
-    def __init__(self, head_dim: int, device: Any = None, dtype: Any = None) -> None:
+    def __init__(
+        self, head_dim: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
-        dd = {"device": device, "dtype": dtype}
-        self.log_var = nn.Linear(head_dim, 2, **dd)
-        self.log_alpha = nn.Linear(head_dim, 1, **dd)
+        self.log_var = nn.Linear(head_dim, 2, device=device, dtype=dtype)
+        self.log_alpha = nn.Linear(head_dim, 1, device=device, dtype=dtype)
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -83,13 +84,13 @@ def gaussian_bias_from_queries(
 
     A leaf for ``torch.fx``: it returns a dataclass, and autocast is switched by device type.
     """
-    c = float(max(initial_grid_size) ** 2)
-    shift = math.log(c - 1.0) if c > 2.0 else 0.0
+    sigma_max = float(max(initial_grid_size) ** 2)  # GAug's c: the largest σ
+    shift = math.log(sigma_max - 1.0) if sigma_max > 2.0 else 0.0
     work = compute_dtype(q_sp)
     with _autocast_off(q_sp.device.type):
         # both heads in one matmul: q_sp is a strided view, so this reads (and copies) it once
         out = F.linear(q_sp.to(work), weight.to(work), bias.to(work))  # (B, H, Np, 3)
-        sigma = torch.sigmoid(out[..., :2] - shift) * c
+        sigma = torch.sigmoid(out[..., :2] - shift) * sigma_max
         alpha = F.softplus(out[..., 2:])
     return GaussianBias(sigma, alpha, grid_size, num_prefix_tokens, initial_grid_size)
 

@@ -14,7 +14,7 @@ one additive float mask:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from timm.layers import to_2tuple
@@ -22,8 +22,10 @@ from timm.models.swin_transformer import WindowAttention as TimmWindowAttention
 from torch import nn
 
 from ..functional import GaussianBias
+from ..functional.dispatch import check_backend_name
 from ..functional.normalize import Normalizer, resolve_normalizer
 from .attention import attend
+from .convert import finish_conversion, new_like
 from .locat import GaussianAugment, grid_pair
 
 __all__ = [
@@ -33,6 +35,8 @@ __all__ = [
     "convertible_window_attention",
     "window_additive_mask",
 ]
+
+W = TypeVar("W", bound="WindowAttention")
 
 
 def window_additive_mask(rel_pos_bias: torch.Tensor, mask: torch.Tensor | None, batch: int) -> torch.Tensor:
@@ -53,7 +57,9 @@ class WindowAttention(TimmWindowAttention):
 
     Same arguments, submodules and state-dict keys (``qkv``, ``proj``,
     ``relative_position_bias_table``), plus ``normalizer`` (``"softmax"``, ``"entmax15"``,
-    ``"sparsemax"`` or a float alpha > 1). ``forward(x, mask)`` as timm's: ``x: (nW*B, N, C)``.
+    ``"sparsemax"`` or a float alpha > 1) and ``backend`` (``"auto"``, which follows
+    :func:`vitattn.set_default_backend`, or a name from :func:`vitattn.functional.available_backends`)
+    as :class:`~vitattn.layers.Attention`. ``forward(x, mask)`` as timm's: ``x: (nW*B, N, C)``.
     """
 
     def __init__(
@@ -66,8 +72,9 @@ class WindowAttention(TimmWindowAttention):
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
         normalizer: Normalizer = "softmax",
-        device: Any = None,
-        dtype: Any = None,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(
             dim,
@@ -82,12 +89,14 @@ class WindowAttention(TimmWindowAttention):
         )
         self.head_dim = int(head_dim or dim // num_heads)
         self.normalizer = resolve_normalizer(normalizer)
+        self.backend = check_backend_name(backend)
 
     def extra_repr(self) -> str:
-        return (
+        out = (
             f"num_heads={self.num_heads}, head_dim={self.head_dim}, window_size={self.window_size}, "
             f"normalizer={self.normalizer!r}"
         )
+        return out if self.backend == "auto" else f"{out}, backend={self.backend!r}"
 
     def attention_bias(self, q: torch.Tensor) -> GaussianBias | None:
         """Additive score bias from the queries ``q: (B_, H, N, d)`` of the windows; none here."""
@@ -100,7 +109,7 @@ class WindowAttention(TimmWindowAttention):
         bias = self.attention_bias(q)
         additive = window_additive_mask(self._get_rel_pos_bias(), mask, b)
         dropout_p = self.attn_drop.p if self.training else 0.0
-        out = attend(q, k, v, additive, False, bias, self.normalizer, self.scale, dropout_p)
+        out = attend(q, k, v, additive, False, bias, self.normalizer, self.scale, dropout_p, self.backend)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(b, n, -1)))
 
 
@@ -115,16 +124,9 @@ class LocAtWindowAttention(WindowAttention):
     """
 
     def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        head_dim: int | None = None,
-        window_size: int | Sequence[int] = 7,
-        *,
-        initial_window_size: int | Sequence[int] | None = None,
-        **kwargs: Any,
+        self, *args: Any, initial_window_size: int | Sequence[int] | None = None, **kwargs: Any
     ) -> None:
-        super().__init__(dim, num_heads, head_dim, window_size, **kwargs)
+        super().__init__(*args, **kwargs)
         self.gaug = GaussianAugment(self.head_dim, device=self.qkv.weight.device, dtype=self.qkv.weight.dtype)
         init = self.window_size if initial_window_size is None else initial_window_size
         self.initial_window_size = grid_pair("initial_window_size", init)
@@ -147,44 +149,30 @@ def convertible_window_attention(module: nn.Module) -> bool:
     )
 
 
-def convert_window_attention(old: nn.Module, cls: type[WindowAttention], **kwargs: Any) -> WindowAttention:
+def convert_window_attention(old: nn.Module, cls: type[W], **kwargs: Any) -> W:
     """A ``cls`` layer computing with ``old``'s weights (``qkv``, ``proj``, the relative-position table
-    and index move into it); GAug heads and the initial window are kept from a LocAt layer, else
-    created fresh. ``kwargs`` go to ``cls``. Raises ``TypeError`` for any other module."""
+    and index move into it), dropout rates and (a vitattn layer's) ``backend``; GAug heads and the
+    initial window are kept from a LocAt layer, else created fresh. ``kwargs`` go to ``cls``. Raises
+    ``TypeError`` for any other module."""
     if not convertible_window_attention(old):
         raise TypeError(
             f"cannot convert {type(old).__module__}.{type(old).__name__}: "
             "expected timm's Swin WindowAttention"
         )
     qkv: nn.Linear = old.qkv  # type: ignore[assignment]
-    num_heads = int(old.num_heads)  # type: ignore[arg-type]
-    attn_drop, proj_drop = getattr(old, "attn_drop", None), getattr(old, "proj_drop", None)
     if issubclass(cls, LocAtWindowAttention):
         kwargs.setdefault("initial_window_size", getattr(old, "initial_window_size", None))
-    new = cls(
+    new = new_like(
+        old,
+        cls,
         qkv.in_features,
-        num_heads,
-        head_dim=qkv.out_features // (3 * num_heads),
+        head_dim=qkv.out_features // (3 * int(old.num_heads)),  # type: ignore[arg-type]
         window_size=tuple(old.window_size),  # type: ignore[arg-type]
         qkv_bias=qkv.bias is not None,
-        attn_drop=attn_drop.p if isinstance(attn_drop, nn.Dropout) else 0.0,
-        proj_drop=proj_drop.p if isinstance(proj_drop, nn.Dropout) else 0.0,
-        device="meta",  # placeholders, replaced just below
         **kwargs,
     )
     new.qkv, new.proj = qkv, old.proj  # type: ignore[assignment]
     new.relative_position_bias_table = old.relative_position_bias_table  # type: ignore[assignment]
-    new.relative_position_index = old.relative_position_index  # type: ignore[assignment]
+    new.relative_position_index = old.relative_position_index
     new.dim = old.dim  # type: ignore[assignment]
-    gaug = getattr(new, "gaug", None)
-    if gaug is not None:
-        old_gaug = getattr(old, "gaug", None)
-        new.gaug = (
-            old_gaug
-            if isinstance(old_gaug, GaussianAugment)
-            else GaussianAugment(new.head_dim, device=qkv.weight.device, dtype=qkv.weight.dtype)
-        )
-    if qkv.weight.device.type != "meta" and any(t.is_meta for t in (*new.parameters(), *new.buffers())):
-        raise TypeError(f"convert_window_attention cannot create the extra parameters of {cls.__name__}")
-    new.train(old.training)
-    return new
+    return finish_conversion(new, old, qkv.weight, "convert_window_attention")

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from timm.layers import register_notrace_function
+from timm.models.vision_transformer import global_pool_nlc
 from torch import nn
 
 from ..functional import prr
 
-__all__ = ["PRR"]
+__all__ = ["PRR", "PRRPool", "PRRPoolNHWC", "prr_nhwc"]
 
 _POOLS = (None, "token", "avg")
 
@@ -46,8 +45,8 @@ class PRR(nn.Module):
         pre_norm: bool = False,
         post_norm: bool = False,
         norm_layer: type[nn.Module] | None = None,
-        device: Any = None,
-        dtype: Any = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if pool not in _POOLS:
@@ -78,3 +77,39 @@ class PRR(nn.Module):
         if self.pool == "avg":
             return x.mean(1)
         return x
+
+
+def prr_nhwc(prr: PRR, x: torch.Tensor) -> torch.Tensor:
+    """PRR over all positions of an NHWC map ``x: (B, H, W, C)`` (flattened to ``(B, H*W, C)``)."""
+    return prr(x.flatten(1, 2)).reshape(x.shape)
+
+
+class PRRPool(nn.Module):
+    """PRR over all tokens, then a ViT's own pooling (:func:`vitattn.patch` installs it as a timm
+    ViT's ``attn_pool``): ``pool_type``, ``num_prefix_tokens`` and ``include_prefix`` as timm's
+    ``global_pool_nlc``."""
+
+    def __init__(self, prr: PRR, pool_type: str, num_prefix_tokens: int, include_prefix: bool) -> None:
+        super().__init__()
+        self.prr = prr
+        self.pool_type = pool_type
+        self.num_prefix_tokens = num_prefix_tokens
+        self.include_prefix = include_prefix
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: (B, N, C)`` -> pooled ``(B, C)`` (or ``(B, N, C)`` with ``pool_type=''``)."""
+        return global_pool_nlc(self.prr(x), self.pool_type, self.num_prefix_tokens, self.include_prefix)
+
+
+class PRRPoolNHWC(nn.Module):
+    """PRR over all positions of an NHWC map, then the head's own ``pool`` (:func:`vitattn.patch`
+    installs it as a Swin head's ``global_pool``)."""
+
+    def __init__(self, prr: PRR, pool: nn.Module) -> None:
+        super().__init__()
+        self.prr = prr
+        self.pool = pool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: (B, H, W, C)`` -> the pool's output on PRR-refined positions."""
+        return self.pool(prr_nhwc(self.prr, x))

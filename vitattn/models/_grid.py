@@ -10,6 +10,7 @@ from torch import nn
 
 from ..functional import grid_pair
 from ..layers.locat import LocAtAttention
+from .blocks import module_items
 
 __all__ = ["GridSync", "attach_grid_sync", "feat_size"]
 
@@ -48,7 +49,7 @@ class GridSync:
         grid = feat_size(module, (int(x.shape[-2]), int(x.shape[-1])))
         if grid is None:
             raise TypeError(f"{type(module).__name__} has neither dynamic_feat_size nor grid_size")
-        for block in self.blocks:
+        for block in module_items(self.blocks):
             attn = getattr(block, "attn", None)
             if isinstance(attn, LocAtAttention) and attn.grid_size != grid:
                 attn.set_grid(grid)
@@ -58,5 +59,6 @@ def attach_grid_sync(model: nn.Module) -> None:
     """Register :class:`GridSync` on ``model.patch_embed`` once (idempotent)."""
     if getattr(model, _ATTR, False):
         return
-    model.patch_embed.register_forward_pre_hook(GridSync(model.blocks))  # type: ignore[union-attr]
+    sync = GridSync(model.get_submodule("blocks"))
+    model.get_submodule("patch_embed").register_forward_pre_hook(sync)
     setattr(model, _ATTR, True)

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 from torch import nn
 
-__all__ = ["block_indices", "model_blocks"]
+__all__ = ["block_indices", "model_blocks", "module_items"]
+
+
+def module_items(container: nn.Module) -> list[nn.Module]:
+    """``list(container)`` of an iterable container (``nn.Sequential``, ``nn.ModuleList``), in order and
+    with repeats kept (``children()`` drops a module that stands twice)."""
+    return list(cast("Iterable[nn.Module]", container))
 
 
 def model_blocks(model: nn.Module, name: str = "model") -> list[nn.Module]:
@@ -17,7 +24,7 @@ def model_blocks(model: nn.Module, name: str = "model") -> list[nn.Module]:
             f"{name} must be a timm VisionTransformer or a vitattn model (a ViT with a `blocks` "
             f"sequence), got {type(model).__name__}"
         )
-    return list(blocks)  # type: ignore[arg-type]
+    return module_items(blocks)
 
 
 def block_indices(items: Iterable[object], depth: int, name: str = "layers") -> tuple[int, ...]:

@@ -11,18 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs
 from timm.models.eva import Eva, checkpoint_filter_fn
 
-from ..functional.normalize import Normalizer, resolve_normalizer
-from ..layers.locat_rope import (
-    LocAtRopeAttention,
-    RopeAttention,
-    convert_rope_attention,
-    convertible_rope_attention,
-)
-from ._locat_common import PRRHeadMixin, convert_all_blocks, make_prr, reject_patch_drop
-from .locatvit import _weight_source
+from ._locat_common import EVA, PRRHeadMixin, register_variants, release_cfg
 
 __all__ = ["LocAtRoPEViT", "locatvit_base_rope_mixed", "locatvit_tiny_rope_mixed"]
 
@@ -35,62 +27,20 @@ class LocAtRoPEViT(PRRHeadMixin, Eva):
         prr: parameter-free patch representation refinement after ``forward_features``, before the
             model's pooling and head.
         normalizer: the attention normalizer of every block.
-        rope_mixed_mode: the official release's (older timm's) spelling of ``rope_type="mixed"``.
+        rope_mixed_mode: the official release's (older timm's) spelling of ``rope_type="mixed"``
+            (``True``) or ``"cat"`` (``False``); it overrides ``rope_type``.
 
     ``forward_features`` returns ``(B, N, C)`` before PRR. ``dynamic_img_size=True`` works: each
     input's grid is set on the GAug layers and σ is rescaled by ``min(grid) / min(initial grid)``.
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        gaug: bool = True,
-        prr: bool = True,
-        normalizer: Normalizer = "softmax",
-        rope_mixed_mode: bool | None = None,
-        **kwargs: Any,
-    ) -> None:
+    family = EVA
+    needs = "timm's AttentionRope or EvaAttention (use_post_norm blocks are not supported)"
+
+    def __init__(self, *args: Any, rope_mixed_mode: bool | None = None, **kwargs: Any) -> None:
         if rope_mixed_mode is not None:
-            kwargs.setdefault("rope_type", "mixed" if rope_mixed_mode else "cat")
-        reject_patch_drop(gaug, kwargs)
+            kwargs["rope_type"] = "mixed" if rope_mixed_mode else "cat"
         super().__init__(*args, **kwargs)
-        self.use_gaug = bool(gaug)
-        self.normalizer = resolve_normalizer(normalizer)
-        if self.use_gaug or self.normalizer != "softmax":
-            self._convert_blocks()
-        self.prr = make_prr(self, prr, kwargs)
-
-    def _convert_blocks(self) -> None:
-        grid = tuple(int(g) for g in self.patch_embed.grid_size)
-        cls = LocAtRopeAttention if self.use_gaug else RopeAttention
-        extra = dict(grid_size=grid) if self.use_gaug else {}
-        needs = "timm's AttentionRope or EvaAttention (use_post_norm blocks are not supported)"
-        convert_all_blocks(
-            self, convertible_rope_attention, convert_rope_attention, cls, needs, self.use_gaug,
-            normalizer=self.normalizer, **extra,
-        )  # fmt: skip
-
-
-
-def _cfg(**kwargs: Any) -> dict[str, Any]:
-    """Pretrained cfg of the official release: timm's Eva defaults with ImageNet mean / std."""
-    return {
-        "url": "",
-        "num_classes": 1000,
-        "input_size": (3, 224, 224),
-        "pool_size": None,
-        "crop_pct": 0.9,
-        "interpolation": "bicubic",
-        "fixed_input_size": True,
-        "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "patch_embed.proj",
-        "classifier": "head",
-        "paper_ids": "arXiv:2603.04892",
-        "paper_name": "Locality-Attending Vision Transformer",
-        "origin_url": "https://github.com/sinahmr/LocAtViT",
-        **kwargs,
-    }
 
 
 # the official builders' arguments: a RoPE-Mixed ViT as timm's ``vit_*_patch16_rope_mixed_224``
@@ -111,40 +61,21 @@ _ARCHS = {
     "locatvit_tiny_rope_mixed": dict(patch_size=16, embed_dim=192, depth=12, num_heads=3, **_COMMON),
     "locatvit_base_rope_mixed": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12, **_COMMON),
 }
-default_cfgs = generate_default_cfgs({name: _cfg() for name in _ARCHS})
+default_cfgs = generate_default_cfgs(
+    {name: release_cfg(mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD) for name in _ARCHS}
+)
 
 
-def _create(variant: str, pretrained: bool, **kwargs: Any) -> LocAtRoPEViT:
-    if "rope_mixed_mode" in kwargs:  # the official spelling overrides the default rope_type
-        kwargs["rope_type"] = "mixed" if kwargs.pop("rope_mixed_mode") else "cat"
-    kwargs = dict(_ARCHS[variant], **kwargs)
-    overlay = dict(kwargs.pop("pretrained_cfg_overlay", None) or {})
-    if pretrained and not _weight_source(variant, kwargs.get("pretrained_cfg"), overlay):
-        raise ValueError(
-            f"{variant} has no weights vitattn knows of; use pretrained=False, or give a local checkpoint "
-            "with pretrained_cfg_overlay=dict(file='path/to/weights.safetensors')"
-        )
-    if overlay.get("file"):  # a local file is taken to have the head asked for (else timm would drop it)
-        overlay.setdefault("num_classes", kwargs.get("num_classes", 1000))
-    kwargs.pop("store_metrics", None)  # an official-release argument with no effect here
-    return build_model_with_cfg(
-        LocAtRoPEViT,
-        variant,
-        pretrained,
-        pretrained_cfg_overlay=overlay or None,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=kwargs.pop("out_indices", 3), feature_cls="getter"),
-        **kwargs,
-    )
-
-
-@register_model
-def locatvit_tiny_rope_mixed(pretrained: bool = False, **kwargs: Any) -> LocAtRoPEViT:
-    """LocAt RoPE-Mixed ViT-Ti/16 (dim 192, depth 12, 3 heads) at 224 px with GAug and PRR."""
-    return _create("locatvit_tiny_rope_mixed", pretrained, **kwargs)
-
-
-@register_model
-def locatvit_base_rope_mixed(pretrained: bool = False, **kwargs: Any) -> LocAtRoPEViT:
-    """LocAt RoPE-Mixed ViT-B/16 (dim 768, depth 12, 12 heads) at 224 px with GAug and PRR."""
-    return _create("locatvit_base_rope_mixed", pretrained, **kwargs)
+locatvit_tiny_rope_mixed, locatvit_base_rope_mixed = register_variants(
+    __name__,
+    LocAtRoPEViT,
+    _ARCHS,
+    {
+        "locatvit_tiny_rope_mixed": "LocAt RoPE-Mixed ViT-Ti/16 (dim 192, depth 12, 3 heads) at 224 px with "
+        "GAug and PRR.",
+        "locatvit_base_rope_mixed": "LocAt RoPE-Mixed ViT-B/16 (dim 768, depth 12, 12 heads) at 224 px with "
+        "GAug and PRR.",
+    },
+    filter_fn=checkpoint_filter_fn,
+    feature_cfg=dict(out_indices=3, feature_cls="getter"),
+)
