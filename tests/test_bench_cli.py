@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import sys
 import pytest
 
 import vitattn
-from vitattn.bench.harness import Measurement, SuiteResult, compare, register_suite, run_suites
+from vitattn.bench.harness import Goal, Measurement, SuiteResult, compare, register_suite, run_suites
 from vitattn.cli import main
 from vitattn.functional import available_backends
 
@@ -113,3 +114,71 @@ print(before, after, "heap kept" in machine_line())
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     before, after, kept = out.split()
     assert float(before) > 10_000 and float(after) < 100 and kept == "True"
+
+
+def _result(name: str, ms: dict[tuple[str, str], float]) -> SuiteResult:
+    rows = [Measurement(case, impl, t, t, 1) for (case, impl), t in ms.items()]
+    return SuiteResult(name, "t", "ref", rows, goals=[Goal("c", "new", "ref", 1.5)])
+
+
+def test_combine_processes_reports_the_spread_of_per_process_ratios():
+    from vitattn.bench.harness import combine_processes
+
+    runs = [
+        _result("s", {("c", "ref"): 10.0, ("c", "new"): 12.0}),  # 1.2x
+        _result("s", {("c", "ref"): 20.0, ("c", "new"): 40.0}),  # 2.0x: one slow, unlucky process
+        _result("s", {("c", "ref"): 10.0, ("c", "new"): 13.0}),  # 1.3x
+    ]
+    combined = combine_processes(runs)
+    new = combined.row("c", "new")
+    assert combined.processes == 3 and new.process_ms == [12.0, 40.0, 13.0] and new.ms == 13.0
+    assert combined.ratios(new) == [1.2, 2.0, 1.3] and combined.ratio(new) == 1.3  # median of ratios
+    text = combined.render()
+    assert "3 fresh processes" in text and "1.30×   1.20×   2.00×" in text
+    (goal,) = combined.goal_lines()
+    assert "new / ref = 1.30x (min 1.20x, max 2.00x over 3 processes)" in goal and goal.endswith("MISSED)")
+    data = json.loads(json.dumps(combined.to_dict()))
+    assert (
+        data["processes"] == 3 and data["rows"][1]["ratio_max"] == 2.0 and data["rows"][1]["ratio_min"] == 1.2
+    )
+    assert SuiteResult.from_dict(data).row("c", "new").process_ms == [12.0, 40.0, 13.0]
+    with pytest.raises(ValueError, match="do not have the rows"):
+        combine_processes([runs[0], _result("s", {("c", "ref"): 1.0})])
+
+
+def test_bench_processes_runs_fresh_children_and_prints_the_spread(tmp_path, capsys, monkeypatch):
+    import vitattn.bench.harness as harness
+
+    monkeypatch.setattr(harness, "_SUITES", dict(harness._SUITES))
+    monkeypatch.setattr(harness, "_SPREAD_SUITES", set(harness._SPREAD_SUITES))
+    out = tmp_path / "spread.json"
+    argv = ["bench", "_tiny", "--processes", "2", "--threads", "1", "--quick", "--json", str(out)]
+    assert main([*argv, "--import-module", "tests.bench_tiny_suite"]) == 0
+    text = capsys.readouterr().out
+    assert "[_tiny: process 2/2 done]" in text and "2 fresh processes" in text
+    (data,) = json.loads(out.read_text())
+    assert data["processes"] == 2 and data["suite"] == "_tiny"
+    for row in data["rows"]:
+        assert len(row["process_ms"]) == 2 and row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
+    met, missed = data["goal_lines"]
+    assert "in every process: met" in met and "MISSED" in missed
+    assert data["title"] == "tiny (pid " + data["title"].split("pid ")[1]  # the first child's title
+    assert str(os.getpid()) not in data["title"]  # measured in a child, not here
+
+
+def test_bench_processes_refuses_suites_it_cannot_combine(capsys):
+    assert main(["bench", "transfer", "--processes", "2"]) == 2
+    assert "cannot be combined across processes" in capsys.readouterr().err
+    assert main(["bench", "models", "--processes", "0"]) == 2
+    assert "--processes must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_failing_child_is_reported_with_its_stderr(monkeypatch):
+    import vitattn.bench.harness as harness
+
+    monkeypatch.setattr(harness, "_SPREAD_SUITES", {"models"})
+    monkeypatch.setattr(
+        harness, "_child_command", lambda *a, **k: [sys.executable, "-c", "raise SystemExit('boom')"]
+    )
+    with pytest.raises(RuntimeError, match=r"process 1/2 exited with 1:\nboom"):
+        harness.run_processes("models", 2)

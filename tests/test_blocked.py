@@ -97,7 +97,7 @@ def test_dispatch_uses_blocked_only_without_autograd(monkeypatch):
     ref, _ = plain_attention(q, k, v, "softmax", bias=bias.dense())
     torch.testing.assert_close(fast.double(), ref.double(), atol=1e-6, rtol=1e-5)
     q, k, v, bias = _case(requires_grad=True)
-    out = attention(q, k, v, bias=bias)  # autograd: the SDPA path, gradients flow to sigma and alpha
+    out = attention(q, k, v, bias=bias)  # autograd: the training path (tests/test_blocked_train.py)
     assert calls == [1]
     out.sum().backward()
     assert bias.sigma.grad is not None and bias.alpha.grad is not None

@@ -35,8 +35,12 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run benchmark suites side by side and print ratio tables."""
+    import importlib
+
     from .bench import keep_heap, run_suites, suites
 
+    for module in args.import_module or []:
+        importlib.import_module(module)  # may register more suites
     known = suites()
     if args.list:
         for name, help in known.items():
@@ -47,6 +51,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if unknown:
         print(f"vitattn bench: unknown suite(s) {unknown}; known: {sorted(known)}", file=sys.stderr)
         return 2
+    if args.processes < 1:
+        print(f"vitattn bench: --processes must be >= 1, got {args.processes}", file=sys.stderr)
+        return 2
+    if args.processes > 1:  # threads and heap are the children's business
+        try:
+            run_suites(
+                names,
+                quick=args.quick,
+                json_path=args.json,
+                processes=args.processes,
+                threads=args.threads,
+                keep_heap=args.keep_heap,
+                imports=args.import_module or (),
+            )
+        except (ValueError, RuntimeError) as err:
+            print(f"vitattn bench: {err}", file=sys.stderr)
+            return 2
+        return 0
     if args.threads is not None:
         import torch
 
@@ -106,6 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep-heap",
         action="store_true",
         help="keep freed memory in the heap (glibc): no page-fault noise from the allocator",
+    )
+    bench.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run each suite in N fresh processes and print min / median / max of the per-process ratios",
+    )
+    bench.add_argument(
+        "--import-module",
+        action="append",
+        metavar="MODULE",
+        help="import MODULE first, here and in every child process (it may register more suites; repeatable)",
     )
     bench.set_defaults(func=cmd_bench)
 

@@ -1,13 +1,22 @@
 """Side-by-side timing: every implementation of a case runs in the same process, interleaved in
-rounds so that drift (thermal, other load) hits all of them alike, and results print as ratios."""
+rounds so that drift (thermal, other load) hits all of them alike, and results print as ratios.
+
+One process is one sample of the allocator's and the OpenMP runtime's state: :func:`run_processes`
+runs a suite in several fresh processes and reports the spread (min / median / max) of each
+per-process ratio, so that no ratio comes from one lucky process.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -16,7 +25,11 @@ import torch
 
 @dataclass
 class Measurement:
-    """One implementation on one case: median and best milliseconds per call."""
+    """One implementation on one case: median and best milliseconds per call.
+
+    ``process_ms`` holds the median of each process when several processes were combined
+    (:func:`combine_processes`); then ``ms`` is the median of those and ``ms_min`` the best call of all.
+    """
 
     case: str
     impl: str
@@ -24,6 +37,27 @@ class Measurement:
     ms_min: float
     repeats: int
     extra: dict[str, float] = field(default_factory=dict)
+    process_ms: list[float] = field(default_factory=list)
+
+    def per_process_ms(self) -> list[float]:
+        """Median milliseconds of each process (one value for a single-process measurement)."""
+        return list(self.process_ms) or [self.ms]
+
+
+@dataclass(frozen=True)
+class Goal:
+    """A speed goal: ``impl / over`` (ms) in ``case`` at most ``limit`` (at least, if ``at_least``),
+    in every process."""
+
+    case: str
+    impl: str
+    over: str
+    limit: float
+    at_least: bool = False
+
+
+def _spread(values: Sequence[float]) -> tuple[float, float, float]:
+    return min(values), statistics.median(values), max(values)
 
 
 @dataclass
@@ -35,11 +69,42 @@ class SuiteResult:
     reference: str
     rows: list[Measurement]
     notes: list[str] = field(default_factory=list)
+    goals: list[Goal] = field(default_factory=list)
+    processes: int = 1
+
+    def row(self, case: str, impl: str) -> Measurement:
+        """The measurement of ``impl`` in ``case``."""
+        for r in self.rows:
+            if r.case == case and r.impl == impl:
+                return r
+        raise KeyError(f"no measurement of {impl!r} in case {case!r}")
+
+    def ratios(self, row: Measurement, over: str | None = None) -> list[float]:
+        """Per-process ratios ``row.ms / over.ms`` (``over``: the reference by default), same case."""
+        ref = self.row(row.case, self.reference if over is None else over)
+        return [a / b for a, b in zip(row.per_process_ms(), ref.per_process_ms(), strict=True)]
 
     def ratio(self, row: Measurement) -> float:
-        """``row.ms / reference.ms`` within the same case."""
-        ref = next(r for r in self.rows if r.case == row.case and r.impl == self.reference)
-        return row.ms / ref.ms
+        """``row.ms / reference.ms`` within the same case (the median per-process ratio when combined)."""
+        return statistics.median(self.ratios(row))
+
+    def goal_lines(self) -> list[str]:
+        """One line per goal: the ratio's median (and spread over processes), met or MISSED."""
+        lines = []
+        for g in self.goals:
+            ratios = self.ratios(self.row(g.case, g.impl), g.over)
+            lo, mid, hi = _spread(ratios)
+            worst = lo if g.at_least else hi
+            met = worst >= g.limit if g.at_least else worst <= g.limit
+            spread = (
+                f" (min {lo:.2f}x, max {hi:.2f}x over {len(ratios)} processes)" if len(ratios) > 1 else ""
+            )
+            every = " in every process" if len(ratios) > 1 else ""
+            lines.append(
+                f"{g.case}: {g.impl} / {g.over} = {mid:.2f}x{spread} "
+                f"(goal {'>=' if g.at_least else '<='} {g.limit:.2f}x{every}: {'met' if met else 'MISSED'})"
+            )
+        return lines
 
     def render(self) -> str:
         """A plain-text table: case, implementation, median ms, best ms, ratio to the reference, and
@@ -51,8 +116,16 @@ class SuiteResult:
         head = f"{'case':<{case_w}}  {'implementation':<{impl_w}}  {'median ms':>10}  {'best ms':>9}  " + (
             f"{'× ' + self.reference:>{ratio_w}}"
         )
+        spread = self.processes > 1
+        head += f"  {'min':>6}  {'max':>6}" if spread else ""
         head += "  faults/call" if faults else ""
         lines = [self.title, machine_line(), head, "-" * len(head)]
+        if spread:
+            lines.insert(
+                2,
+                f"{self.processes} fresh processes: ms are medians over processes, the ratio is the "
+                "median per-process ratio, min / max its spread",
+            )
         last_case = None
         for r in self.rows:
             case = r.case if r.case != last_case else ""
@@ -61,22 +134,49 @@ class SuiteResult:
                 f"{case:<{case_w}}  {r.impl:<{impl_w}}  {r.ms:>10.2f}  {r.ms_min:>9.2f}  "
                 f"{self.ratio(r):>{ratio_w - 1}.2f}×"
             )
+            if spread:
+                lo, _, hi = _spread(self.ratios(r))
+                line += f"  {lo:>5.2f}×  {hi:>5.2f}×"
             if faults:
                 line += f"  {r.extra.get('page_faults', float('nan')):>11.0f}"
             lines.append(line)
         lines.extend(self.notes)
+        lines.extend(self.goal_lines())
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        rows = [dict(asdict(r), ratio=self.ratio(r)) for r in self.rows]
+        rows = []
+        for r in self.rows:
+            row = dict(asdict(r), ratio=self.ratio(r))
+            if self.processes > 1:
+                row["ratio_min"], row["ratio_median"], row["ratio_max"] = _spread(self.ratios(r))
+            rows.append(row)
         return {
             "suite": self.name,
             "title": self.title,
             "reference": self.reference,
             "machine": machine(),
+            "processes": self.processes,
             "rows": rows,
             "notes": self.notes,
+            "goals": [asdict(g) for g in self.goals],
+            "goal_lines": self.goal_lines(),
         }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SuiteResult:
+        """Inverse of :meth:`to_dict` (the machine and derived ratios are dropped)."""
+        fields = {f for f in Measurement.__dataclass_fields__}
+        rows = [Measurement(**{k: v for k, v in r.items() if k in fields}) for r in data["rows"]]
+        return cls(
+            name=data["suite"],
+            title=data["title"],
+            reference=data["reference"],
+            rows=rows,
+            notes=list(data.get("notes", [])),
+            goals=[Goal(**g) for g in data.get("goals", [])],
+            processes=int(data.get("processes", 1)),
+        )
 
 
 _HEAP = {"kept": False}
@@ -138,7 +238,7 @@ def _minor_faults() -> int:
 
 def compare(
     case: str,
-    impls: dict[str, Callable[[], object]],
+    impls: Mapping[str, Callable[[], object]],
     *,
     warmup: int = 2,
     repeat: int = 10,
@@ -170,16 +270,29 @@ def compare(
 
 
 KEEP_HEAP_HELP = "keep freed memory in the heap (glibc): no page-fault noise from the allocator"
+PROCESSES_HELP = (
+    "run each suite in N fresh processes, one after another, and report min / median / max of the "
+    "per-process ratios (default 1: this process)"
+)
 
 SuiteFn = Callable[[bool], SuiteResult]
 _SUITES: dict[str, tuple[SuiteFn, str]] = {}
+_SPREAD_SUITES: set[str] = set()  # timing suites whose results several processes can combine
 
 
-def register_suite(name: str, help: str) -> Callable[[SuiteFn], SuiteFn]:
-    """Decorator: make ``fn(quick) -> SuiteResult`` available as ``vitattn bench NAME``."""
+def register_suite(name: str, help: str, *, multiprocess: bool = False) -> Callable[[SuiteFn], SuiteFn]:
+    """Decorator: make ``fn(quick) -> SuiteResult`` available as ``vitattn bench NAME``.
+
+    ``multiprocess``: the suite returns a plain timing :class:`SuiteResult`, which
+    :func:`run_suites` with ``processes > 1`` can combine across fresh processes.
+    """
 
     def deco(fn: SuiteFn) -> SuiteFn:
         _SUITES[name] = (fn, help)
+        if multiprocess:
+            _SPREAD_SUITES.add(name)
+        else:
+            _SPREAD_SUITES.discard(name)
         return fn
 
     return deco
@@ -190,15 +303,127 @@ def suites() -> dict[str, str]:
     return {name: help for name, (_, help) in _SUITES.items()}
 
 
-def run_suites(
-    names: Iterable[str], *, quick: bool = False, json_path: str | Path | None = None
-) -> list[SuiteResult]:
-    """Run suites by name, print their tables, and optionally write all results as JSON."""
+def combine_processes(results: Sequence[SuiteResult]) -> SuiteResult:
+    """One suite's results from several processes as one result: per row, ``process_ms`` lists each
+    process's median, ``ms`` is their median, ``ms_min`` the best call of all; notes are the first
+    process's, goals are judged on every process."""
+    if not results:
+        raise ValueError("combine_processes needs at least one result")
+    first = results[0]
+    keys = [(r.case, r.impl) for r in first.rows]
+    for other in results[1:]:
+        if other.name != first.name or [(r.case, r.impl) for r in other.rows] != keys:
+            raise ValueError(f"results of suite {other.name!r} do not have the rows of suite {first.name!r}")
+    rows = []
+    for i, r in enumerate(first.rows):
+        same = [res.rows[i] for res in results]
+        per = [x for m in same for x in m.per_process_ms()]
+        extra = {
+            k: statistics.median(m.extra[k] for m in same) for k in r.extra if all(k in m.extra for m in same)
+        }
+        rows.append(
+            Measurement(
+                r.case, r.impl, statistics.median(per), min(m.ms_min for m in same), r.repeats, extra, per
+            )
+        )
+    return SuiteResult(
+        first.name,
+        first.title,
+        first.reference,
+        rows,
+        list(first.notes),
+        list(first.goals),
+        processes=sum(res.processes for res in results),
+    )
+
+
+def _child_command(
+    name: str, json_path: Path, *, quick: bool, threads: int | None, keep_heap: bool, imports: Sequence[str]
+) -> list[str]:
+    """``python -m vitattn bench NAME --json PATH ...`` (via ``-c`` when modules must be imported first)."""
+    args = ["bench", name, "--json", str(json_path)]
+    args += ["--quick"] if quick else []
+    args += ["--threads", str(threads)] if threads is not None else []
+    args += ["--keep-heap"] if keep_heap else []
+    if not imports:
+        return [sys.executable, "-m", "vitattn", *args]
+    code = (
+        "import importlib, sys\n"
+        f"for m in {list(imports)!r}: importlib.import_module(m)\n"
+        "from vitattn.cli import main\n"
+        "raise SystemExit(main(sys.argv[1:]))"
+    )
+    return [sys.executable, "-c", code, *args]
+
+
+def run_processes(
+    name: str,
+    processes: int,
+    *,
+    quick: bool = False,
+    threads: int | None = None,
+    keep_heap: bool = False,
+    imports: Sequence[str] = (),
+) -> SuiteResult:
+    """Run suite ``name`` in ``processes`` fresh processes, one after another, and combine them.
+
+    Each child is ``sys.executable -m vitattn bench NAME --json ...`` with the same options; its
+    table goes to this process's stdout only when it fails (with its stderr, in the error).
+    """
+    if name not in _SPREAD_SUITES:
+        raise ValueError(
+            f"benchmark suite {name!r} cannot be combined across processes (only timing suites: "
+            f"{sorted(_SPREAD_SUITES)})"
+        )
+    if processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
     results = []
+    with tempfile.TemporaryDirectory(prefix="vitattn-bench-") as tmp:
+        for i in range(processes):
+            path = Path(tmp) / f"{name}-{i}.json"
+            cmd = _child_command(
+                name, path, quick=quick, threads=threads, keep_heap=keep_heap, imports=imports
+            )
+            done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+            if done.returncode != 0:
+                raise RuntimeError(
+                    f"vitattn bench {name}: process {i + 1}/{processes} exited with {done.returncode}:\n"
+                    f"{done.stdout[-2000:]}{done.stderr[-4000:]}"
+                )
+            (data,) = json.loads(path.read_text())
+            results.append(SuiteResult.from_dict(data))
+            print(f"[{name}: process {i + 1}/{processes} done]", flush=True)
+    return combine_processes(results)
+
+
+def run_suites(
+    names: Iterable[str],
+    *,
+    quick: bool = False,
+    json_path: str | Path | None = None,
+    processes: int = 1,
+    threads: int | None = None,
+    keep_heap: bool = False,
+    imports: Sequence[str] = (),
+) -> list[SuiteResult]:
+    """Run suites by name, print their tables, and optionally write all results as JSON.
+
+    ``processes > 1`` runs each suite in that many fresh processes (:func:`run_processes`, which
+    passes ``threads``, ``keep_heap`` and ``imports`` on); with 1 the suites run here, in this
+    process, whose threads and heap the caller has set.
+    """
+    results = []
+    names = list(names)
     for name in names:
         if name not in _SUITES:
             raise ValueError(f"unknown benchmark suite {name!r}; known: {sorted(_SUITES)}")
-        result = _SUITES[name][0](quick)
+    for name in names:
+        if processes > 1:
+            result = run_processes(
+                name, processes, quick=quick, threads=threads, keep_heap=keep_heap, imports=imports
+            )
+        else:
+            result = _SUITES[name][0](quick)
         print(result.render(), end="\n\n", flush=True)
         results.append(result)
     if json_path is not None:
@@ -217,7 +442,18 @@ def script_main(suite: str, default_json: str, argv: Sequence[str] | None = None
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", default=default_json, help=f"JSON file (default {default_json})")
     parser.add_argument("--keep-heap", action="store_true", help=KEEP_HEAP_HELP)
+    parser.add_argument("--processes", type=int, default=1, help=PROCESSES_HELP)
     args = parser.parse_args(argv)
+    if args.processes > 1:
+        run_suites(
+            [suite],
+            quick=args.quick,
+            json_path=args.out,
+            processes=args.processes,
+            threads=args.threads,
+            keep_heap=args.keep_heap,
+        )
+        return
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.keep_heap and not keep_heap():

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import timm
 import torch
 from torch import nn
 
 from ..models import LocAtViT
-from .harness import SuiteResult, compare, register_suite
+from .harness import Goal, SuiteResult, compare, register_suite
 
 REFERENCE = "timm vit_tiny"
 CASES = [(224, 16), (448, 2)]  # (image size, batch)
-GOALS = {("inference", 224): 1.15, ("train", 224): 1.15, ("inference", 448): 1.15, ("train", 448): 1.30}
-TINY = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3)
+# issue 15: within these ratios to timm ViT-Tiny in every one of several fresh processes
+GOALS = {("inference", 224): 1.05, ("train", 224): 1.10, ("inference", 448): 1.10, ("train", 448): 1.15}
+TINY: dict[str, Any] = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3)
 
 
 def _step(model: nn.Module, x: torch.Tensor, train: bool) -> Callable[[], None]:
@@ -46,6 +48,7 @@ def _models(size: int) -> dict[str, nn.Module]:
 @register_suite(
     "models",
     "LocAtViT-Tiny vs timm ViT-Tiny: inference and train step at 224 px (b16) and 448 px (b2), CPU float32",
+    multiprocess=True,
 )
 def models_suite(quick: bool = False) -> SuiteResult:
     rows = []
@@ -65,9 +68,5 @@ def models_suite(quick: bool = False) -> SuiteResult:
     )
     for (mode, size), goal in GOALS.items():
         row = next(r for r in rows if r.impl == "locatvit_tiny" and r.case.startswith(f"{mode} {size}px"))
-        ratio = result.ratio(row)
-        result.notes.append(
-            f"{row.case}: locatvit_tiny / {REFERENCE} = {ratio:.2f}x (goal <= {goal:.2f}x: "
-            f"{'met' if ratio <= goal else 'MISSED'})"
-        )
+        result.goals.append(Goal(row.case, "locatvit_tiny", REFERENCE, goal))
     return result

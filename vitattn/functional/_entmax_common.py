@@ -6,10 +6,10 @@ import torch
 
 from .dtypes import compute_dtype
 
-__all__ = ["compute_dtype", "support_jvp"]
+__all__ = ["compute_dtype", "support_vjp"]
 
 
-def support_jvp(
+def support_vjp(
     grad_out: torch.Tensor, g: torch.Tensor, dim: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Vector-Jacobian product of an entmax mapping, restricted to its support.

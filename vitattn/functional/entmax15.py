@@ -26,7 +26,8 @@ import math
 import torch
 
 from ._checks import check_floating, check_tensor, normalize_dim
-from ._entmax_common import compute_dtype, support_jvp
+from ._entmax_common import compute_dtype, support_vjp
+from .blocked import _scratch_buffer
 
 __all__ = ["entmax15", "entmax15_threshold"]
 
@@ -34,21 +35,30 @@ _MAX_NEWTON_STEPS = 64  # far more than ever needed (typically 2-8); a bound, no
 _COMPILED_NEWTON_STEPS = 12  # fixed count under torch.compile (no data-dependent exit)
 
 
-def _clamped_shifted(z: torch.Tensor, dim: int) -> torch.Tensor:
-    """``x = max(z - max(z), -2) / 2`` in a fresh buffer; rows of all ``-inf`` become all ``-1``."""
+def _clamped_shifted(z: torch.Tensor, dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x = max(z - max(z), -2) / 2`` (a fresh tensor, or ``out``); all-``-inf`` rows become all ``-1``."""
     m = z.amax(dim, keepdim=True)
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    x = torch.sub(z, m)
-    return x.clamp_(min=-2.0).mul_(0.5)
+    # z / 2 - m / 2: halving is exact, so this is (z - m) / 2 in one pass fewer
+    x = torch.add(m.mul(-0.5), z, alpha=0.5) if out is None else torch.add(m.mul(-0.5), z, alpha=0.5, out=out)
+    return x.clamp_(min=-1.0)
 
 
-def _newton_threshold(x: torch.Tensor, dim: int, work: torch.Tensor) -> torch.Tensor:
-    """Lower bound of ``tau`` within ``sqrt(eps)`` of the root; ``work`` is scratch of ``x``'s shape."""
+def _newton_threshold(
+    x: torch.Tensor,
+    dim: int,
+    work: torch.Tensor,
+    tau: torch.Tensor | None = None,
+    tol: float | None = None,
+) -> torch.Tensor:
+    """Lower bound of ``tau`` within ``tol`` (default ``sqrt(eps)``) of the root, starting from the
+    lower bound ``tau`` (default the Jensen bound); ``work`` is scratch of ``x``'s shape."""
     n = x.shape[dim]
     inv_sqrt_n = 1.0 / math.sqrt(n)
-    tau = (x.mean(dim, keepdim=True) - inv_sqrt_n).clamp_(min=-1.0)
+    if tau is None:
+        tau = (x.mean(dim, keepdim=True) - inv_sqrt_n).clamp_(min=-1.0)
     hi = -inv_sqrt_n
-    tol = math.sqrt(torch.finfo(x.dtype).eps)
+    tol = math.sqrt(torch.finfo(x.dtype).eps) if tol is None else tol
     steps = _COMPILED_NEWTON_STEPS if torch.compiler.is_compiling() else _MAX_NEWTON_STEPS
     for _ in range(steps):
         d = torch.sub(x, tau, out=work).clamp_(min=0.0)
@@ -64,8 +74,10 @@ def _newton_threshold(x: torch.Tensor, dim: int, work: torch.Tensor) -> torch.Te
     return tau
 
 
-def _closed_form(x: torch.Tensor, tau: torch.Tensor, dim: int, work: torch.Tensor) -> torch.Tensor:
-    """Exact ``tau`` from the support ``{x > tau}`` of a lower bound ``tau``.
+def _closed_form_and_count(
+    x: torch.Tensor, tau: torch.Tensor, dim: int, work: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact ``tau`` from the support ``S = {x > tau}`` of a lower bound ``tau``, and ``|S|``.
 
     With ``d = (x - tau)_+``, ``k = |S|``, ``s1 = sum d``, ``s2 = sum d^2``, the shift ``delta``
     solves ``k delta^2 - 2 s1 delta + s2 - 1 = 0``; its smaller root, written without cancellation,
@@ -77,7 +89,12 @@ def _closed_form(x: torch.Tensor, tau: torch.Tensor, dim: int, work: torch.Tenso
     k = d.sign_().sum(dim, keepdim=True)
     disc = (s1 * s1 - k * (s2 - 1.0)).clamp_(min=0.0)
     delta = (s2 - 1.0) / (s1 + disc.sqrt())
-    return tau + torch.nan_to_num(delta, nan=0.0, posinf=0.0, neginf=0.0)
+    return tau + torch.nan_to_num(delta, nan=0.0, posinf=0.0, neginf=0.0), k
+
+
+def _closed_form(x: torch.Tensor, tau: torch.Tensor, dim: int, work: torch.Tensor) -> torch.Tensor:
+    """Exact ``tau`` from the support of a lower bound ``tau`` (see :func:`_closed_form_and_count`)."""
+    return _closed_form_and_count(x, tau, dim, work)[0]
 
 
 def entmax15_threshold(z: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +104,38 @@ def entmax15_threshold(z: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, to
     work = torch.empty_like(x)
     tau = _newton_threshold(x, dim, work)
     return x, _closed_form(x, tau, dim, work)
+
+
+# Newton's largest step below which the closed form is tried early (and checked, row by row)
+_EARLY_STEP = 0.05
+
+
+def _sqrt_entmax_rows(x: torch.Tensor, work: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write ``(x - tau)_+ = sqrt(entmax15)`` of shifted rows ``x: (rows, n)`` (see
+    :func:`_clamped_shifted`) into ``out``, with the exact ``tau``; ``work`` is scratch like ``x``.
+
+    Newton runs only until its largest step is below ``_EARLY_STEP`` (a loose lower bound ``t``);
+    the closed form on ``S = {x > t}`` then gives ``tau_c``, and a row is exact when ``tau_c`` keeps
+    that support (``|{x > tau_c}| = |S|``, counted exactly: the quadratic's root is then the root of
+    ``f``). The few rows that fail the check continue Newton from ``t`` to the full tolerance and
+    take the closed form, as :func:`entmax15_threshold` does. Under ``torch.compile`` (no
+    data-dependent row selection) that fixed-step path is used for every row.
+    """
+    if torch.compiler.is_compiling():
+        tau = _closed_form(x, _newton_threshold(x, -1, work), -1, work)
+        return torch.sub(x, tau, out=out).clamp_(min=0.0)
+    loose = _newton_threshold(x, -1, work, tol=_EARLY_STEP)
+    tau, k = _closed_form_and_count(x, loose, -1, work)
+    torch.sub(x, tau, out=out).clamp_(min=0.0)
+    settled = torch.sign(out, out=work).sum(-1, keepdim=True) == k
+    if bool(settled.all()):
+        return out
+    rows = (~settled[:, 0]).nonzero()[:, 0]
+    xr = x.index_select(0, rows)
+    wr = torch.empty_like(xr)
+    tau_r = _closed_form(xr, _newton_threshold(xr, -1, wr, tau=loose.index_select(0, rows)), -1, wr)
+    out[rows] = torch.sub(xr, tau_r, out=wr).clamp_(min=0.0)
+    return out
 
 
 # Rows are processed in chunks of about this many elements (4 MiB of float32), so that the few
@@ -110,39 +159,55 @@ def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor
     return rows.view(shape).movedim(-1, dim)
 
 
-def _entmax15_rows(z: torch.Tensor) -> torch.Tensor:
-    """1.5-entmax of each row of a contiguous ``(rows, n)`` tensor, chunk by chunk."""
+def _entmax15_sqrt_rows(z: torch.Tensor) -> torch.Tensor:
+    """``sqrt(entmax15(z)) = (x - tau)_+`` of each row of a contiguous ``(rows, n)`` tensor, by chunks."""
     out = torch.empty_like(z)
-    for a, b in _row_chunks(z.shape[0], z.shape[1]):
-        x, tau = entmax15_threshold(z[a:b], dim=-1)
-        torch.sub(x, tau, out=out[a:b]).clamp_(min=0.0).square_()
+    chunks = _row_chunks(z.shape[0], z.shape[1])
+    if torch.compiler.is_compiling():  # no buffers that outlive the call in a graph
+        for a, b in chunks:
+            x = _clamped_shifted(z[a:b], -1)
+            _sqrt_entmax_rows(x, torch.empty_like(x), out[a:b])
+        return out
+    # The chunk buffers are kept per thread and reused: allocated afresh, 4 MiB blocks go back to the
+    # OS and are faulted in again (see docs/benchmarks.md); slots 2, 3 are not used by blocked.py
+    numel = (chunks[0][1] - chunks[0][0]) * z.shape[1]
+    xbuf = _scratch_buffer(numel, z.dtype, z.device, slot=2)
+    wbuf = _scratch_buffer(numel, z.dtype, z.device, slot=3)
+    for a, b in chunks:
+        shape = (b - a, z.shape[1])
+        x = _clamped_shifted(z[a:b], -1, out=xbuf[: shape[0] * shape[1]].view(shape))
+        _sqrt_entmax_rows(x, wbuf[: shape[0] * shape[1]].view(shape), out[a:b])
     return out
 
 
-def _support_jvp_rows(grad: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Backward of 1.5-entmax on ``(rows, n)`` tensors, chunk by chunk (``g = sqrt(p)``)."""
-    out = torch.empty_like(p)
-    for a, b in _row_chunks(p.shape[0], p.shape[1]):
-        support_jvp(grad[a:b], p[a:b].sqrt(), -1, out=out[a:b])
+def _support_vjp_rows(grad: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Backward of 1.5-entmax on ``(rows, n)`` tensors, chunk by chunk, from ``g = sqrt(p)``."""
+    out = torch.empty_like(g)
+    for a, b in _row_chunks(g.shape[0], g.shape[1]):
+        support_vjp(grad[a:b], g[a:b], -1, out=out[a:b])
     return out
 
 
 class _Entmax15Function(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z: torch.Tensor, dim: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, z: torch.Tensor, dim: int) -> torch.Tensor:
         work_dtype = compute_dtype(z.dtype)
-        p = _from_rows(_entmax15_rows(_as_rows(z.to(work_dtype), dim)), z, dim)
+        g = _from_rows(_entmax15_sqrt_rows(_as_rows(z.to(work_dtype), dim)), z, dim)  # sqrt(p)
         ctx.dim = dim
-        ctx.save_for_backward(p)
-        return p.to(z.dtype)
+        if not ctx.needs_input_grad[0]:
+            return g.square_().to(z.dtype)
+        # The backward needs sqrt(p): kept from here (one more tensor of z's size while training)
+        # because torch.sqrt of the zeros off the support is ~5x slower than elsewhere, and ~4x a mul.
+        ctx.save_for_backward(g)
+        return g.square().to(z.dtype)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        (p,) = ctx.saved_tensors
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (g,) = ctx.saved_tensors
         dim = ctx.dim
         # d p_i / d z_j = sqrt(p_i) (delta_ij - sqrt(p_j) / sum sqrt(p)) on the support
-        grad = _support_jvp_rows(_as_rows(grad_out.to(p.dtype), dim), _as_rows(p, dim))
-        return _from_rows(grad, p, dim).to(grad_out.dtype), None
+        grad = _support_vjp_rows(_as_rows(grad_out.to(g.dtype), dim), _as_rows(g, dim))
+        return _from_rows(grad, g, dim).to(grad_out.dtype), None
 
 
 def entmax15(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_broadcastable, check_floating, check_tensor, normalize_dim, shape_str
-from ._entmax_common import compute_dtype, support_jvp
+from ._entmax_common import compute_dtype, support_vjp
 
 __all__ = ["entmax", "sparsemax"]
 
@@ -68,18 +68,18 @@ def _sparsemax_forward(x: Tensor, dim: int) -> Tensor:
 
 class _SparsemaxFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, dim: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, dim: int) -> Tensor:
         out = _sparsemax_forward(x.to(compute_dtype(x.dtype)), dim).to(x.dtype)
         ctx.dim = dim
         ctx.save_for_backward(out)
         return out
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, None]:
         (out,) = ctx.saved_tensors
         cdtype = compute_dtype(out.dtype)
         g = (out > 0).to(cdtype)
-        grad_x = support_jvp(grad_out.to(cdtype), g, ctx.dim).to(grad_out.dtype)
+        grad_x = support_vjp(grad_out.to(cdtype), g, ctx.dim).to(grad_out.dtype)
         return grad_x, None
 
 
@@ -175,7 +175,7 @@ def _entmax_forward(x: Tensor, am1: float | Tensor, dim: int) -> tuple[Tensor, i
 
 class _EntmaxFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, alpha: float | Tensor, dim: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, alpha: float | Tensor, dim: int) -> Tensor:
         cdtype = compute_dtype(x.dtype)
         alpha_c = alpha.to(cdtype) if isinstance(alpha, Tensor) else alpha
         out, _ = _entmax_forward(x.to(cdtype), alpha_c - 1.0, dim)
@@ -190,7 +190,7 @@ class _EntmaxFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         if ctx.alpha_is_tensor:
             out, alpha = ctx.saved_tensors
         else:
@@ -206,7 +206,7 @@ class _EntmaxFunction(torch.autograd.Function):
         g = torch.where(support, p_safe ** (2.0 - a), 0.0)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = support_jvp(dy, g, dim).to(grad_out.dtype)
+            grad_x = support_vjp(dy, g, dim).to(grad_out.dtype)
         grad_alpha = None
         if ctx.alpha_is_tensor and ctx.needs_input_grad[1]:
             # dp_i/dalpha = beta (-p_i log p_i + g_i (x_i - tau')), tau' = (sum g x - sum p log p) / sum g,
