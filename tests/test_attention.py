@@ -227,8 +227,8 @@ def test_errors():
         attention(q, q, q, bias=gb)
     with pytest.raises(ValueError, match="dropout_p must be in"):
         attention(q, q, q, dropout_p=1.5)
-    with pytest.raises(TypeError, match="share a dtype"):
-        attention(q, q.double(), q)
+    with pytest.raises(TypeError, match="k must be a floating-point tensor"):
+        attention(q, q.long(), q)
 
 
 def test_capture_sees_the_weights_of_every_call_and_changes_nothing():

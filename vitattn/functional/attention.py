@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
 import torch
 
@@ -13,6 +13,25 @@ from .dispatch import AttentionCall, backend_reasons, check_backend_name, resolv
 from .gaussian import GaussianBias
 from .normalize import Normalizer, resolve_normalizer
 from .scoring import check_mask_and_bias
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+
+class _ScoreOptions(TypedDict, total=False):
+    """The keyword arguments of :func:`attention` but ``return_weights`` and ``backend`` (its overloads)."""
+
+    normalizer: Normalizer
+    scale: float | None
+    mask: torch.Tensor | None
+    bias: torch.Tensor | GaussianBias | None
+    dropout_p: float
+
+
+class CallOptions(_ScoreOptions, total=False):
+    """The keyword arguments of :func:`attention` that describe the call (all but ``backend``)."""
+
+    return_weights: bool
 
 
 def _validate(
@@ -25,9 +44,7 @@ def _validate(
 ) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_rank(name, t, 4, "(B, H, N, D)")
-        check_floating(name, t)
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        check_floating(name, t)  # mixed floating dtypes are fine: AttentionCall.dtype is the one used
     if q.shape[:2] != k.shape[:2] or q.shape[:2] != v.shape[:2]:
         raise ValueError(
             f"q, k, v must share (B, H), got q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}"
@@ -43,34 +60,16 @@ def _validate(
 
 @overload
 def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    normalizer: Normalizer = ...,
-    scale: float | None = ...,
-    mask: torch.Tensor | None = ...,
-    bias: torch.Tensor | GaussianBias | None = ...,
-    return_weights: Literal[False] = ...,
-    dropout_p: float = ...,
-    backend: str = ...,
-) -> torch.Tensor: ...
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_weights: Literal[False] = ...,
+    backend: str = ..., **options: Unpack[_ScoreOptions],
+) -> torch.Tensor: ...  # fmt: skip
 
 
 @overload
 def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    normalizer: Normalizer = ...,
-    scale: float | None = ...,
-    mask: torch.Tensor | None = ...,
-    bias: torch.Tensor | GaussianBias | None = ...,
-    return_weights: Literal[True],
-    dropout_p: float = ...,
-    backend: str = ...,
-) -> tuple[torch.Tensor, torch.Tensor]: ...
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_weights: Literal[True],
+    backend: str = ..., **options: Unpack[_ScoreOptions],
+) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 
 
 def attention(
@@ -91,7 +90,9 @@ def attention(
     Args:
         q: ``(B, H, Nq, D)`` queries.
         k: ``(B, H, Nk, D)`` keys.
-        v: ``(B, H, Nk, Dv)`` values.
+        v: ``(B, H, Nk, Dv)`` values. q, k, v may have different floating dtypes: every backend casts
+            them to one dtype (:func:`~vitattn.functional.dispatch.operand_dtype`): the autocast dtype
+            under autocast, else their promoted dtype.
         normalizer: ``"softmax"``, ``"entmax15"``, ``"sparsemax"`` or a float alpha > 1 (alpha-entmax).
         scale: score scale, ``D ** -0.5`` by default.
         mask: boolean keep-mask (``True`` = attend) or additive float mask, broadcastable to
@@ -103,8 +104,11 @@ def attention(
         backend: ``"auto"`` or a registered backend name (see ``available_backends()``).
 
     Returns:
-        ``out`` of shape ``(B, H, Nq, Dv)`` in the dtype of ``v``, and the probabilities when
-        ``return_weights=True``.
+        ``out`` of shape ``(B, H, Nq, Dv)`` in that one dtype (``v``'s dtype when q, k, v share it and
+        autocast is off), and the probabilities when ``return_weights=True``.
+
+    Raises:
+        TypeError naming the argument if q, k or v is not floating-point; ValueError for shapes.
     """
     call = make_call(
         q, k, v, normalizer=normalizer, scale=scale, mask=mask, bias=bias,
@@ -123,32 +127,29 @@ def attention(
 
 
 def make_call(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    normalizer: Normalizer = "softmax",
-    scale: float | None = None,
-    mask: torch.Tensor | None = None,
-    bias: torch.Tensor | GaussianBias | None = None,
-    return_weights: bool = False,
-    dropout_p: float = 0.0,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Unpack[CallOptions]
 ) -> AttentionCall:
-    """The validated :class:`AttentionCall` that :func:`attention` hands to a backend for these arguments.
+    """The validated :class:`AttentionCall` that :func:`attention` hands to a backend for these arguments
+    (the keywords of :func:`attention` but ``backend``, with its defaults).
 
     Inside :func:`capture_attention_weights` the call asks for the weights.
     """
+    unknown = set(options) - set(CallOptions.__annotations__)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}")
+    mask, bias, scale = options.get("mask"), options.get("bias"), options.get("scale")
+    dropout_p = float(options.get("dropout_p", 0.0))
     _validate(q, k, v, mask, bias, dropout_p)
     return AttentionCall(
         q=q,
         k=k,
         v=v,
-        normalizer=resolve_normalizer(normalizer),
+        normalizer=resolve_normalizer(options.get("normalizer", "softmax")),
         scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
         mask=mask,
         bias=bias,
-        return_weights=bool(return_weights) or bool(active_callbacks()),
-        dropout_p=float(dropout_p),
+        return_weights=bool(options.get("return_weights", False)) or bool(active_callbacks()),
+        dropout_p=dropout_p,
     )
 
 

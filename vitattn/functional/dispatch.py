@@ -21,28 +21,61 @@ A default from 2 or 3 is treated like a named backend: a call it cannot run rais
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from .gaussian import GaussianBias
+from .normalize import Normalizer
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The autocast dtype if autocast is on for ``device_type`` (cuda / cpu), else ``None``."""
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def operand_dtype(dtypes: Sequence[torch.dtype], autocast: torch.dtype | None = None) -> torch.dtype:
+    """The one dtype q, k, v of a call are cast to before any backend computes with them.
+
+    The autocast dtype when autocast is on (timm's ``qk_norm`` hands over float32 q, k next to a
+    bfloat16 v under autocast), unless an input is float64 (autocast never narrows float64); else
+    the promoted dtype of the inputs (float32 q, k with a bfloat16 v give float32). Scores and
+    normalizers then run in :func:`~vitattn.functional.compute_dtype` of it (at least float32), and
+    the output is in this dtype.
+    """
+    if autocast is not None and torch.float64 not in dtypes:
+        return autocast
+    return functools.reduce(torch.promote_types, dtypes)
 
 
 @dataclass(frozen=True)
 class AttentionCall:
-    """A validated attention call. Shapes: q ``(B, H, Nq, D)``, k ``(B, H, Nk, D)``, v ``(B, H, Nk, Dv)``."""
+    """A validated attention call. Shapes: q ``(B, H, Nq, D)``, k ``(B, H, Nk, D)``, v ``(B, H, Nk, Dv)``.
+
+    q, k, v may have different floating dtypes; :attr:`dtype` is the one every backend computes with.
+    """
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    normalizer: str | float  # canonical, see resolve_normalizer
+    normalizer: Normalizer  # canonical, see resolve_normalizer
     scale: float
     mask: torch.Tensor | None  # bool keep-mask or additive float, broadcastable to (B, H, Nq, Nk)
     bias: torch.Tensor | GaussianBias | None
     return_weights: bool
     dropout_p: float
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """:func:`operand_dtype` of q, k, v under the current autocast state of q's device."""
+        dtypes = (self.q.dtype, self.k.dtype, self.v.dtype)
+        return operand_dtype(dtypes, autocast_dtype(self.q.device.type))
 
 
 class AttentionBackend(Protocol):
@@ -81,7 +114,7 @@ def available_backends() -> list[str]:
 def check_backend_name(backend: object, name: str = "backend") -> str:
     """``backend`` if it is ``"auto"`` or a registered name, else a ``ValueError`` naming ``name``."""
     if backend == "auto" or (isinstance(backend, str) and backend in _REGISTRY):
-        return backend  # type: ignore[return-value]
+        return backend
     raise ValueError(f"{name} must be 'auto' or one of {available_backends()}, got {backend!r}")
 
 

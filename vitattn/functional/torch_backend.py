@@ -1,18 +1,21 @@
 """The pure-PyTorch reference backend: every normalizer x mask x bias combination.
 
 Softmax without returned weights goes through ``scaled_dot_product_attention`` (which computes the
-same thing, fused), except CPU inference with a :class:`GaussianBias` and no mask, which goes
-through the row-blocked path of :mod:`.blocked` (no dense bias); everything else materializes the
+same thing, fused), except CPU calls with a :class:`GaussianBias` and no mask, which go through the
+row-blocked paths of :mod:`.blocked` (no dense bias): the forward-only one for inference, the
+autograd function with a recomputing backward for training; everything else materializes the
 ``(B, H, Nq, Nk)`` scores.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
-from .blocked import gaussian_softmax_attention
-from .dispatch import AttentionCall, register_backend
+from .blocked import gaussian_softmax_attention, gaussian_softmax_attention_train
+from .dispatch import AttentionCall, autocast_dtype, register_backend
 from .gaussian import GaussianBias
 from .normalize import normalize
 from .scoring import additive_terms, is_keep_mask, scores_unchecked
@@ -34,11 +37,28 @@ def scores_of(call: AttentionCall) -> torch.Tensor:
     return scores_unchecked(call.q, call.k, call.scale, call.bias, call.mask)
 
 
+def _needs_grad(call: AttentionCall) -> bool:
+    """Whether autograd will record this call (grad mode on and an input that requires a gradient)."""
+    assert isinstance(call.bias, GaussianBias)
+    tensors = (call.q, call.k, call.v, call.bias.sigma, call.bias.alpha)
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _blocked_gaussian_applies(call: AttentionCall) -> bool:
     """CPU, float32/64, Gaussian bias, no mask, no dropout, nothing that needs a gradient, eager mode.
 
     Under ``torch.compile`` the dense-bias SDPA path is traced instead (no per-thread buffers in a graph).
     """
+    return _gaussian_rows_fit(call) and not _needs_grad(call)
+
+
+def _fused_gaussian_training_applies(call: AttentionCall) -> bool:
+    """Like :func:`_blocked_gaussian_applies`, but for a call autograd records (training)."""
+    return _gaussian_rows_fit(call) and _needs_grad(call)
+
+
+def _gaussian_rows_fit(call: AttentionCall) -> bool:
+    """CPU, float32/64, Gaussian bias, no mask, no dropout, self-attention (Nq = Nk), eager mode."""
     if torch.compiler.is_compiling():
         return False
     bias = call.bias
@@ -46,10 +66,7 @@ def _blocked_gaussian_applies(call: AttentionCall) -> bool:
         return False
     if call.q.device.type != "cpu" or call.q.dtype not in (torch.float32, torch.float64):
         return False
-    if call.q.shape[2] != call.k.shape[2]:
-        return False
-    tensors = (call.q, call.k, call.v, bias.sigma, bias.alpha)
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    return call.q.shape[2] == call.k.shape[2]
 
 
 class TorchBackend:
@@ -61,10 +78,26 @@ class TorchBackend:
         return None
 
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q, k, v cast to ``call.dtype`` (differentiable), then computed with autocast off, so that
+        scores and normalizers run in :func:`~vitattn.functional.compute_dtype` of it, as the kernels
+        do; the output is in ``call.dtype``."""
+        dtype = call.dtype
+        if any(t.dtype != dtype for t in (call.q, call.k, call.v)):
+            call = dataclasses.replace(call, q=call.q.to(dtype), k=call.k.to(dtype), v=call.v.to(dtype))
+        device_type = call.q.device.type
+        if autocast_dtype(device_type) is None:
+            return self._run(call)
+        with torch.autocast(device_type, enabled=False):
+            return self._run(call)
+
+    def _run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         if call.normalizer == "softmax" and not call.return_weights:
             if _blocked_gaussian_applies(call):
                 assert isinstance(call.bias, GaussianBias)
                 return gaussian_softmax_attention(call.q, call.k, call.v, call.scale, call.bias), None
+            if _fused_gaussian_training_applies(call):
+                assert isinstance(call.bias, GaussianBias)
+                return gaussian_softmax_attention_train(call.q, call.k, call.v, call.scale, call.bias), None
             return self._sdpa(call), None
         scores = scores_of(call)
         probs = normalize(scores, call.normalizer, masked=call.mask is not None)

@@ -5,7 +5,6 @@ Importing this module does not import triton; :meth:`TritonBackend.run` does, on
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import sys
@@ -14,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..functional.dispatch import AttentionCall
+from ..functional.dispatch import AttentionCall, autocast_dtype, operand_dtype
 from ..functional.dtypes import compute_dtype
 from ..functional.gaussian import GaussianBias
 
@@ -41,9 +40,12 @@ def interpreter_mismatch() -> bool:
     return lang is not None and type(lang.zeros).__name__ != "InterpretedFunction"
 
 
+@torch.compiler.assume_constant_result
 def tf32_allowed() -> bool:
     """TF32 dots are allowed for float32 inputs: ``VITATTN_TRITON_TF32=1``, or torch's own matmul switch
-    (``torch.backends.cuda.matmul.allow_tf32``, or ``fp32_precision == "tf32"`` in torch >= 2.9)."""
+    (``torch.backends.cuda.matmul.allow_tf32``, or ``fp32_precision == "tf32"`` in torch >= 2.9).
+
+    A constant under ``torch.compile`` (read when the graph is traced, not guarded on)."""
     if os.environ.get(TF32_ENV, "").strip().lower() in _TRUE:
         return True
     matmul = torch.backends.cuda.matmul
@@ -54,31 +56,27 @@ def tf32_allowed() -> bool:
         return bool(getattr(matmul, "allow_tf32", False))
 
 
-def autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The autocast dtype if autocast is on for ``device_type`` (cuda / cpu), else ``None``."""
-    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return None
-
-
 def launch_dtype(
     dtypes: Sequence[torch.dtype], autocast: torch.dtype | None = None
 ) -> tuple[torch.dtype | None, str | None]:
     """``(dtype, None)``: the one dtype q, k, v are cast to before the kernels run, or ``(None, reason)``.
 
-    The autocast dtype when autocast is on (timm's ``qk_norm`` hands over float32 q, k and a bfloat16 v
-    under autocast), else the common (promoted) dtype of the inputs. The kernels compute in float32,
-    so an input whose :func:`~vitattn.functional.compute_dtype` is wider (float64) is declined: autocast
-    does not narrow float64 either.
+    That dtype is :func:`~vitattn.functional.dispatch.operand_dtype` (``AttentionCall.dtype``), the
+    rule of every backend. The kernels compute in float32, so an input whose
+    :func:`~vitattn.functional.compute_dtype` is wider (float64) is declined (autocast does not narrow
+    float64 either), and so is an autocast dtype the kernels do not take.
     """
     for dtype in dtypes:
         if not dtype.is_floating_point or compute_dtype(dtype) != torch.float32:
             return None, f"dtype {dtype} is not one of float16, bfloat16, float32"
-    if autocast is not None:
-        if autocast not in DTYPES:
-            return None, f"autocast dtype {autocast} is not one of float16, bfloat16, float32"
-        return autocast, None
-    return functools.reduce(torch.promote_types, dtypes), None
+    if autocast is not None and autocast not in DTYPES:
+        return None, f"autocast dtype {autocast} is not one of float16, bfloat16, float32"
+    return operand_dtype(dtypes, autocast), None
+
+
+def call_launch_dtype(call: AttentionCall) -> tuple[torch.dtype | None, str | None]:
+    """:func:`launch_dtype` of the call's q, k, v under the autocast state of q's device."""
+    return launch_dtype([call.q.dtype, call.k.dtype, call.v.dtype], autocast_dtype(call.q.device.type))
 
 
 def float32_reason(device_type: str, dtype: torch.dtype, explicit: bool, tf32: bool) -> str | None:
@@ -141,8 +139,8 @@ class TritonBackend:
         for name, t in _tensors(call):
             if t.device != q.device:
                 return f"{name} is on {t.device} but q is on {q.device}"
-        dtype, reason = launch_dtype([q.dtype, call.k.dtype, call.v.dtype], autocast_dtype(q.device.type))
-        if reason is not None:
+        dtype, reason = call_launch_dtype(call)
+        if dtype is None:
             return reason
         reason = float32_reason(q.device.type, dtype, explicit, tf32_allowed())
         if reason is not None:
@@ -167,30 +165,41 @@ class TritonBackend:
         return None
 
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from .ops import fused_attention
+        """``(out, None)``: q, k, v cast to the launch dtype (differentiable), the call's mask and bias
+        as kernel operands, straight into the custom op ``torch.ops.vitattn.attention_fwd``
+        (:mod:`vitattn.kernels.ops`). ``out`` is in the launch dtype (``call.dtype``)."""
+        from . import ops
 
-        autocast = autocast_dtype(call.q.device.type)
-        dtype, reason = launch_dtype([call.q.dtype, call.k.dtype, call.v.dtype], autocast)
+        dtype, reason = call_launch_dtype(call)
         if dtype is None:
             raise ValueError(f"backend='triton' cannot run this call: {reason}")
-        q, k, v = (t.to(dtype) for t in (call.q, call.k, call.v))  # differentiable, no-op if equal
-        add = keep = None
-        kwargs = {}
+        q, k, v = (t.to(dtype) for t in (call.q, call.k, call.v))  # no-op where equal
+        b, h = q.shape[:2]
+        add = keep = den = alpha = None
+        num_prefix, grid_w, clamp = 0, 1, 0.0
         if isinstance(call.bias, GaussianBias):
             gb = call.bias
-            kwargs = dict(sigma_den=gb.denominators(), alpha=gb.alpha, num_prefix=gb.num_prefix_tokens,
-                          grid_w=gb.grid_size[1], clamp=gb.clamp)
+            n_p = gb.sigma.shape[-2]
+            den = gb.denominators().float().expand(b, h, n_p, 2)
+            alpha = gb.alpha.float()[..., 0].expand(b, h, n_p)
+            num_prefix, grid_w, clamp = gb.num_prefix_tokens, gb.grid_size[1], float(gb.clamp)
         elif call.bias is not None:
             add = call.bias
         if call.mask is not None:
             if call.mask.dtype == torch.bool:
-                keep = call.mask
+                keep = call.mask[(None,) * (4 - call.mask.dim())]
             else:
                 add = call.mask if add is None else add + call.mask
-        if add is not None and add.dtype not in DTYPES:
-            add = add.float()
-        out = fused_attention(
-            q, k, v, entmax=call.normalizer == "entmax15", scale=call.scale, add=add, keep=keep, **kwargs,
+        if add is not None:
+            add = add[(None,) * (4 - add.dim())]
+            if add.dtype not in DTYPES:
+                add = add.float()
+        entmax = call.normalizer == "entmax15"
+        grads = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, add, den, alpha)
         )
-        # under autocast the output is in the autocast dtype (as SDPA's); otherwise in v's dtype
-        return (out if autocast is not None else out.to(call.v.dtype)), None
+        out, _, _ = ops.attention_fwd(
+            q, k, v, add, keep, den, alpha, float(call.scale), int(num_prefix), int(grid_w), clamp, entmax,
+            tf32_allowed(), entmax and grads,
+        )
+        return out, None

@@ -1,27 +1,37 @@
-"""Launch wrappers and the autograd Function of the fused attention kernels (this module imports triton).
+"""The fused attention kernels as ``torch.library`` custom ops, their launch wrappers and the tile
+picker (this module imports triton).
 
-Entry point: :func:`fused_attention`. Memory beyond the inputs and the output: the row statistic
-(float32 ``(B, H, Nq)``), for entmax-1.5 with gradients ``OG`` (float32 ``(B, H, Nq, Dv)``), and in the
-backward the row term ``delta`` (float32 ``(B, H, Nq)``); never anything ``Nq x Nk`` (the only
-exception is the gradient of an additive mask, which has the mask's own shape).
+The one path from a call to a kernel: :meth:`~vitattn.kernels.backend.TritonBackend.run` casts q, k,
+v to the call's dtype and hands the ``AttentionCall``'s tensors and scalars to
+``torch.ops.vitattn.attention_fwd`` (:func:`attention_fwd`); inside the op a :class:`KernelLaunch`
+holds them, and :func:`_launch` picks a tile and launches under the inputs' CUDA device. The backward
+(``register_autograd``) is the op ``torch.ops.vitattn.attention_bwd``. Both ops have fake
+implementations, so ``torch.compile(fullgraph=True)`` traces them as single graph nodes.
+
+Memory beyond the inputs and the output: the row statistic (float32 ``(B, H, Nq)``), for entmax-1.5
+with gradients ``OG`` (float32 ``(B, H, Nq, Dv)``), and in the backward the row term ``delta``
+(float32 ``(B, H, Nq)``); never anything ``Nq x Nk`` (the only exception is the gradient of an
+additive mask, which has the mask's own shape).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
+import json
+import math
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import triton
-from torch.autograd.function import once_differentiable
 
 from . import configs
-from .backend import dot_mode, tf32_allowed
+from .backend import dot_mode, interpret_requested
 
 _MODULES = ("_common", "softmax", "entmax15", "backward")
 _KERNEL_ATTRS = {
@@ -31,65 +41,30 @@ _KERNEL_ATTRS = {
     "bwd_dkdv": ("backward", "_bwd_dkdv_kernel"),
     "bwd_dq": ("backward", "_bwd_dq_kernel"),
 }
-_TUNED: dict[str, Any] = {}
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+_KERNELS: dict[bool, dict[str, Any]] = {}  # interpreter setting -> kernels, resolved once each
 
 
 def kernels() -> dict[str, Any]:
     """The raw kernels by name (``JITFunction`` objects, or interpreted ones under ``TRITON_INTERPRET=1``).
 
     ``@triton.jit`` reads the interpreter flag when a kernel is defined, so the kernel modules are
-    re-imported if the flag changed since they were first imported.
+    re-imported once when the flag (:func:`~vitattn.kernels.backend.interpret_requested`) differs
+    from the one they were imported under; the result is kept per setting.
     """
+    interp = interpret_requested()
+    found = _KERNELS.get(interp)
+    if found is not None:
+        return found
     from triton.runtime.interpreter import InterpretedFunction
 
-    if interpreting() and not isinstance(triton.language.zeros, InterpretedFunction):
+    if interp and not isinstance(triton.language.zeros, InterpretedFunction):
         raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported: set it before importing it")
     mods = {name: importlib.import_module(f"{__package__}.{name}") for name in _MODULES}
-    probe = mods["softmax"]._fwd_softmax_kernel
-    if isinstance(probe, InterpretedFunction) != interpreting():
+    if isinstance(mods["softmax"]._fwd_softmax_kernel, InterpretedFunction) != interp:
         for name in _MODULES:
             mods[name] = importlib.reload(mods[name])
-        _TUNED.clear()
-    return {key: getattr(mods[mod], attr) for key, (mod, attr) in _KERNEL_ATTRS.items()}
-
-
-def _tuned(name: str, fn: Any, block_d: int, masked: bool, fp32: bool = False) -> Any:
-    """``fn`` wrapped in ``triton.autotune`` over the configs of ``name`` usable at ``block_d`` (with
-    float32 operands if ``fp32``), cached.
-
-    ``VITATTN_TRITON_TILES=first`` keeps only the first usable config (no autotuning: tests and memcheck
-    runs that would otherwise compile and time every config).
-    """
-    first_only = os.environ.get("VITATTN_TRITON_TILES", "") == "first"
-    key = f"{name}@{block_d}" + "".join(
-        tag for tag, on in (("-masked", masked), ("-fp32", fp32), ("-first", first_only)) if on
-    )
-    if key not in _TUNED:
-        tiles = configs.autotune_list(name, block_d, masked, fp32)
-        if not tiles:
-            raise RuntimeError(
-                f"no tile config of {name} serves head dim {block_d} (masked={masked}, fp32={fp32})"
-            )
-        tiles = tiles[:1] if first_only else tiles
-        flags = [p.name for p in fn.params if p.is_constexpr and not p.name.startswith("BLOCK")]
-        _TUNED[key] = triton.autotune(
-            configs=[
-                triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps,
-                              num_stages=c.num_stages)
-                for c in tiles
-            ],
-            key=["n_q", "n_k", "head_d", "head_dv", *flags],
-            reset_to_zero=["DADD"] if "DADD" in fn.arg_names else None,
-        )(fn)
-    return _TUNED[key]
+    found = _KERNELS[interp] = {key: getattr(mods[mod], attr) for key, (mod, attr) in _KERNEL_ATTRS.items()}
+    return found
 
 
 def launch_device(tensors: Iterable[Any]) -> torch.device | None:
@@ -113,17 +88,179 @@ def device_guard(tensors: Iterable[Any]) -> contextlib.AbstractContextManager[An
     return torch.cuda.device(dev.index)
 
 
-def _launch(name: str, grid: Callable[[int, int], tuple[int, ...]], args: Sequence[Any], **meta: Any) -> None:
+# ---- tile choice: bucketed autotuning, cached across processes, never inside CUDA-graph capture ----------
+
+TILES_ENV = "VITATTN_TRITON_TILES"  # "first": the first usable tile, no tuning (tests, memcheck)
+CACHE_ENV = "VITATTN_CACHE_DIR"  # where autotune.json lives (default: $XDG_CACHE_HOME/vitattn)
+BENCH_WARMUP_MS, BENCH_REP_MS = 10, 40
+_TUNED: dict[str, configs.TileConfig] = {}  # tuning key -> tile picked in (or read by) this process
+_DISK: dict[str, Any] = {}  # the loaded autotune.json, "entries" -> {scope: {key: [bm, bn, warps, stages]}}
+
+
+def seq_bucket(n: int) -> int:
+    """The sequence-length bucket of the tuning key: ``next_power_of_2(n)``, at least 16 (197 and
+    256 tokens share a tile; 257 does not)."""
+    return max(16, triton.next_power_of_2(int(n)))
+
+
+def tune_key(
+    name: str, dtype: torch.dtype, batch_heads: int, n_q: int, n_k: int, meta: dict[str, Any]
+) -> str:
+    """The tuning key of a launch: kernel, dtype, ``B·H`` (the grid's second axis), the bucketed Nq and
+    Nk (:func:`seq_bucket`) and every constexpr flag (padded head dims included)."""
+    flags = ",".join(f"{k}={int(v)}" for k, v in sorted(meta.items()))
+    sizes = f"bh={batch_heads}|q={seq_bucket(n_q)}|k={seq_bucket(n_k)}"
+    return f"{name}|{str(dtype).removeprefix('torch.')}|{sizes}|{flags}"
+
+
+def autotune_cache_path() -> Path:
+    """``$VITATTN_CACHE_DIR/autotune.json``, else ``$XDG_CACHE_HOME/vitattn/autotune.json`` (``~/.cache``)."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "vitattn"
+    )
+    return Path(root) / "autotune.json"
+
+
+def _cache_scope() -> str:
+    """The part of the disk key that invalidates old picks: the GPU, triton, and the kernels' sources."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in _MODULES:
+        digest.update((Path(__file__).parent / f"{name}.py").read_bytes())
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no-cuda"
+    return f"{device}|triton {triton.__version__}|{digest.hexdigest()[:16]}"
+
+
+def _disk_entries() -> dict[str, list[int]]:
+    if not _DISK:
+        try:
+            _DISK.update(json.loads(autotune_cache_path().read_text()))
+        except (OSError, ValueError):
+            _DISK["entries"] = {}
+        if not isinstance(_DISK.get("entries"), dict):
+            _DISK["entries"] = {}
+    return _DISK["entries"].setdefault(_cache_scope(), {})
+
+
+def _disk_store(key: str, tile: configs.TileConfig) -> None:
+    """Record ``key -> tile`` in autotune.json (re-read first, written atomically; errors ignored)."""
+    path = autotune_cache_path()
+    scope = _cache_scope()
+    try:
+        data = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        data = {}
+    entries = data.setdefault("entries", {}) if isinstance(data.get("entries"), dict) else {}
+    data["entries"] = entries
+    entries.setdefault(scope, {})[key] = _tile_list(tile)
+    _disk_entries()[key] = entries[scope][key]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(data, f, indent=0, sort_keys=True)
+        os.replace(f.name, path)
+    except OSError:
+        pass
+
+
+def _tile_list(tile: configs.TileConfig) -> list[int]:
+    return [tile.block_m, tile.block_n, tile.num_warps, tile.num_stages]
+
+
+def _capturing() -> bool:
+    """A CUDA graph is being captured on the current stream (benchmarking would break the capture)."""
+    return torch.cuda.is_current_stream_capturing()
+
+
+def pick_tile(
+    key: str, candidates: Sequence[configs.TileConfig], bench: Callable[[configs.TileConfig], float]
+) -> configs.TileConfig:
+    """The tile of ``candidates`` for the launch ``key``: the first one under ``VITATTN_TRITON_TILES=first``
+    or when it is the only one; else a pick known in this process or from autotune.json; else, inside
+    CUDA-graph capture, the first (default) tile, not remembered; else the fastest by ``bench`` (ms),
+    remembered here and on disk."""
+    if os.environ.get(TILES_ENV, "") == "first" or len(candidates) == 1:
+        return candidates[0]
+    known = _TUNED.get(key)
+    if known is None:
+        stored = _disk_entries().get(key)
+        known = next((c for c in candidates if _tile_list(c) == stored), None)
+    if known is not None and known in candidates:
+        _TUNED[key] = known
+        return known
+    if _capturing():
+        return candidates[0]
+    timings = {}
+    for tile in candidates:
+        try:
+            timings[tile] = bench(tile)
+        except triton.runtime.errors.OutOfResources:
+            timings[tile] = math.inf
+    best = min(candidates, key=timings.__getitem__)
+    _TUNED[key] = best
+    _disk_store(key, best)
+    return best
+
+
+def tile_candidates(name: str, meta: dict[str, Any]) -> tuple[configs.TileConfig, ...]:
+    """The autotune list of kernel ``name`` usable at the launch's padded head dims and flags."""
+    block_d = max(meta["BLOCK_D"], meta["BLOCK_DV"])
+    masked = bool(meta["HAS_ADD"] or meta["HAS_KEEP"])
+    fp32 = bool(meta["F32_DOT"])  # on a GPU: float32 operands (TF32 or IEEE)
+    tiles = configs.autotune_list(name, block_d, masked, fp32)
+    if not tiles:
+        raise RuntimeError(
+            f"no tile config of {name} serves head dim {block_d} (masked={masked}, fp32={fp32})"
+        )
+    return tiles
+
+
+def _launch(
+    name: str,
+    grid: Callable[[int, int], tuple[int, ...]],
+    args: Sequence[Any],
+    meta: dict[str, Any],
+    shape: tuple[int, int, int],
+    reset: Callable[[], object] | None = None,
+) -> None:
+    """Launch kernel ``name`` over ``grid(BLOCK_M, BLOCK_N)`` under the arguments' CUDA device.
+
+    ``shape`` is ``(B·H, Nq, Nk)`` for the tuning key; ``reset`` restores an accumulated output
+    (the additive mask's gradient) after benchmarking. The interpreter runs ``configs.INTERPRET``.
+    """
     fn = kernels()[name]
     with device_guard(args):
-        if interpreting():
+        if interpret_requested():
             c = configs.INTERPRET
             fn[grid(c.block_m, c.block_n)](*args, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **meta)
-        else:
-            block_d = max(meta["BLOCK_D"], meta["BLOCK_DV"])
-            masked = bool(meta["HAS_ADD"] or meta["HAS_KEEP"])
-            fp32 = bool(meta["F32_DOT"])  # on a GPU: float32 operands (TF32 or IEEE)
-            _tuned(name, fn, block_d, masked, fp32)[lambda m: grid(m["BLOCK_M"], m["BLOCK_N"])](*args, **meta)
+            return
+
+        def run(tile: configs.TileConfig) -> None:
+            fn[grid(tile.block_m, tile.block_n)](
+                *args, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps,
+                num_stages=tile.num_stages, **meta,
+            )
+
+        benched: list[configs.TileConfig] = []
+
+        def bench(tile: configs.TileConfig) -> float:
+            import triton.testing
+
+            benched.append(tile)
+
+            def step() -> None:
+                if reset is not None:
+                    reset()
+                run(tile)
+
+            return float(triton.testing.do_bench(step, warmup=BENCH_WARMUP_MS, rep=BENCH_REP_MS))
+
+        key = tune_key(name, args[0].dtype, *shape, meta)
+        tile = pick_tile(key, tile_candidates(name, meta), bench)
+        if benched and reset is not None:
+            reset()
+        run(tile)
 
 
 def block_dim(d: int) -> int:
@@ -137,73 +274,103 @@ def _bcast_strides(t: torch.Tensor) -> list[int]:
 
 
 @dataclass(frozen=True)
-class _Problem:
-    """Everything a launch needs besides q, k, v and the per-pass buffers (the autograd Function keeps
-    the scalars in ``ctx`` and the tensors in ``save_for_backward``)."""
+class KernelLaunch:
+    """The launch description of one fused attention call: what every kernel of its forward and
+    backward reads besides the per-pass buffers.
 
-    add: torch.Tensor | None  # 4-D additive float mask (broadcast dims of size 1)
-    keep: torch.Tensor | None  # 4-D uint8 keep-mask view
-    den: torch.Tensor | None  # float32 (B, H, Np, 2) = r * sigma + eps, expanded
-    alpha: torch.Tensor | None  # float32 (B, H, Np), expanded
+    q ``(B, H, Nq, D)``, k ``(B, H, Nk, D)``, v ``(B, H, Nk, Dv)`` in one dtype, any strides; ``add``
+    a 4-D additive float mask and ``keep`` a 4-D boolean keep-mask (broadcast dims of size 1);
+    ``den`` float32 ``(B, H, Np, 2)`` = ``r * sigma + eps`` and ``alpha`` float32 ``(B, H, Np)``
+    (expanded views); ``tf32``: TF32 dots for float32 operands on a GPU.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    add: torch.Tensor | None
+    keep: torch.Tensor | None
+    den: torch.Tensor | None
+    alpha: torch.Tensor | None
     scale: float
     num_prefix: int
     grid_w: int
     clamp: float
     entmax: bool
-    tf32: bool = False  # TF32 dots for float32 inputs on a GPU (fixed at the forward, reused by the backward)
+    tf32: bool
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(B·H, Nq, Nk)``: the tuning key's sizes."""
+        return self.q.shape[0] * self.q.shape[1], self.q.shape[2], self.k.shape[2]
 
     def operands(self, dummy: torch.Tensor) -> list[Any]:
-        """``ADD, KEEP, DEN, ALPHA`` pointers (a dummy where absent)."""
-        return [dummy if t is None else t for t in (self.add, self.keep, self.den, self.alpha)]
+        """``ADD, KEEP, DEN, ALPHA`` pointers (a dummy where absent; the keep-mask as uint8)."""
+        keep = None if self.keep is None else self.keep.view(torch.uint8)
+        return [dummy if t is None else t for t in (self.add, keep, self.den, self.alpha)]
 
-    def strides(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[int]:
-        out = [*q.stride(), *k.stride(), *v.stride()]
+    def strides(self) -> list[int]:
+        out = [*self.q.stride(), *self.k.stride(), *self.v.stride()]
         out += _bcast_strides(self.add) if self.add is not None else [0] * 4
         out += _bcast_strides(self.keep) if self.keep is not None else [0] * 4
         out += list(self.den.stride()) if self.den is not None else [0] * 4
         out += list(self.alpha.stride()) if self.alpha is not None else [0] * 3
         return out
 
-    def scalars(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[Any]:
-        return [q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3], self.scale, self.num_prefix,
+    def scalars(self) -> list[Any]:
+        q, v = self.q, self.v
+        return [q.shape[1], q.shape[2], self.k.shape[2], q.shape[3], v.shape[3], self.scale, self.num_prefix,
                 self.grid_w, self.clamp]
 
-    def flags(self, q: torch.Tensor, v: torch.Tensor) -> dict[str, Any]:
+    def flags(self) -> dict[str, Any]:
+        q = self.q
         return dict(
             GAUSS=self.den is not None, HAS_ADD=self.add is not None, HAS_KEEP=self.keep is not None,
-            F32_DOT=dot_mode(q.dtype, q.device.type, self.tf32, interpreting()),
-            BLOCK_D=block_dim(q.shape[3]), BLOCK_DV=block_dim(v.shape[3]),
+            F32_DOT=dot_mode(q.dtype, q.device.type, self.tf32, interpret_requested()),
+            BLOCK_D=block_dim(q.shape[3]), BLOCK_DV=block_dim(self.v.shape[3]),
         )
 
 
-def _forward(q, k, v, prob: _Problem, store_og: bool):
+def _forward(launch: KernelLaunch, store_og: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, stat, og)``: out ``(B, H, Nq, Dv)`` in v's dtype, stat float32 ``(B, H, Nq)``, og float32
+    ``(B, H, Nq, Dv)`` for entmax-1.5 with ``store_og`` (else an empty ``(0,)`` tensor)."""
+    q, v = launch.q, launch.v
     b, h, n_q, _ = q.shape
     dv = v.shape[3]
     dummy = q.new_empty(1, dtype=torch.float32)
     out = torch.empty(b, h, n_q, dv, device=q.device, dtype=v.dtype)
     stat = torch.empty(b, h, n_q, device=q.device, dtype=torch.float32)
-    og = torch.empty(b, h, n_q, dv, device=q.device, dtype=torch.float32) if store_og else None
-    head = [q, k, v, out, stat, *prob.operands(dummy)]
-    meta = prob.flags(q, v)
-    if prob.entmax:
-        head.append(dummy if og is None else og)
+    store_og = store_og and launch.entmax
+    og = torch.empty(b, h, n_q, dv if store_og else 0, device=q.device, dtype=torch.float32)
+    head = [q, launch.k, v, out, stat, *launch.operands(dummy)]
+    meta = launch.flags()
+    if launch.entmax:
+        head.append(og if store_og else dummy)
         meta["STORE_OG"] = store_og
-    args = [*head, *prob.strides(q, k, v), *prob.scalars(q, k, v)]
-    name = "fwd_entmax15" if prob.entmax else "fwd_softmax"
-    _launch(name, lambda bm, bn: (triton.cdiv(n_q, bm), b * h), args, **meta)
+    args = [*head, *launch.strides(), *launch.scalars()]
+    name = "fwd_entmax15" if launch.entmax else "fwd_softmax"
+    _launch(name, lambda bm, bn: (triton.cdiv(n_q, bm), b * h), args, meta, launch.shape)
     return out, stat, og
 
 
-def _backward(ctx, grad_out: torch.Tensor):
-    q, k, v, o_or_og, stat, add, keep, den, alpha = ctx.saved_tensors
-    prob = dataclasses.replace(ctx.problem, add=add, keep=keep, den=den, alpha=alpha)
+def _backward(
+    launch: KernelLaunch, grad_out: torch.Tensor, o_or_og: torch.Tensor, stat: torch.Tensor,
+    add_grad: bool, gauss_grad: bool,
+) -> tuple[torch.Tensor, ...]:
+    """``(dq, dk, dv, dadd, dden, dalpha)`` in the shapes of q, k, v (their dtypes) and of add, den,
+    alpha (float32); ``dadd`` / ``dden``, ``dalpha`` are empty ``(0,)`` tensors unless asked for."""
+    q, k, v, add = launch.q, launch.k, launch.v, launch.add
+    if launch.entmax and o_or_og.shape[-1] != v.shape[-1]:
+        raise RuntimeError("attention_bwd: the entmax-1.5 forward ran with store_og=False")
     b, h, n_q, d = q.shape
     n_k, dv = k.shape[2], v.shape[3]
     do = grad_out.contiguous()
     dummy = q.new_empty(1, dtype=torch.float32)
 
+    def empty() -> torch.Tensor:  # a fresh one per output: custom-op outputs must not alias
+        return q.new_empty(0, dtype=torch.float32)
+
     delta = torch.empty(b, h, n_q, device=q.device, dtype=torch.float32)
-    rows = configs.INTERPRET_DELTA_ROWS if interpreting() else configs.DELTA_ROWS
+    rows = configs.INTERPRET_DELTA_ROWS if interpret_requested() else configs.DELTA_ROWS
     with device_guard([o_or_og]):
         kernels()["bwd_delta"][(triton.cdiv(b * h * n_q, rows),)](
             o_or_og, do, delta, b * h * n_q, dv, BLOCK_M=rows, BLOCK_DV=block_dim(dv)
@@ -212,96 +379,123 @@ def _backward(ctx, grad_out: torch.Tensor):
     dq = torch.empty(b, h, n_q, d, device=q.device, dtype=q.dtype)
     dk = torch.empty(b, h, n_k, d, device=q.device, dtype=k.dtype)
     dvv = torch.empty(b, h, n_k, dv, device=q.device, dtype=v.dtype)
-    add_grad, dadd, g_strides = 0, None, [0] * 4
-    if add is not None and ctx.needs_input_grad[3]:
+    add_mode, dadd, g_strides = 0, empty(), [0] * 4
+    if add is not None and add_grad:
         dadd = torch.zeros(add.shape, device=q.device, dtype=torch.float32)
         g_strides = _bcast_strides(dadd)
         broadcast = [s for s, t in zip(add.shape, (b, h, n_q, n_k), strict=True) if s == 1 and t > 1]
-        add_grad = 2 if broadcast else 1
-    gauss_grad = den is not None and (ctx.needs_input_grad[4] or ctx.needs_input_grad[5])
-    dden = dalpha = None
+        add_mode = 2 if broadcast else 1
+    gauss_grad = gauss_grad and launch.den is not None
+    dden, dalpha = empty(), empty()
     if gauss_grad:
-        dden = torch.empty(den.shape, device=q.device, dtype=torch.float32)
-        dalpha = torch.empty(alpha.shape, device=q.device, dtype=torch.float32)
+        assert launch.den is not None and launch.alpha is not None
+        dden = torch.empty(launch.den.shape, device=q.device, dtype=torch.float32)
+        dalpha = torch.empty(launch.alpha.shape, device=q.device, dtype=torch.float32)
 
-    meta = prob.flags(q, v)
-    meta["ENTMAX"] = prob.entmax
-    common = [*prob.strides(q, k, v)]
-    scalars = prob.scalars(q, k, v)
+    meta = launch.flags()
+    meta["ENTMAX"] = launch.entmax
+    strides, scalars, operands = launch.strides(), launch.scalars(), launch.operands(dummy)
     _launch(
         "bwd_dkdv", lambda bm, bn: (triton.cdiv(n_k, bn), b * h),
-        [q, k, v, do, stat, delta, dk, dvv, *prob.operands(dummy), *common, *scalars], **meta,
+        [q, k, v, do, stat, delta, dk, dvv, *operands, *strides, *scalars], meta, launch.shape,
     )
+    zero_dadd = dadd.zero_ if add_mode == 2 else None  # atomics accumulate: reset after benchmarking
     _launch(
         "bwd_dq", lambda bm, bn: (triton.cdiv(n_q, bm), b * h),
-        [q, k, v, do, stat, delta, dq, dummy if dadd is None else dadd, dummy if dden is None else dden,
-         dummy if dalpha is None else dalpha, *prob.operands(dummy), *common, *g_strides, *scalars],
-        ADD_GRAD=add_grad, GAUSS_GRAD=gauss_grad, **meta,
+        [q, k, v, do, stat, delta, dq, dadd if add_mode else dummy, dden if gauss_grad else dummy,
+         dalpha if gauss_grad else dummy, *operands, *strides, *g_strides, *scalars],
+        {**meta, "ADD_GRAD": add_mode, "GAUSS_GRAD": gauss_grad}, launch.shape, reset=zero_dadd,
     )
-    grad_add = None if dadd is None else dadd.to(add.dtype)
-    return dq, dk, dvv, grad_add, dden, dalpha
+    return dq, dk, dvv, dadd, dden, dalpha
 
 
-class _FusedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, add, den, alpha, keep, scalars):  # type: ignore[override]
-        prob = dataclasses.replace(scalars, add=add, keep=keep, den=den, alpha=alpha)
-        needs_grad = any(ctx.needs_input_grad[:6])
-        out, stat, og = _forward(q, k, v, prob, store_og=prob.entmax and needs_grad)
-        ctx.problem = scalars
-        ctx.save_for_backward(q, k, v, og if prob.entmax else out, stat, add, keep, den, alpha)
-        return out
+# ---- the custom ops ------------------------------------------------------------------------------------
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):  # type: ignore[override]
-        return (*_backward(ctx, grad_out), None, None)
+_OPERANDS = "Tensor q, Tensor k, Tensor v, Tensor? add, Tensor? keep, Tensor? den, Tensor? alpha"
+_SCALARS = "float scale, int num_prefix, int grid_w, float clamp, bool entmax, bool tf32"
+FWD_SCHEMA = f"({_OPERANDS}, {_SCALARS}, bool store_og) -> (Tensor, Tensor, Tensor)"
+BWD_SCHEMA = (
+    f"(Tensor grad_out, Tensor o_or_og, Tensor stat, {_OPERANDS}, {_SCALARS}, bool add_grad, bool gauss_grad)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
 
 
-def fused_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    entmax: bool,
-    scale: float,
-    add: torch.Tensor | None = None,
-    keep: torch.Tensor | None = None,
-    sigma_den: torch.Tensor | None = None,
-    alpha: torch.Tensor | None = None,
-    num_prefix: int = 0,
-    grid_w: int = 1,
-    clamp: float = 0.0,
-    tf32: bool | None = None,
-) -> torch.Tensor:
-    """``normalize(q kᵀ * scale + gaussian + add, masked by keep) v`` with the fused kernels.
+@torch.library.custom_op("vitattn::attention_fwd", mutates_args=(), schema=FWD_SCHEMA)
+def attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, add: torch.Tensor | None, keep: torch.Tensor | None,
+    den: torch.Tensor | None, alpha: torch.Tensor | None, scale: float, num_prefix: int, grid_w: int,
+    clamp: float, entmax: bool, tf32: bool, store_og: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``normalize(q kᵀ · scale + gaussian + add, masked by keep) v``: ``(out, stat, og)`` (:func:`_forward`).
 
-    Args:
-        q, k, v: ``(B, H, Nq, D)``, ``(B, H, Nk, D)``, ``(B, H, Nk, Dv)``, one of float16 / bfloat16 /
-            float32, any strides.
-        entmax: entmax-1.5 instead of softmax.
-        add: additive float mask broadcastable to ``(B, H, Nq, Nk)`` (gets a gradient if it requires one).
-        keep: boolean keep-mask broadcastable to ``(B, H, Nq, Nk)`` (``True`` = attend).
-        sigma_den: ``(B', H', Np, 2)`` Gaussian denominators ``r * sigma + eps`` (broadcastable in B, H).
-        alpha: ``(B', H', Np, 1)`` Gaussian amplitudes.
-        num_prefix, grid_w, clamp: prefix tokens, grid columns and the lower clamp of the Gaussian bias.
-        tf32: TF32 dots for float32 inputs on a GPU (``None``: :func:`~vitattn.kernels.backend.tf32_allowed`);
-            float32 in the interpreter is always IEEE.
-
-    Returns:
-        ``(B, H, Nq, Dv)`` in v's dtype; rows with every key masked are 0.
+    Operands as in :class:`KernelLaunch` (one dtype for q, k, v); differentiable in q, k, v, add, den
+    and alpha (through ``attention_bwd``) when ``store_og`` is set for entmax-1.5.
     """
-    b, h = q.shape[:2]
-    add4 = None if add is None else add[(None,) * (4 - add.dim())]
-    keep4 = None if keep is None else keep[(None,) * (4 - keep.dim())].view(torch.uint8)
-    den = alp = None
-    if sigma_den is not None:
-        assert alpha is not None
-        n_p = sigma_den.shape[-2]
-        den = sigma_den.float().expand(b, h, n_p, 2)
-        alp = alpha.float()[..., 0].expand(b, h, n_p)
-    scalars = _Problem(
-        None, None, None, None, float(scale), int(num_prefix), int(grid_w), float(clamp), bool(entmax),
-        tf32=tf32_allowed() if tf32 is None else bool(tf32),
+    launch = KernelLaunch(q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32)
+    return _forward(launch, store_og)
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(
+    q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, store_og
+):  # fmt: skip
+    b, h, n_q, _ = q.shape
+    dv = v.shape[3]
+    out = q.new_empty(b, h, n_q, dv, dtype=v.dtype)
+    stat = q.new_empty(b, h, n_q, dtype=torch.float32)
+    og = q.new_empty(b, h, n_q, dv if store_og and entmax else 0, dtype=torch.float32)
+    return out, stat, og
+
+
+@torch.library.custom_op("vitattn::attention_bwd", mutates_args=(), schema=BWD_SCHEMA)
+def attention_bwd(
+    grad_out: torch.Tensor, o_or_og: torch.Tensor, stat: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor, add: torch.Tensor | None, keep: torch.Tensor | None, den: torch.Tensor | None,
+    alpha: torch.Tensor | None, scale: float, num_prefix: int, grid_w: int, clamp: float, entmax: bool,
+    tf32: bool, add_grad: bool, gauss_grad: bool,
+) -> tuple[torch.Tensor, ...]:
+    """``(dq, dk, dv, dadd, dden, dalpha)`` of :func:`_backward` for ``grad_out`` ``(B, H, Nq, Dv)``;
+    ``o_or_og`` is the forward's out (softmax) or og (entmax-1.5), ``stat`` its row statistic."""
+    launch = KernelLaunch(q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32)
+    return _backward(launch, grad_out, o_or_og, stat, add_grad, gauss_grad)
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(grad_out, o_or_og, stat, q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w,
+                        clamp, entmax, tf32, add_grad, gauss_grad):
+    gauss = gauss_grad and den is not None
+    return (
+        q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+        q.new_empty(add.shape if add is not None and add_grad else (0,), dtype=torch.float32),
+        q.new_empty(den.shape if gauss else (0,), dtype=torch.float32),
+        q.new_empty(alpha.shape if gauss else (0,), dtype=torch.float32),
     )
-    return _FusedAttention.apply(q, k, v, add4, den, alp, keep4, scalars)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, _store_og = inputs
+    out, stat, og = output
+    ctx.scalars = (scale, num_prefix, grid_w, clamp, entmax, tf32)
+    ctx.save_for_backward(og if entmax else out, stat, q, k, v, add, keep, den, alpha)
+    ctx.mark_non_differentiable(stat, og)
+    ctx.set_materialize_grads(False)
+
+
+def _attention_backward(ctx: Any, grad_out: torch.Tensor | None, *_stat_og: Any) -> tuple[Any, ...]:
+    none = (None,) * 14
+    if grad_out is None:
+        return none
+    o_or_og, stat, q, k, v, add, keep, den, alpha = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    add_grad = add is not None and need[3]
+    gauss_grad = den is not None and (need[5] or need[6])
+    dq, dk, dv, dadd, dden, dalpha = attention_bwd(
+        grad_out, o_or_og, stat, q, k, v, add, keep, den, alpha, *ctx.scalars, add_grad, gauss_grad
+    )
+    return (
+        dq, dk, dv, dadd.to(add.dtype) if add_grad else None, None,
+        dden if gauss_grad else None, dalpha if gauss_grad else None, *none[7:],
+    )
+
+
+attention_fwd.register_autograd(_attention_backward, setup_context=_setup_context)

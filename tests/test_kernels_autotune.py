@@ -1,0 +1,134 @@
+"""The tile picker of the Triton kernels (:func:`vitattn.kernels.ops.pick_tile`), without a GPU: the
+tuning key buckets sequence lengths by powers of two and holds B·H; picks are cached in this process
+and across processes (``autotune.json`` under ``VITATTN_CACHE_DIR``); inside CUDA-graph capture
+(``torch.cuda.is_current_stream_capturing``, patched here) nothing is benchmarked and an unknown key
+gets the default (first) tile. ``bench`` stands in for ``triton.testing.do_bench``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("triton")
+from vitattn.kernels import configs, ops  # noqa: E402  (imports triton)
+
+TILES = configs.AUTOTUNE["fwd_softmax"]
+CAPTURING = ops._capturing
+META = dict(GAUSS=True, HAS_ADD=False, HAS_KEEP=False, F32_DOT=0, BLOCK_D=64, BLOCK_DV=64)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(tmp_path, monkeypatch):
+    """An empty autotune.json directory and empty in-process caches for every test."""
+    monkeypatch.setenv(ops.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(ops.TILES_ENV, raising=False)
+    monkeypatch.setattr(ops, "_capturing", lambda: False)
+    ops._TUNED.clear()
+    ops._DISK.clear()
+    yield
+    ops._TUNED.clear()
+    ops._DISK.clear()
+
+
+class Bench:
+    """Times each tile by a table (ms) and records what it was asked to time."""
+
+    def __init__(self, fastest: int = 2) -> None:
+        self.fastest = fastest
+        self.timed: list[configs.TileConfig] = []
+
+    def __call__(self, tile: configs.TileConfig) -> float:
+        self.timed.append(tile)
+        return 1.0 if tile == TILES[self.fastest] else 2.0
+
+
+def _key(bh=24, n_q=197, n_k=197, **meta):
+    return ops.tune_key("fwd_softmax", ops.torch.bfloat16, bh, n_q, n_k, {**META, **meta})
+
+
+@pytest.mark.parametrize(("n", "bucket"), [(1, 16), (16, 16), (17, 32), (197, 256), (256, 256), (257, 512)])
+def test_sequence_lengths_are_bucketed_by_powers_of_two(n, bucket):
+    assert ops.seq_bucket(n) == bucket
+
+
+def test_key_buckets_lengths_and_keeps_batch_heads_and_flags():
+    assert _key(n_q=197, n_k=197) == _key(n_q=256, n_k=200)
+    assert _key(n_q=197) != _key(n_q=257)
+    assert _key(n_k=197) != _key(n_k=257)
+    assert _key(bh=24) != _key(bh=48)  # B·H: the grid's second axis
+    assert _key() != _key(HAS_KEEP=True) and _key() != _key(BLOCK_D=128)
+    assert "bh=24|q=256|k=256" in _key() and "bfloat16" in _key()
+
+
+def test_first_call_benchmarks_then_the_pick_is_reused():
+    bench = Bench(fastest=2)
+    assert ops.pick_tile(_key(), TILES, bench) == TILES[2]
+    assert bench.timed == list(TILES)
+    again = Bench(fastest=0)
+    assert ops.pick_tile(_key(n_q=256, n_k=256), TILES, again) == TILES[2]  # same bucket: no timing
+    assert again.timed == []
+    assert ops.pick_tile(_key(n_q=1024, n_k=1024), TILES, again) == TILES[0]  # new bucket: timed
+    assert again.timed == list(TILES)
+
+
+def test_picks_are_cached_across_processes():
+    ops.pick_tile(_key(), TILES, Bench(fastest=3))
+    stored = json.loads(ops.autotune_cache_path().read_text())
+    (scope,) = stored["entries"]
+    assert stored["entries"][scope][_key()] == [TILES[3].block_m, TILES[3].block_n, TILES[3].num_warps,
+                                                TILES[3].num_stages]  # fmt: skip
+    ops._TUNED.clear()  # a new process: nothing in memory, the file on disk
+    ops._DISK.clear()
+    bench = Bench(fastest=0)
+    assert ops.pick_tile(_key(), TILES, bench) == TILES[3]
+    assert bench.timed == []
+
+
+def test_a_stored_tile_no_longer_listed_is_tuned_again():
+    ops.pick_tile(_key(), TILES, Bench(fastest=3))
+    ops._TUNED.clear()
+    ops._DISK.clear()
+    bench = Bench(fastest=1)
+    assert ops.pick_tile(_key(), TILES[:3], bench) == TILES[1]
+    assert bench.timed == list(TILES[:3])
+
+
+def test_no_benchmarking_inside_cuda_graph_capture(monkeypatch):
+    monkeypatch.setattr(ops.torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(ops, "_capturing", CAPTURING)  # the real check, on the patched torch function
+    bench = Bench(fastest=2)
+    assert ops.pick_tile(_key(), TILES, bench) == TILES[0]  # the fixed default, precompiled by aot
+    assert bench.timed == [] and not ops._TUNED and not ops.autotune_cache_path().exists()
+    monkeypatch.setattr(ops.torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert ops.pick_tile(_key(), TILES, bench) == TILES[2]  # outside capture: tuned, remembered
+    monkeypatch.setattr(ops.torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert ops.pick_tile(_key(), TILES, Bench(fastest=0)) == TILES[2]  # known: used inside capture too
+
+
+def test_first_only_and_single_tiles_are_never_timed(monkeypatch):
+    bench = Bench()
+    assert ops.pick_tile(_key(), TILES[1:2], bench) == TILES[1]
+    monkeypatch.setenv(ops.TILES_ENV, "first")
+    assert ops.pick_tile(_key(), TILES, bench) == TILES[0]
+    assert bench.timed == []
+
+
+def test_tiles_that_do_not_fit_lose(monkeypatch):
+    import triton
+
+    def bench(tile):
+        if tile == TILES[0]:
+            raise triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
+        return 1.0 if tile == TILES[1] else 2.0
+
+    assert ops.pick_tile(_key(), TILES, bench) == TILES[1]
+
+
+def test_an_unreadable_cache_file_is_ignored():
+    path = ops.autotune_cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{not json")
+    assert ops.pick_tile(_key(), TILES, Bench(fastest=1)) == TILES[1]
+    assert _key() in next(iter(json.loads(path.read_text())["entries"].values()))
