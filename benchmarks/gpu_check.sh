@@ -1,54 +1,127 @@
 #!/usr/bin/env bash
-# One command on one H100 / H200, about 8 minutes: the GPU test suite (bf16 included), compute-sanitizer
-# memcheck of every kernel on small cases, then the kernel benchmarks. Logs and JSON go to $OUT
-# (default benchmarks/results). Exit status: non-zero if the tests or memcheck failed.
+# The GPU check: one command on one H200 (torch 2.11, Triton 3.6), at most 540 s, nothing fetched there.
 #
-#   bash benchmarks/gpu_check.sh            # from the repository root or anywhere
+#   bash benchmarks/gpu_check.sh             # on the GPU machine, from anywhere; JSON under $OUT
+#   bash benchmarks/gpu_check.sh --dry-run   # the same steps on the CPU, tiny shapes, TRITON_INTERPRET=1
 #
-# Works without installing vitattn (PYTHONPATH=repo); optional peers (adasplash, entmax) are installed
-# if pip can reach an index, else their benchmarks are skipped with a note.
+# Steps, each under `timeout` and each writing its own JSON under $OUT (8 files in all):
+#   env.json            versions, device, peers, compute-sanitizer (peers: wheels in .whl/, see README)
+#   tests.json          tests/test_kernels_gpu.py (pytest -v, outcomes per test)
+#   memcheck.json       compute-sanitizer memcheck of benchmarks/memcheck_kernels.py (a few small cases
+#                       per kernel, PYTORCH_NO_CUDA_MEMORY_CACHING=1, one tile config per kernel)
+#   bench_n4096.json, bench_n16384.json, bench_sparse.json, bench_vit_b.json
+#                       benchmarks/bench_kernels.py, one case each (ratio tables printed)
+#   summary.json        the goals (pass / fail / unknown) and each step's status
+# A step killed by its timeout loses only itself (gpu_report.py finish records its exit status and log
+# tail). Before each step the remaining budget (GPU_CHECK_BUDGET_S, default 520 s; dry run 300 s) is
+# checked: a step gets min(its own limit, what is left), and is skipped when under 15 s remain.
+# Exit status: 1 if the GPU tests or the memcheck failed, else 0 (speed goals are reported only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-benchmarks/results}"
-mkdir -p "$OUT"
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
 PY="${PYTHON:-python3}"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET VITATTN_TRITON_TILES
-status=0
-start=$(date +%s)
-stamp() { echo "=== [$(($(date +%s) - start))s] $*"; }
+command -v "$PY" >/dev/null 2>&1 || PY=python
+START=$(date +%s)
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/vitattn-gpu-check.XXXXXX")"
+trap 'rm -rf "$WORK"' EXIT
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$WORK/triton-cache}"  # shared by the steps (compile once)
+unset VITATTN_TRITON_TILES
+if [ "$DRY" = 1 ]; then
+  OUT="${OUT:-${TMPDIR:-/tmp}/vitattn-gpu-check-dry}"
+  BUDGET="${GPU_CHECK_BUDGET_S:-300}"
+  export TRITON_INTERPRET=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" CUDA_VISIBLE_DEVICES=""
+  DRYFLAG=(--dry-run)
+else
+  OUT="${OUT:-benchmarks/results/gpu_check}"
+  BUDGET="${GPU_CHECK_BUDGET_S:-520}"
+  unset TRITON_INTERPRET
+  DRYFLAG=()
+fi
+mkdir -p "$OUT"
+RESERVE=5  # seconds kept for the summary
+REPORT=("$PY" benchmarks/gpu_report.py)
+stamp() { echo "=== [$(($(date +%s) - START))s] $*"; }
+say() { echo "    $*"; }
 
-stamp "device"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee "$OUT/gpu.txt"
-"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+# step NAME LIMIT KIND [finish options --] CMD...: run CMD under timeout, log to $WORK, record the step.
+step() {
+  local name=$1 limit=$2 kind=$3
+  shift 3
+  local extra=()
+  while [ "$1" != "--" ]; do extra+=("$1"); shift; done
+  shift
+  local json="$OUT/$name.json" log="$WORK/$name.log"
+  local left=$((BUDGET - ($(date +%s) - START) - RESERVE))
+  if [ "$left" -lt 15 ]; then
+    stamp "$name: skipped (budget: ${left}s left of ${BUDGET}s)"
+    "${REPORT[@]}" finish "$name" --json "$json" --kind "$kind" "${extra[@]}" --skipped "budget: ${left}s left"
+    return 0
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  stamp "$name (limit ${limit}s)"
+  local t0
+  t0=$(date +%s)
+  timeout -k 5 "$limit" "$@" 2>&1 | tee "$log"
+  local rc=${PIPESTATUS[0]}
+  "${REPORT[@]}" finish "$name" --json "$json" --kind "$kind" "${extra[@]}" --rc "$rc" \
+    --seconds $(($(date +%s) - t0)) --limit "$limit" --log "$log"
+}
 
-stamp "optional peers"
-for pkg in adasplash entmax; do
-  "$PY" -c "import $pkg" 2>/dev/null || timeout 60 "$PY" -m pip install -q "$pkg" >/dev/null 2>&1 \
-    || echo "$pkg: not installed and not installable here (its benchmarks are skipped)"
-done
-
-stamp "GPU tests"
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "GPU tests FAILED"; status=1; }
-
-stamp "compute-sanitizer memcheck"
-if command -v compute-sanitizer >/dev/null 2>&1; then
-  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 \
-    "$PY" benchmarks/memcheck_kernels.py 2>&1 | tee "$OUT/memcheck.log"
-  rc="${PIPESTATUS[0]}"
-  if grep -q "Device not supported" "$OUT/memcheck.log"; then
-    echo "memcheck: compute-sanitizer does not support this device/runtime here (not counted as a failure)"
-  elif [ "$rc" -ne 0 ]; then
-    echo "memcheck FAILED (exit $rc)"; status=1
+# ---- peers: wheels in .whl/ (filled on a machine with an index: see benchmarks/README.md) ----
+PEERS=""
+if compgen -G ".whl/*.whl" >/dev/null; then
+  PEERS="$WORK/peers"
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --find-links .whl --target "$PEERS" \
+      adasplash entmax >"$WORK/pip.log" 2>&1; then
+    export PYTHONPATH="$PEERS:$PYTHONPATH"
+    say "peers: installed adasplash, entmax from .whl/ into $PEERS"
+  else
+    say "peers: pip install from .whl/ failed: $(tail -1 "$WORK/pip.log")"
   fi
 else
-  echo "memcheck: compute-sanitizer not on PATH (skipped)" | tee "$OUT/memcheck.log"
+  say "peers: no .whl/ folder (their benchmarks are skipped unless installed already)"
 fi
 
-stamp "benchmarks"
-timeout 270 "$PY" benchmarks/bench_kernels.py --out "$OUT/bench_kernels.json" 2>&1 | tee "$OUT/bench.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || echo "benchmarks did not finish (partial JSON kept, see bench.log)"
+SAN=""
+if [ "$DRY" = 1 ]; then
+  say "compute-sanitizer: skipped (dry run: it needs CUDA); the memcheck cases run without it"
+else
+  SAN="$("${REPORT[@]}" find-sanitizer)" || say "compute-sanitizer: not found (PATH, CUDA toolkit, pip nvidia packages)"
+fi
 
-stamp "done, status $status"
+step env 30 env -- "${REPORT[@]}" env --json "$OUT/env.json" --peers "$PEERS" --sanitizer "$SAN"
+
+if [ "$DRY" = 1 ]; then
+  reason="dry run: tests/test_kernels_gpu.py needs CUDA (every test in it skips without a GPU)"
+  stamp "tests: skipped ($reason)"
+  "${REPORT[@]}" finish tests --json "$OUT/tests.json" --kind pytest --skipped "$reason"
+else
+  step tests 100 pytest -- "$PY" -m pytest -v -rs -p no:cacheprovider tests/test_kernels_gpu.py
+fi
+
+MEMCHECK=("$PY" benchmarks/memcheck_kernels.py --out "$OUT/memcheck.json" "${DRYFLAG[@]}")
+if [ -n "$SAN" ]; then
+  step memcheck 80 memcheck --sanitizer "$SAN" -- env PYTORCH_NO_CUDA_MEMORY_CACHING=1 VITATTN_TRITON_TILES=first \
+    "$SAN" --tool memcheck --error-exitcode 3 --print-limit 20 "${MEMCHECK[@]}"
+else
+  step memcheck 80 memcheck --note "no compute-sanitizer: cases run unchecked" -- \
+    env PYTORCH_NO_CUDA_MEMORY_CACHING=1 VITATTN_TRITON_TILES=first "${MEMCHECK[@]}"
+fi
+
+# n4096 first: it compiles and autotunes every kernel (the later steps hit the Triton cache), and it
+# and n16384 carry the goals.
+for spec in n4096:150 n16384:60 sparse:45 vit_b:45; do
+  case_name=${spec%%:*} limit=${spec##*:}
+  left=$((BUDGET - ($(date +%s) - START) - RESERVE))
+  [ "$limit" -gt "$left" ] && limit=$left
+  step "bench_$case_name" "$limit" bench -- "$PY" benchmarks/bench_kernels.py --case "$case_name" \
+    --seconds "$limit" --out "$OUT/bench_$case_name.json" "${DRYFLAG[@]}"
+done
+
+stamp "summary"
+"${REPORT[@]}" summary "$OUT" "${DRYFLAG[@]}"
+status=$?
+stamp "done in $(($(date +%s) - START))s, status $status; JSON in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 exit "$status"

@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of the kernels for sm_80 and sm_90, no GPU needed.
 
-Runs ``python -m vitattn.kernels.aot --quick`` (every variant, the first autotune config of each
+Runs ``python -m vitattn.kernels._build.aot --quick`` (every variant, the first autotune config of each
 kernel, both archs) in a subprocess without TRITON_INTERPRET; CI runs the whole command (every config).
 """
 
@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 def _aot(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run(
-        [sys.executable, "-m", "vitattn.kernels.aot", *args],
+        [sys.executable, "-m", "vitattn.kernels._build.aot", *args],
         env=env, capture_output=True, text=True, timeout=600,
     )
 
@@ -44,7 +44,27 @@ def test_every_variant_compiles_for_sm80_and_sm90():
 def test_refuses_to_run_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     res = subprocess.run(
-        [sys.executable, "-m", "vitattn.kernels.aot", "--arch", "90", "--quick"],
+        [sys.executable, "-m", "vitattn.kernels._build.aot", "--arch", "90", "--quick"],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert res.returncode == 2 and "unset TRITON_INTERPRET" in res.stderr
+
+
+def test_runtime_never_imports_the_build_tools():
+    code = (
+        "import sys, torch, vitattn, vitattn.kernels.ops, vitattn.kernels.backend\n"
+        "from vitattn.functional import attention\n"
+        "attention(*(torch.randn(1, 1, 4, 8) for _ in range(3)))\n"
+        "print(sorted(m for m in sys.modules if m.startswith('vitattn.kernels._build')))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr[-2000:]
+
+
+def test_names_the_triton_it_imported_and_refuses_another_version():
+    import triton
+
+    res = _aot("--arch", "90", "--quick", "--expect-triton", "0.0.0")
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stdout.splitlines()[0].startswith(f"triton {triton.__version__} (")
+    assert f"expected triton 0.0.0, imported {triton.__version__}" in res.stderr

@@ -1,6 +1,7 @@
 """Compile every kernel variant and autotune config ahead of time, for GPUs this machine may not have.
 
-Usage: ``python -m vitattn.kernels.aot --arch 80 90 [--head-dim 128] [--dtype bf16] [--jobs 2] [--quick]``
+Usage: ``python -m vitattn.kernels._build.aot --arch 80 90 [--head-dim 128] [--dtype bf16] [--jobs 2]
+[--quick] [--expect-triton 3.6.0]``
 
 A *variant* is normalizer (softmax, entmax15) x bias kind (none, gaussian, additive, bool) x pass (fwd,
 bwd_dkdv, bwd_dq); each is compiled with every entry of its autotune list (``configs.AUTOTUNE``), at
@@ -11,7 +12,8 @@ PTX, with the ptxas bundled in the triton wheel) and the tensor-core instruction
 (``mma.sync`` on sm_80, ``wgmma`` on sm_90). The backward's row-term kernel is compiled too (one
 extra line per arch, not counted as a variant). It exits non-zero if a build fails, exceeds the
 card's dynamic shared memory per block (sm_80: 163 KiB, sm_90: 227 KiB) or has no tensor-core
-instruction. The last line is ``compiled N kernel variants for sm_80, sm_90``.
+instruction. The first line names the triton it imported (``triton 3.6.0 (/path)``; with
+``--expect-triton`` another version exits 2), the last is ``compiled N kernel variants for sm_80, sm_90``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import configs
+from .. import configs
 
 NORMALIZERS = ("softmax", "entmax15")
 BIAS_KINDS = ("none", "gaussian", "additive", "bool")
@@ -149,7 +151,7 @@ def compile_one(build: Build) -> Result:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from .ops import kernels
+    from ..ops import kernels
 
     res = Result(build)
     try:
@@ -233,9 +235,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="only the first autotune config per kernel")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     parser.add_argument("--fresh", action="store_true", help="compile into an empty triton cache")
+    parser.add_argument("--expect-triton", metavar="VERSION",
+                        help="exit 2 unless the imported triton is this version (CI's second Triton)")
     args = parser.parse_args(argv)
 
-    from .backend import interpret_requested
+    import triton
+
+    print(f"triton {triton.__version__} ({Path(triton.__file__).parent})", flush=True)
+    if args.expect_triton and triton.__version__ != args.expect_triton:
+        print(f"expected triton {args.expect_triton}, imported {triton.__version__}", file=sys.stderr)
+        return 2
+
+    from ..backend import interpret_requested
 
     if interpret_requested():
         print("unset TRITON_INTERPRET: the interpreter has nothing to compile", file=sys.stderr)

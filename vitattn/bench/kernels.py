@@ -1,0 +1,628 @@
+"""Suite ``kernels``: the fused Triton kernels against their peers on one GPU, side by side (bf16).
+
+Cases ``(B, H, N, D)``: ``vit_b`` (32, 12, 197, 64), ``n4096`` (4, 12, 4096, 64), ``n16384``
+(1, 12, 16384, 64) on random inputs, and ``sparse`` (4, 12, 4096, 64) whose scores have local
+structure (queries and keys are 2-D positional features of a 64 x 64 grid, :func:`local_qk`), so
+entmax-1.5 has real block sparsity (reported as the share of 64 x 64 tiles with support); it times
+vitattn and AdaSplash on those inputs and vitattn on random ones (``entmax15 vitattn random``).
+Each case runs forward + backward (what the goals are about, first), then forward without grad.
+Implementations, by family:
+
+- ``softmax``: SDPA with the flash backend (``sdpa_flash``, the reference of every ratio), SDPA with
+  cuDNN (where torch has it), vitattn;
+- ``gaussian`` (softmax + the GAug bias): the official LocAt-style path (the dense ``(B, H, N, N)``
+  bias materialized, then SDPA), FlexAttention with the bias as a ``score_mod``, vitattn;
+- ``entmax15``: the ``entmax`` package on materialized scores, AdaSplash, vitattn; ``entmax15+gaussian``:
+  vitattn.
+
+vitattn runs through :func:`vitattn.functional.attention` with ``backend="triton"``. Timing uses
+:func:`vitattn.bench.harness.compare` (interleaved rounds, medians) on callables that each run an
+implementation ``reps`` times, so one sample lasts ~20 ms; the ms are per call. Per row ``extra``:
+``tflops`` (nominal: ``4 B H N^2 D`` forward, 3.5x that forward + backward), ``peak_mib`` (CUDA peak
+allocation beyond what was allocated before the call), ``rel_err`` (forward, max-abs difference to the
+family's first implementation relative to its max-abs). Peers that would not fit (estimated) or cannot
+run here are listed in ``skipped`` with the reason. ``dry=True`` runs tiny shapes on the CPU (float32;
+the Triton kernels run under ``TRITON_INTERPRET=1``, CUDA-only peers are skipped).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+
+from ..functional import GaussianBias, Normalizer, attention
+from .harness import Measurement, SuiteResult, compare, machine, register_suite
+
+Shape = tuple[int, int, int, int]
+Fn = Callable[[], object]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark case: a shape, and whether the scores have local structure (block-sparse entmax)."""
+
+    name: str
+    shape: Shape
+    dry_shape: Shape
+    local: bool = False
+
+
+# n4096 and n16384 hold the same number of tokens (B * N), so a peak memory linear in N is equal in both.
+CASES: dict[str, Case] = {
+    c.name: c
+    for c in (
+        Case("vit_b", (32, 12, 197, 64), (1, 2, 17, 16)),
+        Case("n4096", (4, 12, 4096, 64), (4, 1, 16, 16)),
+        Case("n16384", (1, 12, 16384, 64), (1, 1, 64, 16)),
+        Case("sparse", (4, 12, 4096, 64), (1, 1, 64, 16), local=True),
+    )
+}
+SUPPORT_TILE = 64  # tile side of the reported block sparsity
+MODES = ("fwd+bwd", "fwd")  # the goals are about forward + backward: measured first
+TARGET_MS = 20.0  # milliseconds per timed sample
+
+
+def reference_impl(device: str) -> str:
+    """The implementation every ratio is relative to: SDPA flash on CUDA, SDPA (math) on the CPU."""
+    return "softmax sdpa_flash" if device == "cuda" else "softmax sdpa"
+
+
+def grid_of(n: int) -> tuple[int, tuple[int, int]]:
+    """(prefix tokens, grid) with ``prefix + gh * gw == n``: a class token when ``n - 1`` is a square."""
+    for prefix in (1, 0):
+        side = math.isqrt(n - prefix)
+        if side * side == n - prefix:
+            return prefix, (side, side)
+    raise ValueError(f"no square patch grid (with or without a class token) for N={n}")
+
+
+@dataclass
+class Inputs:
+    """``q, k, v``: ``(B, H, N, D)``; ``sigma``: ``(B, H, Np, 2)``; ``alpha``: ``(B, H, Np, 1)``."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    sigma: torch.Tensor
+    alpha: torch.Tensor
+    prefix: int
+    grid: tuple[int, int]
+
+    def gaussian(self) -> GaussianBias:
+        return GaussianBias(self.sigma, self.alpha, self.grid, num_prefix_tokens=self.prefix)
+
+    def leaves(self, with_bias: bool) -> list[torch.Tensor]:
+        return [self.q, self.k, self.v] + ([self.sigma, self.alpha] if with_bias else [])
+
+
+def make_inputs(shape: Shape, device: str, dtype: torch.dtype, local: bool = False, seed: int = 0) -> Inputs:
+    """Random inputs, or with ``local`` queries = keys = 2-D positional features (see :func:`local_qk`)."""
+    b, h, n, d = shape
+    prefix, grid = grid_of(n)
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = (torch.randn(b, h, n, d, device=device, dtype=torch.float32, generator=g) for _ in range(3))
+    if local:
+        q = k = local_qk(shape, prefix, grid, device, g)
+    n_p = n - prefix
+    sigma = torch.rand(b, h, n_p, 2, device=device, generator=g) * 4 + 0.5
+    alpha = torch.rand(b, h, n_p, 1, device=device, generator=g) * 2
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    return Inputs(q, k, v, sigma.requires_grad_(), alpha.requires_grad_(), prefix, grid)
+
+
+def local_qk(
+    shape: Shape,
+    prefix: int,
+    grid: tuple[int, int],
+    device: str,
+    g: torch.Generator,
+    radius: float | None = None,
+) -> torch.Tensor:
+    """``(B, H, N, D)`` features whose scaled scores are ``A (cos w dr + cos w dc)`` for grid offsets
+    ``(dr, dc)`` (monotone in each ``|d|`` since ``w = pi / max(grid)``), plus small noise.
+
+    ``A`` puts the entmax-1.5 support of a query on a disc of about ``radius`` patches: for scores
+    ``A (2 - w^2 |d|^2 / 2)`` the weights are ``(A w^2 / 4)^2 (R^2 - |d|^2)^2``, which sum to 1 at
+    ``(A w^2 / 4)^2 = 3 / (pi R^6)``. The radius defaults to ``max(1.5, max(grid) / 16)`` (4 on 64 x 64).
+    """
+    b, h, n, d = shape
+    radius = max(1.5, max(grid) / 16) if radius is None else radius
+    if d < 4:
+        raise ValueError(f"local features need head dim >= 4, got shape {shape}")
+    w = math.pi / max(grid)
+    amp = 4.0 / w**2 * math.sqrt(3.0 / (math.pi * radius**6))
+    rows = torch.arange(grid[0], device=device).repeat_interleave(grid[1]).float()
+    cols = torch.arange(grid[1], device=device).repeat(grid[0]).float()
+    pos = torch.stack([torch.cos(w * rows), torch.sin(w * rows), torch.cos(w * cols), torch.sin(w * cols)], 1)
+    feats = torch.randn(b, h, n, d, device=device, generator=g) * 0.02
+    # scores = q k^T * d**-0.5 = A * (pos . pos'): each of q, k carries sqrt(A * sqrt(d))
+    feats[:, :, prefix:, :4] = pos * math.sqrt(amp * math.sqrt(d))
+    return feats
+
+
+# ---- implementations: impl name -> (family, builder, bytes per (B, H, N, N) element fwd / fwd+bwd) ----
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    family: str  # softmax | gaussian | entmax15 | entmax15+gaussian
+    build: Callable[[Inputs], Callable[[], torch.Tensor]]
+    score_bytes: tuple[int, int] = (0, 0)
+    module: str | None = None  # a peer package that must be importable
+    cuda_only: str | None = None  # why it needs CUDA, if it does
+    no_cpu_backward: str | None = None
+
+    @property
+    def bias_grads(self) -> bool:
+        return self.family.endswith("gaussian")
+
+
+def _sdpa(backend_name: str | None) -> Callable[[Inputs], Callable[[], torch.Tensor]]:
+    def build(x: Inputs) -> Callable[[], torch.Tensor]:
+        if backend_name is None:
+            return lambda: F.scaled_dot_product_attention(x.q, x.k, x.v)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        chosen = getattr(SDPBackend, backend_name)
+
+        def fn() -> torch.Tensor:
+            with sdpa_kernel(chosen):
+                return F.scaled_dot_product_attention(x.q, x.k, x.v)
+
+        return fn
+
+    return build
+
+
+def _dense_bias(x: Inputs) -> Callable[[], torch.Tensor]:
+    """The official LocAt path: the ``(B, H, N, N)`` bias materialized each forward, then SDPA."""
+    return lambda: F.scaled_dot_product_attention(x.q, x.k, x.v, attn_mask=x.gaussian().dense(x.q.dtype))
+
+
+_FLEX: dict[str, Callable[..., Any]] = {}
+
+
+def _flex(x: Inputs) -> Callable[[], torch.Tensor]:
+    """FlexAttention with the Gaussian bias as a ``score_mod`` (compiled on CUDA, eager on the CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    dev = x.q.device.type
+    if dev not in _FLEX:
+        compiled = torch.compile(flex_attention, dynamic=False) if dev == "cuda" else flex_attention
+        _FLEX[dev] = cast(Callable[..., Any], compiled)
+    flex = _FLEX[dev]
+    gb = x.gaussian()
+    prefix, gw, clamp = gb.num_prefix_tokens, gb.grid_size[1], gb.clamp
+
+    def fn() -> torch.Tensor:
+        den = gb.denominators()
+        alpha = x.alpha[..., 0].float()
+        # without autograd, inputs that require grad are refused on the CPU: pass them detached
+        q, k, v = (t if torch.is_grad_enabled() else t.detach() for t in (x.q, x.k, x.v))
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            pq = torch.clamp(q_idx - prefix, min=0)
+            pk = torch.clamp(kv_idx - prefix, min=0)
+            dr = (pq // gw - pk // gw).to(torch.float32)
+            dc = (pq % gw - pk % gw).to(torch.float32)
+            a_r = torch.clamp(-0.5 * dr * dr, min=clamp) / den[b, h, pq, 0]
+            a_c = torch.clamp(-0.5 * dc * dc, min=clamp) / den[b, h, pq, 1]
+            inside = (q_idx >= prefix) & (kv_idx >= prefix)
+            return score + torch.where(inside, alpha[b, h, pq] * torch.exp(a_r + a_c), 0.0)
+
+        return flex(q, k, v, score_mod=score_mod)
+
+    return fn
+
+
+def _entmax_pkg(x: Inputs) -> Callable[[], torch.Tensor]:
+    from entmax import entmax15
+
+    def fn() -> torch.Tensor:
+        scores = torch.matmul(x.q.float(), x.k.float().transpose(-1, -2)) * x.q.shape[-1] ** -0.5
+        return torch.matmul(entmax15(scores, dim=-1).to(x.v.dtype), x.v)
+
+    return fn
+
+
+def _adasplash(x: Inputs) -> Callable[[], torch.Tensor]:
+    """AdaSplash's non-causal entmax-1.5 kernel; N not a power of two goes through its ``varlen``."""
+    from adasplash import adasplash
+
+    b, _, n, _ = x.q.shape
+    varlen = None if n & (n - 1) == 0 else torch.full((b,), n, device=x.q.device, dtype=torch.int32)
+    return lambda: adasplash(x.q, x.k, x.v, alpha=1.5, is_causal=False, niter=10, varlen=varlen)
+
+
+def _vitattn(normalizer: Normalizer, gaussian: bool) -> Callable[[Inputs], Callable[[], torch.Tensor]]:
+    def build(x: Inputs) -> Callable[[], torch.Tensor]:
+        return lambda: attention(
+            x.q, x.k, x.v, normalizer=normalizer, bias=x.gaussian() if gaussian else None, backend="triton"
+        )
+
+    return build
+
+
+_NEEDS_CUDA_FLEX = "compiled FlexAttention needs CUDA here (its CPU path has no backward)"
+
+
+def implementations(device: str, local: bool = False) -> list[Impl]:
+    """Every implementation of a case, the reference first (for ``local``: the entmax ones and the
+    reference only)."""
+    impls = [
+        Impl(reference_impl(device), "softmax", _sdpa("FLASH_ATTENTION" if device == "cuda" else None)),
+        Impl("softmax sdpa_cudnn", "softmax", _sdpa("CUDNN_ATTENTION"), cuda_only="cuDNN is CUDA-only"),
+        Impl("softmax vitattn", "softmax", _vitattn("softmax", False)),
+        Impl("gaussian dense_sdpa", "gaussian", _dense_bias, (14, 28)),
+        Impl("gaussian flex", "gaussian", _flex, no_cpu_backward=_NEEDS_CUDA_FLEX),
+        Impl("gaussian vitattn", "gaussian", _vitattn("softmax", True)),
+        Impl("entmax15 entmax_pkg", "entmax15", _entmax_pkg, (40, 60), module="entmax"),
+        Impl("entmax15 adasplash", "entmax15", _adasplash, module="adasplash",
+             cuda_only="AdaSplash allocates its block masks on CUDA"),
+        Impl("entmax15 vitattn", "entmax15", _vitattn("entmax15", False)),
+        Impl("entmax15+gaussian vitattn", "entmax15+gaussian", _vitattn("entmax15", True)),
+    ]
+    if local:
+        keep = {reference_impl(device), "entmax15 adasplash", "entmax15 vitattn"}
+        impls = [i for i in impls if i.name in keep]
+    return impls
+
+
+_TRITON_HERE: dict[str, str | None] = {}
+
+
+def _triton_declines(device: str) -> str | None:
+    """Why ``backend="triton"`` refuses a tiny call on ``device`` (``None`` if it runs), asked once."""
+    if device not in _TRITON_HERE:
+        q = torch.zeros(1, 1, 16, 16, device=device)
+        try:
+            with torch.no_grad():
+                attention(q, q, q, backend="triton")
+            _TRITON_HERE[device] = None
+        except ValueError as exc:
+            _TRITON_HERE[device] = str(exc)
+    return _TRITON_HERE[device]
+
+
+def _unavailable(impl: Impl, device: str, mode: str, elements: int) -> str | None:
+    """Why ``impl`` cannot run here (``None`` if it can)."""
+    if impl.name.endswith(("vitattn", "vitattn random")):
+        declined = _triton_declines(device)
+        if declined is not None:
+            return declined
+    if impl.cuda_only and device != "cuda":
+        return f"needs CUDA: {impl.cuda_only}"
+    if impl.no_cpu_backward and device != "cuda" and mode == "fwd+bwd":
+        return f"needs CUDA: {impl.no_cpu_backward}"
+    if impl.name.endswith("sdpa_cudnn") and not hasattr(torch.nn.attention.SDPBackend, "CUDNN_ATTENTION"):
+        return f"torch {torch.__version__} has no cuDNN attention backend"
+    if impl.module is not None:
+        try:
+            importlib.import_module(impl.module)
+        except Exception as exc:  # noqa: BLE001  (any import failure means: skip this peer)
+            return f"{impl.module} not importable ({type(exc).__name__}: {exc})"
+    need = elements * impl.score_bytes[mode == "fwd+bwd"]
+    if device == "cuda" and need > 0.8 * torch.cuda.mem_get_info()[0]:
+        return f"would need ~{need / 2**30:.0f} GiB for its (B, H, N, N) tensors (OOM)"
+    return None
+
+
+# ---- measuring -----------------------------------------------------------------------------------------
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _prepare(impl: Impl, x: Inputs, mode: str) -> Fn:
+    fwd = impl.build(x)
+    if mode == "fwd":
+
+        def run_fwd() -> object:
+            with torch.no_grad():
+                return fwd()
+
+        return run_fwd
+    leaves = x.leaves(impl.bias_grads)
+    grad = torch.randn_like(x.q)
+
+    def run_fwd_bwd() -> object:
+        return torch.autograd.grad(fwd(), leaves, grad, allow_unused=True)
+
+    return run_fwd_bwd
+
+
+def _peak_mib(fn: Fn, device: str) -> float | None:
+    """CUDA peak allocation of one call beyond what was allocated before it (``None`` on the CPU)."""
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _repeated(fn: Fn, reps: int) -> Fn:
+    def run() -> None:
+        for _ in range(reps):
+            fn()
+
+    return run
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item()
+
+
+def _failure(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    return f"failed: {type(exc).__name__}: {first}"
+
+
+@dataclass
+class CaseResult:
+    """The measurements of one case (both modes), the skipped implementations and the block sparsity."""
+
+    case: Case
+    shape: Shape
+    device: str
+    dtype: torch.dtype
+    dry: bool = False
+    rows: list[Measurement] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    sparsity: dict[str, float] = field(default_factory=dict)
+    modes_done: list[str] = field(default_factory=list)
+    deadline: float | None = None  # time.time() after which no further implementation is started
+
+    def label(self, mode: str) -> str:
+        b, h, n, d = self.shape
+        return f"{self.case.name} B{b} H{h} N{n} D{d} {mode}"
+
+    def suite_result(self) -> SuiteResult:
+        """Rows of the modes whose reference ran, as a :class:`SuiteResult` (ratios to the reference)."""
+        ref = reference_impl(self.device)
+        cases = {r.case for r in self.rows if r.impl == ref}
+        return SuiteResult(
+            name="kernels",
+            title=f"kernels {self.case.name}, {str(self.dtype).removeprefix('torch.')}, "
+            f"ratio = ms / {ref} (lower is faster)",
+            reference=ref,
+            rows=[r for r in self.rows if r.case in cases],
+            notes=list(self.notes),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        result = self.suite_result()
+        out = result.to_dict()
+        out.update(
+            case=self.case.name,
+            shape=list(self.shape),
+            device=torch.cuda.get_device_name() if self.device == "cuda" else "cpu",
+            dtype=str(self.dtype).removeprefix("torch."),
+            modes_done=list(self.modes_done),
+            complete=sorted(self.modes_done) == sorted(MODES),
+            skipped=list(self.skipped),
+            sparsity=dict(self.sparsity),
+            unreferenced=[asdict(r) for r in self.rows if r.case not in {o.case for o in result.rows}],
+        )
+        return out
+
+
+def block_support(x: Inputs, tile: int = SUPPORT_TILE) -> dict[str, float]:
+    """Share of ``tile x tile`` (query, key) tiles with any nonzero entmax-1.5 weight, on batch 0,
+    head 0 (torch path, float32); the tile shrinks to ``N // 4`` on tiny inputs."""
+    tile = max(1, min(tile, x.q.shape[-2] // 4))
+    q, k, v = (t[:1, :1].detach().float() for t in (x.q, x.k, x.v))
+    _, weights = attention(q, k, v, normalizer="entmax15", return_weights=True, backend="torch")
+    n = weights.shape[-1]
+    tiles = math.ceil(n / tile)
+    padded = F.pad(weights[0, 0] > 0, (0, tiles * tile - n, 0, tiles * tile - n))
+    live = padded.reshape(tiles, tile, tiles, tile).any(3).any(1)
+    support = (weights[0, 0] > 0).sum(-1).float()
+    return {
+        "tile": float(tile),
+        "live_tile_fraction": live.float().mean().item(),
+        "mean_support_keys": support.mean().item(),
+    }
+
+
+@dataclass
+class _Prepared:
+    fn: Fn
+    reps: int
+    extra: dict[str, float]
+
+
+def _prepare_timed(
+    impl: Impl, inputs: Inputs, mode: str, res: CaseResult, family_ref: dict[str, torch.Tensor], check: bool
+) -> _Prepared:
+    """Build ``impl``'s callable, run it once (compile / autotune), compare its forward output with the
+    family's first one (``check``), take its peak memory and pick the repetitions per timed sample."""
+    fn = _prepare(impl, inputs, mode)
+    if res.dry and not check:  # the interpreter is slow: the one timed call is the only one
+        return _Prepared(fn, 1, {})
+    try:
+        first = fn()
+    except Exception:
+        if impl.name != "gaussian flex" or mode == "fwd":
+            raise
+        fn = _prepare(Impl(impl.name, "softmax", impl.build), inputs, mode)  # q, k, v gradients only
+        first = fn()
+        res.notes.append(f"{impl.name} {mode}: gradients for q, k, v only (none for sigma, alpha)")
+    extra: dict[str, float] = {}
+    if check and isinstance(first, torch.Tensor):
+        if impl.family in family_ref:
+            extra["rel_err"] = _rel_err(first, family_ref[impl.family])
+        else:
+            family_ref[impl.family] = first
+    del first
+    peak = _peak_mib(fn, res.device)
+    if peak is not None:
+        extra["peak_mib"] = peak
+    if res.dry:
+        return _Prepared(fn, 1, extra)
+    _sync(res.device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(res.device)
+    est_ms = (time.perf_counter() - t0) * 1e3
+    return _Prepared(fn, max(1, min(200, round(TARGET_MS / max(est_ms, 1e-3)))), extra)
+
+
+def _measure_mode(res: CaseResult, impls: list[tuple[Impl, Inputs]], mode: str, rounds: int) -> None:
+    """Time every implementation of one mode, interleaved, and append the rows (ms per call)."""
+    b, h, n, d = res.shape
+    main_inputs = impls[0][1]
+    prepared: dict[str, _Prepared] = {}
+    family_ref: dict[str, torch.Tensor] = {}
+    for impl, inputs in impls:
+        reason = _unavailable(impl, res.device, mode, b * h * n * n)
+        if reason is None and res.deadline is not None and time.time() > res.deadline:
+            reason = "out of time: the run's time limit is near"
+        if reason is not None:
+            res.skipped.append({"mode": mode, "impl": impl.name, "reason": reason})
+            continue
+        try:
+            check = mode == "fwd" and inputs is main_inputs
+            prepared[impl.name] = _prepare_timed(impl, inputs, mode, res, family_ref, check)
+        except Exception as exc:  # noqa: BLE001  (a failing implementation is reported, not fatal)
+            res.skipped.append({"mode": mode, "impl": impl.name, "reason": _failure(exc)})
+            if res.device == "cuda":
+                torch.cuda.empty_cache()
+    family_ref.clear()
+    label = res.label(mode)
+    timed = {name: _repeated(p.fn, p.reps) for name, p in prepared.items()}
+    flops = 4.0 * b * h * n * n * d * (1.0 if mode == "fwd" else 3.5)
+    warmup = 0 if res.dry else 1
+    try:
+        measured = compare(label, timed, warmup=warmup, repeat=rounds)
+    except Exception:  # noqa: BLE001  (one failing implementation: time the others one by one)
+        measured = []
+        for name, fn in timed.items():
+            try:
+                measured += compare(label, {name: fn}, warmup=warmup, repeat=rounds)
+            except Exception as exc:  # noqa: BLE001
+                res.skipped.append({"mode": mode, "impl": name, "reason": _failure(exc)})
+    for m in measured:
+        p = prepared[m.impl]
+        ms = m.ms / p.reps
+        extra = {**p.extra, "reps_per_sample": float(p.reps), "tflops": flops / (ms * 1e-3) / 1e12}
+        res.rows.append(Measurement(m.case, m.impl, ms, m.ms_min / p.reps, m.repeats, extra))
+    rows = [r for r in res.rows if r.case == label]
+    if any("peak_mib" in r.extra for r in rows):
+        peaks = [f"{r.impl} {r.extra['peak_mib']:.0f}" for r in rows if "peak_mib" in r.extra]
+        res.notes.append(f"{label} peak MiB: " + ", ".join(peaks))
+    res.notes.append(f"{label} TFLOP/s: " + ", ".join(f"{r.impl} {r.extra['tflops']:.3g}" for r in rows))
+    res.modes_done.append(mode)
+
+
+def run_case(
+    case: Case,
+    *,
+    device: str,
+    dtype: torch.dtype,
+    dry: bool = False,
+    rounds: int = 5,
+    on_mode: Callable[[CaseResult], None] | None = None,
+    deadline: float | None = None,
+) -> CaseResult:
+    """Measure every implementation of ``case`` in each of :data:`MODES`; ``on_mode`` is called after
+    each mode (to save partial results); after ``deadline`` (a ``time.time()``) implementations not yet
+    started are skipped, so a run with a time limit still times what it prepared."""
+    shape = case.dry_shape if dry else case.shape
+    res = CaseResult(case, shape, device, dtype, dry, deadline=deadline)
+    x = make_inputs(shape, device, dtype, local=case.local)
+    impls = [(impl, x) for impl in implementations(device, case.local)]
+    if case.local:
+        rand = make_inputs(shape, device, dtype)
+        base = next(i for i, _ in impls if i.name == "entmax15 vitattn")
+        impls.append((Impl("entmax15 vitattn random", base.family, base.build), rand))
+        local, other = block_support(x), block_support(rand)
+        res.sparsity = {**local, "random_live_tile_fraction": other["live_tile_fraction"]}
+        res.notes.append(
+            f"{case.name}: {local['live_tile_fraction']:.1%} of {local['tile']:.0f}x{local['tile']:.0f} "
+            f"tiles have entmax support ({local['mean_support_keys']:.0f} keys per query); random inputs "
+            f"(entmax15 vitattn random): {other['live_tile_fraction']:.1%}"
+        )
+    for mode in MODES:
+        _measure_mode(res, impls, mode, rounds)
+        if on_mode is not None:
+            on_mode(res)
+    return res
+
+
+def run_cases(
+    names: list[str],
+    *,
+    dry: bool = False,
+    rounds: int | None = None,
+    on_mode: Callable[[CaseResult], None] | None = None,
+    deadline: float | None = None,
+) -> list[CaseResult]:
+    """Run the named cases (on CUDA in bf16; ``dry``: tiny shapes on the CPU in float32)."""
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        raise ValueError(f"unknown kernel benchmark case(s) {unknown}; known: {sorted(CASES)}")
+    device = "cpu" if dry else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("the kernels benchmark needs a CUDA GPU (dry=True runs tiny shapes on the CPU)")
+    dtype = torch.float32 if dry else torch.bfloat16
+    rounds = rounds or (1 if dry else 5)
+    out = []
+    for name in names:
+        case = CASES[name]
+        out.append(run_case(case, device=device, dtype=dtype, dry=dry, rounds=rounds, on_mode=on_mode,
+                            deadline=deadline))
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def payload(results: list[CaseResult], start: float, dry: bool) -> dict[str, Any]:
+    """The JSON of a run: versions, the machine, and each case's :meth:`CaseResult.to_dict`."""
+    return {
+        "suite": "kernels",
+        "dry_run": dry,
+        "machine": machine(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "flops": "nominal: 4 B H N^2 D forward, 3.5x for forward + backward",
+        "seconds": round(time.time() - start, 1),
+        "cases": [r.to_dict() for r in results],
+    }
+
+
+def _version(module: str) -> str | None:
+    try:
+        return str(importlib.import_module(module).__version__)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+@register_suite("kernels", "Triton kernels vs SDPA flash/cuDNN, dense bias, Flex, AdaSplash (CUDA, bf16)")
+def kernels_suite(quick: bool = False) -> SuiteResult:
+    """Every case on CUDA (``quick``: ``vit_b`` and ``sparse``); without CUDA the dry-run shapes, CPU."""
+    dry = not torch.cuda.is_available()
+    results = run_cases(["vit_b", "sparse"] if quick else list(CASES), dry=dry, rounds=3 if quick else None)
+    parts = [r.suite_result() for r in results]
+    ref = reference_impl("cpu" if dry else "cuda")
+    return SuiteResult(
+        name="kernels",
+        title=f"fused attention kernels and their peers, ratio = ms / {ref} (lower is faster)",
+        reference=ref,
+        rows=[row for p in parts for row in p.rows],
+        notes=[note for p in parts for note in p.notes]
+        + [f"skipped {s['impl']} ({s['mode']}): {s['reason']}" for r in results for s in r.skipped],
+    )
