@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -19,6 +20,13 @@ settings.register_profile(
     derandomize=True,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "vitattn"))
+
+# Tests that build the default scenes (study, probe, analysis) cache them in a temporary folder of
+# this session, removed at exit, not under ~/.cache/vitattn; set VITATTN_CACHE to keep one between
+# sessions. Child processes (the interpreter run, CLI subprocesses) inherit the variable.
+if not os.environ.get("VITATTN_CACHE"):
+    _SESSION_CACHE = tempfile.TemporaryDirectory(prefix="vitattn-test-cache-")
+    os.environ["VITATTN_CACHE"] = _SESSION_CACHE.name
 
 
 @pytest.fixture(autouse=True)

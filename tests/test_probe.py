@@ -463,3 +463,24 @@ def test_knn_weights_follow_similarity() -> None:
     test = DenseFeatures((0,), {0: queries}, torch.tensor([[[0, 1]]]), {0: None}, 2, 255)
     r = probe_features(train, test, method="knn", k=2, temperature=0.1, progress=False)
     assert r.pixel_acc == 1.0
+
+
+def test_unsized_dataset_and_non_tensor_block_outputs_are_named(data) -> None:
+    """An iterable-style dataset (no ``__len__``) is refused with a TypeError naming ``dataset``;
+    a block whose output holds no tensor is named by its index (hooks path, no forward_intermediates)."""
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(data[1][i] for i in range(2))
+
+    with pytest.raises(TypeError, match=r"dataset must be a map-style dataset with __len__, got Stream"):
+        extract_dense_features(oracle_backbone, Stream(), num_classes=K, progress=False)
+
+    class NoIntermediates(VisionTransformer):
+        forward_intermediates = None  # type: ignore[assignment]
+
+    model = NoIntermediates(img_size=S, patch_size=P, embed_dim=32, depth=2, num_heads=2, num_classes=0)
+    model.blocks[1].register_forward_hook(lambda _m, _i, _o: {"tokens": _o})
+    with pytest.raises(TypeError, match=r"blocks\[1\] returned dict; expected tokens \(B, N, C\)"):
+        patch_features(model, torch.randn(1, 3, S, S), layers=(1,))

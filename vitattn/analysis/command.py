@@ -6,7 +6,7 @@ import argparse
 import ast
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -65,7 +65,7 @@ def parse_query(text: str | None) -> int | tuple[int, int] | str | None:
 def build_model(
     name: str,
     model_args: dict[str, Any] | None = None,
-    attention: str | None = None,
+    attention: Literal["softmax", "entmax15", "locat"] | None = None,
     checkpoint: str | Path | None = None,
 ) -> nn.Module:
     """A timm model (vitattn's ``locatvit_*`` included) with random init, optionally patched with
@@ -84,7 +84,7 @@ def build_model(
             ) from err
         raise
     if attention is not None:
-        patch(model, attention)  # type: ignore[arg-type]
+        patch(model, attention)
     if checkpoint is not None:
         load_checkpoint(model, checkpoint)
     return model.eval()

@@ -105,8 +105,8 @@ def load_image(path: str | Path, spec: InputSpec) -> torch.Tensor:
     """One image file as a ``(C, H, W)`` float tensor resized to ``spec.size`` and normalized."""
     from PIL import Image
 
-    with Image.open(path) as img:
-        img = img.convert("L" if spec.channels == 1 else "RGB").resize(
+    with Image.open(path) as file:
+        img = file.convert("L" if spec.channels == 1 else "RGB").resize(
             (spec.size[1], spec.size[0]), Image.Resampling.BILINEAR
         )
         data = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from ..functional import capture_attention_weights, scores
-from ..layers.attention import project_qkv, resolve_attn_mask
+from ..layers.attention import TimmStyleAttention, project_qkv, resolve_attn_mask
 from ..models.blocks import block_indices, model_blocks
 
 __all__ = ["attention_maps", "evaluating", "record_attention", "resolve_layers", "timm_attention_probs"]
@@ -57,9 +57,9 @@ def timm_attention_probs(
     (``attn_mask``: bool keep-mask or additive; ``is_causal`` takes precedence). Float32 at least.
     """
     q, k, _ = project_qkv(attn, x)
-    assert q is not None and k is not None
     mask = resolve_attn_mask(x.shape[1], attn_mask, is_causal, x.device)
-    return scores(q, k, scale=float(attn.scale), mask=mask).softmax(dim=-1)
+    scale = float(cast(TimmStyleAttention, attn).scale)
+    return scores(q, k, scale=scale, mask=mask).softmax(dim=-1)
 
 
 def _call_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any, bool]:

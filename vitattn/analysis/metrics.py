@@ -129,7 +129,9 @@ def attention_entropy(
                 f"num_prefix_tokens={num_prefix_tokens}"
             )
         grid_size = (1, np_)  # entropy ignores positions: any grid with Np patches will do
-    a, valid, (gh, gw) = _patch_rows(attn, grid_size, num_prefix_tokens, "attention_entropy")  # type: ignore[arg-type]
+    # grid_size is still None only for an attn that _patch_rows rejects before it reads the grid
+    grid = (1, 1) if grid_size is None else grid_size
+    a, valid, (gh, gw) = _patch_rows(attn, grid, num_prefix_tokens, "attention_entropy")
     ent = _mean_over_valid(-torch.special.xlogy(a, a).sum(-1), valid)
     if normalize:
         np_ = gh * gw

@@ -275,7 +275,7 @@ def _known_total(data: Any) -> int | None:
         return sum(x.shape[0] for x in iter_image_batches(data))
     dataset = getattr(data, "dataset", None)  # a DataLoader
     try:
-        return len(dataset) if dataset is not None else None  # type: ignore[arg-type]
+        return len(dataset) if dataset is not None else None
     except TypeError:
         return None
 

@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +83,7 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _profiled_peak(step) -> int:
+def _profiled_peak(step: Callable[[], object]) -> int:
     """Peak bytes live at once among the CPU allocations made during ``step()`` (profiler events)."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
@@ -157,15 +158,15 @@ def _run_child(variant: str, size: int, batch: int, repeat: int) -> dict[str, fl
     "attention distillation step, peak memory: vitattn recompute vs naive maps kept (ViT-S/16, CPU float32)",
 )
 def transfer_suite(quick: bool = False) -> MemoryResult:
-    rows = []
+    rows: list[Measurement] = []
     for size, batch in CASES[:1] if quick else CASES:
         case = f"vit_s {size}px b{batch}"
         got = {v: _run_child(v, size, batch, 1 if quick else 3) for v in VARIANTS}
         for v in VARIANTS:
-            r = got[v]
-            extra = {"peak_mib": r["peak_mib"], "rss_mib": r["rss_mib"]}
-            extra["overhead_mib"] = r["peak_mib"] - got[STUDENT]["peak_mib"]
-            rows.append(Measurement(case, v, r["ms"], r["ms_min"], 1 if quick else 3, extra))
+            child = got[v]
+            extra = {"peak_mib": child["peak_mib"], "rss_mib": child["rss_mib"]}
+            extra["overhead_mib"] = child["peak_mib"] - got[STUDENT]["peak_mib"]
+            rows.append(Measurement(case, v, child["ms"], child["ms_min"], 1 if quick else 3, extra))
     result = MemoryResult(
         name="transfer",
         title=(

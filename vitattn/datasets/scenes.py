@@ -321,7 +321,7 @@ def _save_cache(path: Path, meta: np.ndarray, data: dict[str, np.ndarray]) -> bo
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, meta=meta, **data)
+            np.savez(f, allow_pickle=False, meta=meta, **data)  # numeric arrays only, as _load_cache reads
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache may be shared
         os.replace(tmp, path)
         return True

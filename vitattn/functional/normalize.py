@@ -6,20 +6,22 @@ from typing import Literal
 
 import torch
 
-Normalizer = Literal["softmax", "entmax15", "sparsemax"] | float
+NormalizerName = Literal["softmax", "entmax15", "sparsemax"]
+Normalizer = NormalizerName | float
 
-_NAMES = ("softmax", "entmax15", "sparsemax")
+_NAMES: tuple[NormalizerName, ...] = ("softmax", "entmax15", "sparsemax")
 
 
-def resolve_normalizer(normalizer: Normalizer) -> str | float:
+def resolve_normalizer(normalizer: Normalizer) -> Normalizer:
     """Canonical form: ``"softmax"``, ``"entmax15"``, ``"sparsemax"`` or a float alpha not in {1.5, 2}.
 
     Raises ``ValueError`` for unknown names and for alpha <= 1 (alpha = 1 would be softmax: say so).
     """
     if isinstance(normalizer, str):
-        if normalizer not in _NAMES:
-            raise ValueError(f"normalizer must be one of {_NAMES} or a float alpha > 1, got {normalizer!r}")
-        return normalizer
+        for name in _NAMES:  # returns the Literal, so the canonical form keeps its type
+            if normalizer == name:
+                return name
+        raise ValueError(f"normalizer must be one of {_NAMES} or a float alpha > 1, got {normalizer!r}")
     if isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
         raise ValueError(
             f"normalizer must be one of {_NAMES} or a float alpha > 1, got {type(normalizer).__name__}"

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
+from ..datasets.sized import dataset_length
 from .api import METHODS, ProbeResult, probe_features
 from .diagnostics import pca_images
 from .extract import extract_dense_features, resolve_num_classes
@@ -182,7 +183,7 @@ def _limit(ds: Dataset, n: int | None, flag: str) -> Dataset:
         return ds
     if n < 1:
         raise ValueError(f"{flag} must be >= 1, got {n}")
-    return Subset(ds, range(min(n, len(ds))))  # type: ignore[arg-type]
+    return Subset(ds, range(min(n, dataset_length(ds))))
 
 
 def load_datasets(args: argparse.Namespace, size: int) -> tuple[Dataset, Dataset, dict[str, Any]]:
@@ -192,7 +193,7 @@ def load_datasets(args: argparse.Namespace, size: int) -> tuple[Dataset, Dataset
 
         train: Dataset = DigitScenes("train", image_size=size, size=args.limit_train)
         test: Dataset = DigitScenes("test", image_size=size, size=args.limit_test)
-        desc = dict(name="scenes", train_split="train", test_split="test")
+        desc: dict[str, Any] = dict(name="scenes", train_split="train", test_split="test")
     else:
         if args.data_dir is None:
             folder = "VOCdevkit/VOC2012" if args.dataset == "voc" else "ADEChallengeData2016"
@@ -267,7 +268,7 @@ def run_probe(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    n = min(PCA_IMAGES, len(test))  # type: ignore[arg-type]
+    n = min(PCA_IMAGES, dataset_length(test))
     images = torch.stack([torch.as_tensor(test[i][0]) for i in range(n)]).float()
     maps = patch_features(model, transform(images.to(device)), layers)
     pcas = {f"block {i}": pca_images(m.patches) for i, m in maps.items()}

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ..datasets.sized import dataset_length
 from ..models.blocks import block_indices
 from .diagnostics import alignment_sum
 from .features import Backbone, backbone_depth, patch_features
@@ -107,12 +108,12 @@ def extract_dense_features(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if len(dataset) == 0:  # type: ignore[arg-type]
+    n = dataset_length(dataset)
+    if n == 0:
         raise ValueError(f"the dataset ({type(dataset).__name__}) is empty")
     idx = block_indices(layers, backbone_depth(backbone), "layers")
     dev = torch.device(device) if device is not None else device_of(backbone)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=_collate)
-    n = len(dataset)  # type: ignore[arg-type]
     feats: dict[int, torch.Tensor] = {}
     masks: torch.Tensor | None = None
     align: dict[int, list[float]] = {i: [0.0, 0.0] for i in idx}

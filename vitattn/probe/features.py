@@ -38,7 +38,7 @@ class FeatureMaps:
     cls: torch.Tensor | None
 
 
-def _blocks(backbone: Backbone) -> Sequence[nn.Module] | None:
+def _blocks(backbone: Backbone) -> nn.Sequential | nn.ModuleList | None:
     blocks = getattr(backbone, "blocks", None)
     return blocks if isinstance(blocks, nn.Sequential | nn.ModuleList) else None
 
@@ -56,9 +56,14 @@ def _has_class_token(backbone: Backbone) -> bool:
 
 
 def _from_intermediates(
-    model: nn.Module, images: torch.Tensor, layers: tuple[int, ...], norm: bool
+    model: nn.Module,
+    forward_intermediates: Callable[..., Sequence[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]],
+    images: torch.Tensor,
+    layers: tuple[int, ...],
+    norm: bool,
 ) -> dict[int, FeatureMaps]:
-    out = model.forward_intermediates(  # type: ignore[operator]
+    """Features from ``model``'s own ``forward_intermediates`` (the bound method, passed in)."""
+    out = forward_intermediates(
         images,
         indices=list(layers),
         norm=norm,
@@ -88,7 +93,10 @@ def _from_hooks(
 
     def hook(i: int) -> Callable[..., None]:
         def fn(_mod: nn.Module, _inp: object, output: object) -> None:
-            seen[i] = output[0] if isinstance(output, tuple | list) else output  # type: ignore[assignment]
+            tokens = output[0] if isinstance(output, tuple | list) else output
+            if not isinstance(tokens, torch.Tensor):
+                raise TypeError(f"blocks[{i}] returned {type(tokens).__name__}; expected tokens (B, N, C)")
+            seen[i] = tokens
 
         return fn
 
@@ -136,8 +144,9 @@ def patch_features(
         module.eval()
     try:
         with torch.no_grad():
-            if module is not None and callable(getattr(module, "forward_intermediates", None)):
-                return _from_intermediates(module, images, idx, norm)
+            intermediates = getattr(module, "forward_intermediates", None)
+            if module is not None and callable(intermediates):
+                return _from_intermediates(module, intermediates, images, idx, norm)
             if module is not None and _blocks(module) is not None:
                 return _from_hooks(module, images, idx, norm)
             out = backbone(images)

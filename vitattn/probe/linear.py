@@ -37,7 +37,7 @@ class LinearHead(nn.Module):
         return self.conv(self.bn(x))
 
 
-def _upsampled(logits: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+def _upsampled(logits: torch.Tensor, size: tuple[int, ...]) -> torch.Tensor:
     return F.interpolate(logits, size=size, mode="bilinear", align_corners=False)
 
 

@@ -82,7 +82,10 @@ def save_state(
             else:
                 scalars.setdefault(str(idx), {})[key] = value
     tensors.update(rng)
-    np_state = np.random.get_state()  # noqa: NPY002 - the legacy global state third-party code may use
+    # the legacy global state third-party code may use
+    np_state = np.random.get_state(legacy=True)  # noqa: NPY002
+    if not isinstance(np_state, tuple):  # legacy=True gives a tuple for numpy's MT19937 global state
+        raise TypeError(f"numpy's global random state is {type(np_state).__name__}, expected MT19937's tuple")
     tensors["rng.numpy.keys"] = torch.from_numpy(np.asarray(np_state[1], dtype=np.int64))
     name = f"state-e{epoch:04d}.safetensors"
     save_file(tensors, str(folder / (name + ".tmp")))

@@ -141,6 +141,11 @@ class StudyConfig:
         return [PROTOCOLS[name] for name in self.protocols]
 
     @property
+    def global_batch_size(self) -> int:
+        """``batch_size`` over all ranks, the dataset's default when unset (``__post_init__`` fills it)."""
+        return self.spec.batch_size if self.batch_size is None else int(self.batch_size)
+
+    @property
     def first_layer_indices(self) -> list[int]:
         return list(range(int(self.first_layers or 1)))
 

@@ -17,10 +17,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import Dataset
+
+if TYPE_CHECKING:
+    from ..datasets import DigitScenes
 
 __all__ = [
     "DATASETS",
@@ -209,9 +212,10 @@ def _tinyimagenet(
     if (val_dir / "val_annotations.txt").is_file() and (val_dir / "images").is_dir():
         test: Dataset = _TinyImageNetVal(val_dir, train.class_to_idx, test_tf)
     else:
-        test = ImageFolder(str(val_dir), transform=test_tf)
-        if test.class_to_idx != train.class_to_idx:
+        folders = ImageFolder(str(val_dir), transform=test_tf)
+        if folders.class_to_idx != train.class_to_idx:
             raise DatasetMissingError(f"{str(val_dir)!r} and {str(train_dir)!r} hold different class folders")
+        test = folders
     if len(train.classes) != spec.num_classes:
         raise DatasetMissingError(
             f"{str(train_dir)!r} holds {len(train.classes)} class folders; "
@@ -246,7 +250,7 @@ def load_datasets(
     return _tinyimagenet(spec, root, download, train_transform, test_transform)
 
 
-def probe_datasets(name: str) -> tuple[Dataset, Dataset] | None:
+def probe_datasets(name: str) -> tuple[DigitScenes, DigitScenes] | None:
     """``(train, test)`` segmentation datasets of ``name`` for the dense probe — items
     ``(float image (3, H, W) in [0, 1], label, mask (H, W))`` — or None when it has no masks."""
     if not DATASETS[name].has_masks:

@@ -2,19 +2,41 @@
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 
+from ..functional.normalize import NormalizerName
 from ..models import LocAtViT
 from .config import StudyConfig
 
 __all__ = ["build_model", "model_kwargs"]
 
 
-def model_kwargs(config: StudyConfig, attention: str) -> dict[str, object]:
+class ModelKwargs(TypedDict):
+    """The keyword arguments :func:`model_kwargs` gives :class:`LocAtViT`."""
+
+    img_size: int
+    patch_size: int
+    in_chans: int
+    num_classes: int
+    embed_dim: int
+    depth: int
+    num_heads: int
+    mlp_ratio: float
+    drop_rate: float
+    attn_drop_rate: float
+    drop_path_rate: float
+    gaug: bool
+    prr: bool
+    normalizer: NormalizerName
+
+
+def model_kwargs(config: StudyConfig, attention: str) -> ModelKwargs:
     """Builder arguments of :class:`LocAtViT` (timm ``VisionTransformer`` ones plus ``gaug``, ``prr``,
     ``normalizer``) for ``attention`` in ``softmax``, ``entmax15``, ``locat``."""
     spec = config.spec
-    return dict(
+    return ModelKwargs(
         img_size=spec.img_size,
         patch_size=spec.patch_size,
         in_chans=spec.channels,
@@ -40,7 +62,7 @@ def build_model(config: StudyConfig, attention: str) -> LocAtViT:
     The position embedding is redrawn with std ``config.pos_embed_std`` when that differs from
     timm's 0.02 (digits). Initialise under a seeded RNG for reproducible weights.
     """
-    model = LocAtViT(**model_kwargs(config, attention))  # type: ignore[arg-type]
+    model = LocAtViT(**model_kwargs(config, attention))
     std = config.pos_embed_std
     if std is not None and std != 0.02 and model.pos_embed is not None:
         with torch.no_grad():

@@ -128,6 +128,8 @@ def plot_attention_comparison(
             feats = model.forward_intermediates(
                 x, indices=[layer], output_fmt="NCHW", intermediates_only=True
             )
+        if not isinstance(feats, list):  # intermediates_only=True gives the list of block outputs
+            raise TypeError(f"forward_intermediates returned {type(feats).__name__}, expected a list")
         pca = pca_images(feats[-1])
         prefix = int(model.num_prefix_tokens)
         for j in range(n):

@@ -36,7 +36,7 @@ import os
 import statistics
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from ..analysis import LocalityReport
 from .protocols import COMPONENTS
@@ -57,7 +57,15 @@ __all__ = [
 SCHEMA_VERSION = 1
 
 
-def _mean(values: Iterable[float]) -> float:
+class _LayerRecord(TypedDict):
+    """One ``runs[i]["layers"]`` entry: a block's per-head MAD and entropy."""
+
+    layer: int
+    mad: list[float]
+    entropy: list[float]
+
+
+def _mean(values: Iterable[float | None]) -> float:
     ok = [v for v in values if v is not None and not math.isnan(v)]
     return sum(ok) / len(ok) if ok else math.nan
 
@@ -65,7 +73,9 @@ def _mean(values: Iterable[float]) -> float:
 def run_record(result: RunResult, first_layers: list[int], epochs: int, root: Path) -> dict[str, Any]:
     """The ``runs[i]`` entry of ``results.json`` for a finished run."""
     rep = result.report
-    layers = [
+    if rep is None:
+        raise ValueError(f"run {result.spec.name!r} has no locality report (records come from rank 0)")
+    layers: list[_LayerRecord] = [
         {"layer": int(i), "mad": [float(v) for v in m], "entropy": [float(v) for v in e]}
         for i, m, e in zip(rep.layers, rep.mad, rep.entropy, strict=True)
     ]
@@ -199,7 +209,7 @@ def report_of(run: dict[str, Any], config: dict[str, Any]) -> LocalityReport:
         layers=[row["layer"] for row in run["layers"]],
         mad=[[nan if v is None else v for v in row["mad"]] for row in run["layers"]],
         entropy=[[nan if v is None else v for v in row["entropy"]] for row in run["layers"]],
-        grid_size=tuple(config["grid_size"]),  # type: ignore[arg-type]
+        grid_size=tuple(config["grid_size"]),
         num_prefix_tokens=1,
         num_images=int(run.get("num_images", 0)),
         model=run.get("name", run["protocol"]),

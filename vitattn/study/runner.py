@@ -152,7 +152,7 @@ def _finish_study(
     say(f"\n{table}\n")
     say(
         f"MAD: mean attention distance / grid diagonal; min over the heads of blocks "
-        f"0..{config.first_layers - 1}; sparsity: fraction of exact zeros in the attention "
+        f"0..{len(config.first_layer_indices) - 1}; sparsity: fraction of exact zeros in the attention "
         f"maps; mIoU: linear and k-NN segmentation probes of the frozen features (–: no "
         f"masks); entropy: mean over heads / log(patches). "
         f"{seconds:.0f} s. Results, CSV, plots and checkpoints in {out}"

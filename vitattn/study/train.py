@@ -6,6 +6,7 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,10 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler, Subset
 
 from ..analysis import LocalityReport, locality_report
+from ..datasets.sized import dataset_length
 from .checkpoint import load_state, save_model, save_state
 from .config import StudyConfig
 from .datasets import load_datasets, probe_datasets
@@ -47,7 +49,7 @@ class RunResult:
 
     spec: RunSpec
     test_acc: float
-    report: LocalityReport
+    report: LocalityReport | None  # None on ranks other than 0
     history: list[dict[str, Any]]
     seconds: float
     resumed_from_epoch: int
@@ -79,7 +81,8 @@ def _seed_everything(seed: int) -> None:
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """AdamW groups: weight matrices decay; biases, norms, position embedding and class token do not."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         matrix = p.ndim > 1 and "pos_embed" not in name and "token" not in name
         (decay if matrix else no_decay).append(p)
@@ -87,18 +90,24 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]
 
 
 def _subset(dataset: Dataset, limit: int | None) -> Dataset:
-    n = len(dataset)  # type: ignore[arg-type]
+    n = dataset_length(dataset)
     return dataset if limit is None or limit >= n else Subset(dataset, range(limit))
 
 
 def _loader(dataset: Dataset, config: StudyConfig, env: DistEnv, seed: int, epoch: int) -> DataLoader:
     """Training batches for ``epoch``: the order depends only on (seed, epoch), so a resumed run
     sees the batches it would have seen."""
-    per_rank = config.batch_size // env.world_size
+    if not isinstance(dataset, Sized):  # RandomSampler and drop_last read its length
+        raise TypeError(f"the training set must have __len__, got {type(dataset).__name__}")
+    per_rank = config.global_batch_size // env.world_size
     generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    sampler: Sampler[int]
     if env.distributed:
-        sampler: Any = DistributedSampler(dataset, env.world_size, env.rank, shuffle=True, seed=seed)
-        sampler.set_epoch(epoch)
+        shards: DistributedSampler[int] = DistributedSampler(
+            dataset, env.world_size, env.rank, shuffle=True, seed=seed
+        )
+        shards.set_epoch(epoch)
+        sampler = shards
     else:
         sampler = RandomSampler(dataset, generator=generator)
     return DataLoader(
@@ -106,7 +115,7 @@ def _loader(dataset: Dataset, config: StudyConfig, env: DistEnv, seed: int, epoc
         batch_size=per_rank,
         sampler=sampler,
         num_workers=config.workers,
-        drop_last=len(dataset) >= config.batch_size,  # type: ignore[arg-type]
+        drop_last=len(dataset) >= config.global_batch_size,
         generator=generator,
         pin_memory=env.device.type == "cuda",
     )
@@ -115,7 +124,7 @@ def _loader(dataset: Dataset, config: StudyConfig, env: DistEnv, seed: int, epoc
 @torch.no_grad()
 def evaluate(model: nn.Module, dataset: Dataset, env: DistEnv, batch_size: int = 256) -> float:
     """Top-1 accuracy in [0, 1] over the whole ``dataset`` (each rank takes every world_size-th image)."""
-    shard = Subset(dataset, range(env.rank, len(dataset), env.world_size))  # type: ignore[arg-type]
+    shard = Subset(dataset, range(env.rank, dataset_length(dataset), env.world_size))
     loader = DataLoader(shard, batch_size=batch_size, shuffle=False)
     correct, total = 0, 0
     was_training = model.training
@@ -133,7 +142,7 @@ def _analysis_batches(
     dataset: Dataset, n: int, batch_size: int = 64
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first ``n`` test images, unaugmented, as ``(B, C, H, W)`` batches."""
-    loader = DataLoader(Subset(dataset, range(min(n, len(dataset)))), batch_size=batch_size)  # type: ignore[arg-type]
+    loader = DataLoader(Subset(dataset, range(min(n, dataset_length(dataset)))), batch_size=batch_size)
     return list(loader)
 
 
@@ -177,12 +186,15 @@ def dense_probe_record(model: nn.Module, config: StudyConfig, device: torch.devi
         )
         for name, data, data_set in (("train", train, sets[0]), ("test", test, sets[1]))
     }
-    common = dict(device=device, progress=False)
-    linear = probe_features(
-        features["train"], features["test"], method="linear", epochs=config.probe_epochs, **common
-    )
-    knn = probe_features(
-        features["train"], features["test"], method="knn", bank_size=config.probe_bank_size, **common
+    method_options: dict[str, dict[str, Any]] = {
+        "linear": {"epochs": config.probe_epochs},
+        "knn": {"bank_size": config.probe_bank_size},
+    }
+    linear, knn = (
+        probe_features(
+            features["train"], features["test"], method=method, device=device, progress=False, **options
+        )
+        for method, options in method_options.items()
     )
     layer = linear.layers[-1]
     return {
@@ -223,12 +235,19 @@ def _run_datasets(config: StudyConfig, spec: RunSpec) -> tuple[Dataset, Dataset]
 
 
 def _setup_training(
-    config: StudyConfig, spec: RunSpec, folder: Path, env: DistEnv, train_set: Dataset, log: Any
+    config: StudyConfig,
+    spec: RunSpec,
+    folder: Path,
+    env: DistEnv,
+    train_set: Dataset,
+    log: Callable[[str], object],
 ) -> _Training:
     """Seeded model, AdamW, warmup-cosine schedule and loss; restored from ``folder`` when it holds
     an unfinished run's state (the order of the seeded draws is part of the resume contract)."""
-    if config.batch_size % env.world_size:
-        raise ValueError(f"batch_size {config.batch_size} is not divisible by the {env.world_size} ranks")
+    if config.global_batch_size % env.world_size:
+        raise ValueError(
+            f"batch_size {config.global_batch_size} is not divisible by the {env.world_size} ranks"
+        )
     _seed_everything(spec.seed)  # same initial weights on every rank
     model = build_model(config, spec.attention).to(env.device)
     optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr)
@@ -284,10 +303,10 @@ def _train_epoch(
         bar.update(1)
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
     bar.close()
-    loss_sum, count = all_reduce_sum(env, [loss_sum, count])
+    loss_all, count_all = all_reduce_sum(env, [loss_sum, count])
     return dict(
         epoch=epoch + 1,
-        train_loss=loss_sum / max(count, 1),
+        train_loss=loss_all / max(count_all, 1),
         lr=float(tr.scheduler.get_last_lr()[0]),
         seconds=round(time.perf_counter() - t0, 2),
     )
@@ -300,7 +319,7 @@ def train_run(
     env: DistEnv,
     *,
     stop_after_epochs: int | None = None,
-    log: Any = print,
+    log: Callable[[str], object] = print,
 ) -> RunResult | None:
     """Train one run to ``config.epochs``, resuming from ``folder``'s state when it holds one.
 
@@ -349,7 +368,7 @@ def _finish_run(
     return RunResult(
         spec=spec,
         test_acc=test_acc,
-        report=report,  # type: ignore[arg-type]  # None on ranks other than 0
+        report=report,
         history=tr.history,
         seconds=round(elapsed + time.perf_counter() - t0, 2),
         resumed_from_epoch=tr.first_epoch,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from torch import nn
 from ..functional import attention
 from ..functional.normalize import Normalizer
 from ..layers import Attention, convertible_attention
-from ..layers.attention import project_qkv
+from ..layers.attention import TimmStyleAttention, project_qkv
 from ..models.blocks import model_blocks
 from .scores import ScoreInputs
 
@@ -66,7 +66,7 @@ def layer_scores(attn: nn.Module, q: torch.Tensor, k: torch.Tensor) -> ScoreInpu
     """The layer's scores ``q kᵀ · scale + bias`` as :class:`ScoreInputs`; the bias is the layer's own
     (GAug's Gaussian bias for a LocAt layer, none for timm's and plain vitattn layers)."""
     bias = attn.attention_bias(q) if isinstance(attn, Attention) else None
-    return ScoreInputs(q, k, float(attn.scale), bias)
+    return ScoreInputs(q, k, float(cast(TimmStyleAttention, attn).scale), bias)
 
 
 def attention_dropout(attn: nn.Module) -> float:
@@ -104,16 +104,18 @@ def _forward(
             "for unmasked self-attention over all tokens"
         )
     b, n, _ = x.shape
-    gate = attn.gate(x).sigmoid() if getattr(attn, "gate", None) is not None else None
+    gate_layer = getattr(attn, "gate", None)  # timm's gated attention (absent in old timm versions)
+    gate = gate_layer(x).sigmoid() if gate_layer is not None else None
     q, k, v = project_qkv(attn, x, need_qk=need_qk)
-    out = rule(index, attn, q, k, v)  # type: ignore[arg-type]
+    out = rule(index, attn, q, k, v)
     out = out.transpose(1, 2).reshape(b, n, -1)
     norm = getattr(attn, "norm", None)  # timm's scale_norm (absent in old timm versions)
     if norm is not None:
         out = norm(out)
     if gate is not None:
         out = out * gate
-    return attn.proj_drop(attn.proj(out))
+    plumbing = cast(TimmStyleAttention, attn)
+    return plumbing.proj_drop(plumbing.proj(out))
 
 
 @contextmanager
@@ -139,11 +141,11 @@ def override_attention(
             def forward(*args: Any, _i: int = i, _attn: nn.Module = attn, **kwargs: Any) -> torch.Tensor:
                 return _forward(_i, _attn, rule, need_qk, *args, **kwargs)
 
-            attn.forward = forward  # type: ignore[method-assign]
+            attn.forward = forward
         yield
     finally:
         for attn, previous in saved:
             if previous is None:
                 attn.__dict__.pop("forward", None)
             else:
-                attn.forward = previous  # type: ignore[method-assign]
+                attn.forward = previous

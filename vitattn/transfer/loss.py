@@ -48,7 +48,7 @@ class _RecomputedCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy between teacher and student score rows, O(N·d) saved for backward."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: torch.autograd.function.FunctionCtx,
         student: ScoreInputs,
         teacher: ScoreInputs,
@@ -73,6 +73,8 @@ class _RecomputedCrossEntropy(torch.autograd.Function):
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
+        # the ignores: FunctionCtx's stub has neither ctx.templates (set in forward, torch's pattern for
+        # non-tensor state) nor the backward ctx's runtime saved_tensors / needs_input_grad
         student, teacher, n_student, chunk_elements = ctx.templates  # type: ignore[attr-defined]
         tensors = ctx.saved_tensors  # type: ignore[attr-defined]
         student = student.with_tensors(tensors[:n_student])
@@ -98,9 +100,9 @@ class _RecomputedCrossEntropy(torch.autograd.Function):
                     del p_t
                 wanted = [leaf for leaf in leaves if leaf.requires_grad]
                 chunk_grads = iter(torch.autograd.grad(s, wanted, d_s))
-                for i, leaf in enumerate(leaves):
-                    if leaf.requires_grad:
-                        _add_slice(grads[i], next(chunk_grads), bs, hs)  # type: ignore[arg-type]
+                for grad_i in grads:  # a gradient slot exactly where its leaf requires grad
+                    if grad_i is not None:
+                        _add_slice(grad_i, next(chunk_grads), bs, hs)
         return (None, None, None, *grads, *([None] * (len(tensors) - n_student)))
 
 
