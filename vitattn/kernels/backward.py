@@ -21,12 +21,17 @@ import triton
 import triton.language as tl
 
 from ._common import (
+    LOG2E,
+    _bases,
     _dot,
-    _gauss_rows,
+    _gauss_reaches,
     _gauss_tile,
     _load_tile,
     _offset,
     _probs,
+    _program,
+    _row_bias,
+    _row_stats,
     _score_block,
     _store_tile,
     _tile_ptrs,
@@ -56,46 +61,56 @@ def _bwd_dkdv_kernel(
     F32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """``DK``, ``DV`` (contiguous, like K and V) for one block of keys. DO contiguous ``(B, H, Nq, Dv)``."""
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // n_heads
-    h = bh % n_heads
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    """``DK``, ``DV`` (contiguous, like K and V) for one block of keys. DO contiguous ``(B, H, Nq, Dv)``.
+
+    Keys are the M dimension of every tile (``k qᵀ``, ``(BLOCK_N, BLOCK_M)``), so ``dV += Pᵀ dO`` and
+    ``dK += dSᵀ q`` take the tiles as they come (no transpose of p or dS). For entmax-1.5 a query block
+    without support on this key block skips everything past the score tile.
+    """
+    bh, b, h = _program(n_heads)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start_n = tl.program_id(0) * BLOCK_N
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k = _load_tile(_offset(K, b, h, s_kb, s_kh), offs_n, offs_d, s_kn, s_kd, n_k, head_d)
-    v = _load_tile(_offset(V, b, h, s_vb, s_vh), offs_n, offs_dv, s_vn, s_vd, n_k, head_dv)
-    q_base = _offset(Q, b, h, s_qb, s_qh)
+    q_base, k_base, v_base, add_base, keep_base = _bases(
+        Q, K, V, ADD, KEEP, b, h, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ab, s_ah, s_mb, s_mh
+    )
+    k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d)
+    v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv)
     row = bh.to(tl.int64) * n_q
     do_base = DO + row * head_dv
-    add_base = _offset(ADD, b, h, s_ab, s_ah)
-    keep_base = _offset(KEEP, b, h, s_mb, s_mh)
-    den_base = _offset(DEN, b, h, s_db, s_dh)
-    alpha_base = _offset(ALPHA, b, h, s_alb, s_alh)
+    if ENTMAX:
+        unit = 0.5
+        stat_unit = 1.0
+    else:
+        unit = LOG2E
+        stat_unit = LOG2E
+    scale_u = scale * unit
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for start_m in range(0, n_q, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _load_tile(q_base, offs_m, offs_d, s_qm, s_qd, n_q, head_d)
-        do = _load_tile(do_base, offs_m, offs_dv, head_dv, 1, n_q, head_dv)
-        stat = tl.load(STAT + row + offs_m, mask=offs_m < n_q, other=float("inf"))
-        delta = tl.load(DELTA + row + offs_m, mask=offs_m < n_q, other=0.0)
-        inv_r, inv_c, alpha = 0.0, 0.0, 0.0
-        if GAUSS:
-            inv_r, inv_c, alpha = _gauss_rows(
-                den_base, alpha_base, offs_m, n_q, num_prefix, s_dp, s_dc, s_alp
-            )
-        z = _score_block(
-            q, k, offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_mm, s_mn,
-            inv_r, inv_c, alpha, num_prefix, grid_w, clamp, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT,
+        stat, delta = _row_stats(STAT, DELTA, row, offs_m, n_q)
+        inv_r, inv_c, alpha = _row_bias(
+            DEN, ALPHA, b, h, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, offs_m, n_q, num_prefix, GAUSS
         )
-        p, g = _probs(z, stat, ENTMAX)
-        dv += _dot(tl.trans(p.to(do.dtype)), do, F32_DOT)
-        dp = _dot(do, tl.trans(v), F32_DOT)
-        ds = g * (dp - delta[:, None])
-        dk += _dot(tl.trans(ds.to(q.dtype)), q, F32_DOT)
+        z_t = _score_block(
+            k, q, offs_m, offs_n, start_n, n_q, n_k, scale_u, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+            inv_r, inv_c, alpha * unit, num_prefix, grid_w, clamp, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT,
+            ENTMAX, True,
+        )
+        p_t, g_t = _probs(z_t, stat * stat_unit, ENTMAX, True)
+        live = True
+        if ENTMAX:
+            live = tl.max(tl.max(g_t, 1), 0) > 0.0
+        if live:
+            do = _load_tile(do_base, offs_m, offs_dv, head_dv, 1, n_q, head_dv)
+            dv += _dot(p_t.to(do.dtype), do, F32_DOT)
+            dp_t = _dot(v, tl.trans(do), F32_DOT)
+            ds_t = g_t * (dp_t - delta[None, :])
+            dk += _dot(ds_t.to(q.dtype), q, F32_DOT)
 
     out_row = bh.to(tl.int64) * n_k
     _store_tile(DK + out_row * head_d, dk * scale, offs_n, offs_d, head_d, 1, n_k, head_d)
@@ -119,29 +134,29 @@ def _bwd_dq_kernel(
     mask broadcasts over some dim, whose stride is 0). ``GAUSS_GRAD``: write DDEN contiguous float32
     ``(B, H, Np, 2)`` and DALPHA contiguous float32 ``(B, H, Np)``.
     """
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // n_heads
-    h = bh % n_heads
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh, b, h = _program(n_heads)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row = bh.to(tl.int64) * n_q
-    q = _load_tile(_offset(Q, b, h, s_qb, s_qh), offs_m, offs_d, s_qm, s_qd, n_q, head_d)
+    q_base, k_base, v_base, add_base, keep_base = _bases(
+        Q, K, V, ADD, KEEP, b, h, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ab, s_ah, s_mb, s_mh
+    )
+    q = _load_tile(q_base, offs_m, offs_d, s_qm, s_qd, n_q, head_d)
     do = _load_tile(DO + row * head_dv, offs_m, offs_dv, head_dv, 1, n_q, head_dv)
-    stat = tl.load(STAT + row + offs_m, mask=offs_m < n_q, other=float("inf"))
-    delta = tl.load(DELTA + row + offs_m, mask=offs_m < n_q, other=0.0)
-    k_base = _offset(K, b, h, s_kb, s_kh)
-    v_base = _offset(V, b, h, s_vb, s_vh)
-    add_base = _offset(ADD, b, h, s_ab, s_ah)
+    stat, delta = _row_stats(STAT, DELTA, row, offs_m, n_q)
     dadd_base = _offset(DADD, b, h, s_gb, s_gh)
-    keep_base = _offset(KEEP, b, h, s_mb, s_mh)
-    inv_r, inv_c, alpha = 0.0, 0.0, 0.0
-    if GAUSS:
-        inv_r, inv_c, alpha = _gauss_rows(
-            _offset(DEN, b, h, s_db, s_dh), _offset(ALPHA, b, h, s_alb, s_alh),
-            offs_m, n_q, num_prefix, s_dp, s_dc, s_alp,
-        )
+    inv_r, inv_c, alpha = _row_bias(
+        DEN, ALPHA, b, h, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, offs_m, n_q, num_prefix, GAUSS
+    )
+    if ENTMAX:
+        unit = 0.5
+        stat_u = stat
+    else:
+        unit = LOG2E
+        stat_u = stat * LOG2E
+    scale_u = scale * unit
+    alpha_u = alpha * unit
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     g_alpha = tl.zeros([BLOCK_M], tl.float32)
@@ -150,30 +165,41 @@ def _bwd_dq_kernel(
     for start_n in range(0, n_k, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d)
-        v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv)
         z = _score_block(
-            q, k, offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_mm, s_mn,
-            inv_r, inv_c, alpha, num_prefix, grid_w, clamp, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT,
+            q, k, offs_m, offs_n, start_n, n_q, n_k, scale_u, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+            inv_r, inv_c, alpha_u, num_prefix, grid_w, clamp, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, ENTMAX,
+            False,
         )
-        p, g = _probs(z, stat, ENTMAX)
-        dp = _dot(do, tl.trans(v), F32_DOT)
-        ds = g * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, F32_DOT)
-        if ADD_GRAD != 0:
-            ptrs = _tile_ptrs(dadd_base, offs_m, offs_n, s_gm, s_gn)
+        p, g = _probs(z, stat_u, ENTMAX, False)
+        live = True
+        if ENTMAX:
+            live = tl.max(tl.max(g, 1), 0) > 0.0
+        ds = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if live:
+            v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv)
+            dp = _dot(do, tl.trans(v), F32_DOT)
+            ds = g * (dp - delta[:, None])
+            dq += _dot(ds.to(k.dtype), k, F32_DOT)
+            if ADD_GRAD == 2:
+                inside = (offs_m[:, None] < n_q) & (offs_n[None, :] < n_k)
+                tl.atomic_add(_tile_ptrs(dadd_base, offs_m, offs_n, s_gm, s_gn), ds, mask=inside)
+            if GAUSS_GRAD:
+                # recomputed here rather than kept from the score tile: fewer live registers
+                reach = _gauss_reaches(
+                    offs_m, start_n, tl.minimum(start_n + BLOCK_N, n_k), n_q, inv_r, inv_c, num_prefix,
+                    grid_w, clamp,
+                )
+                if reach:
+                    _b, e, a_row, a_col = _gauss_tile(
+                        offs_m, offs_n, n_k, inv_r, inv_c, alpha, num_prefix, grid_w, clamp, False
+                    )
+                    dse = ds * e
+                    g_alpha += tl.sum(dse, 1)
+                    g_row += tl.sum(dse * a_row, 1)
+                    g_col += tl.sum(dse * a_col, 1)
+        if ADD_GRAD == 1:  # every element is written (zeros where the tile was skipped)
             inside = (offs_m[:, None] < n_q) & (offs_n[None, :] < n_k)
-            if ADD_GRAD == 1:
-                tl.store(ptrs, ds, mask=inside)
-            else:
-                tl.atomic_add(ptrs, ds, mask=inside)
-        if GAUSS_GRAD:
-            _b, e, a_row, a_col = _gauss_tile(
-                offs_m, offs_n, n_k, inv_r, inv_c, alpha, num_prefix, grid_w, clamp
-            )
-            dse = ds * e
-            g_alpha += tl.sum(dse, 1)
-            g_row += tl.sum(dse * a_row, 1)
-            g_col += tl.sum(dse * a_col, 1)
+            tl.store(_tile_ptrs(dadd_base, offs_m, offs_n, s_gm, s_gn), ds, mask=inside)
 
     _store_tile(DQ + row * head_d, dq * scale, offs_m, offs_d, head_d, 1, n_q, head_d)
     if GAUSS_GRAD:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, _dot, _gauss_rows, _load_tile, _offset, _score_block, _store_tile
+from ._common import LOG2E, _dot, _fwd_prologue, _load_tile, _score_block, _store_tile
 
 
 @triton.jit
@@ -31,39 +31,28 @@ def _fwd_softmax_kernel(
     Shapes: Q ``(B, H, Nq, D)``, K ``(B, H, Nk, D)``, V ``(B, H, Nk, Dv)`` (any strides); O contiguous
     ``(B, H, Nq, Dv)``; STAT contiguous float32 ``(B, H, Nq)``.
     """
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // n_heads
-    h = bh % n_heads
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load_tile(_offset(Q, b, h, s_qb, s_qh), offs_m, offs_d, s_qm, s_qd, n_q, head_d)
-    k_base = _offset(K, b, h, s_kb, s_kh)
-    v_base = _offset(V, b, h, s_vb, s_vh)
-    add_base = _offset(ADD, b, h, s_ab, s_ah)
-    keep_base = _offset(KEEP, b, h, s_mb, s_mh)
-    inv_r, inv_c, alpha = 0.0, 0.0, 0.0
-    if GAUSS:
-        inv_r, inv_c, alpha = _gauss_rows(
-            _offset(DEN, b, h, s_db, s_dh), _offset(ALPHA, b, h, s_alb, s_alh),
-            offs_m, n_q, num_prefix, s_dp, s_dc, s_alp,
-        )
-
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # every tile is in base 2: log2(e) folded once into the scale and the Gaussian amplitude
+    bh, offs_m, offs_d, offs_dv, q, k_base, v_base, add_base, keep_base, inv_r, inv_c, scale2, alpha2 = (
+        _fwd_prologue(
+            Q, K, V, ADD, KEEP, DEN, ALPHA, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_vb, s_vh, s_ab, s_ah,
+            s_mb, s_mh, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, n_heads, n_q, head_d, scale,
+            num_prefix, LOG2E, GAUSS, BLOCK_M, BLOCK_D, BLOCK_DV,
+        )
+    )
     for start_n in range(0, n_k, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d)
         z = _score_block(
-            q, k, offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_mm, s_mn,
-            inv_r, inv_c, alpha, num_prefix, grid_w, clamp, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT,
+            q, k, offs_m, offs_n, start_n, n_q, n_k, scale2, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+            inv_r, inv_c, alpha2, num_prefix, grid_w, clamp, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, False, False,
         )
         m_new = tl.maximum(m_i, tl.max(z, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
-        p = tl.exp2((z - m_safe[:, None]) * LOG2E)
-        corr = tl.exp2((m_i - m_safe) * LOG2E)
+        p = tl.exp2(z - m_safe[:, None])
+        corr = tl.exp2(m_i - m_safe)
         l_i = l_i * corr + tl.sum(p, 1)
         v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv)
         acc = acc * corr[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
@@ -71,7 +60,8 @@ def _fwd_softmax_kernel(
 
     dead = l_i == 0.0
     out = acc / tl.where(dead, 1.0, l_i)[:, None]
-    lse = tl.where(dead, float("inf"), m_i + tl.log(tl.where(dead, 1.0, l_i)))
+    # the natural log-sum-exp: m_i is in base 2
+    lse = tl.where(dead, float("inf"), (m_i + tl.log2(tl.where(dead, 1.0, l_i))) / LOG2E)
     row = bh.to(tl.int64) * n_q
     _store_tile(O + row * head_dv, out, offs_m, offs_dv, head_dv, 1, n_q, head_dv)
     tl.store(STAT + row + offs_m, lse, mask=offs_m < n_q)

@@ -1,0 +1,303 @@
+"""The Triton kernels under TRITON_INTERPRET=1: masks by large finite values, and the work the kernels skip.
+
+How the interpreter flag is read, and why the tests carry ``@pytest.mark.triton_interpreter``: see
+``tests/test_kernels.py`` (the same header logic; ``conftest.py`` runs them in a child pytest when
+triton was imported earlier without the flag).
+
+* Additive masks drawn by hypothesis from ``0, -1e4, -65504, -1e6, finfo(float32).min, -inf``, with rows
+  masked entirely by one of them, against ``backend="torch"`` in float64 on the same inputs. q and k
+  are dyadic (multiples of 1/2, scale 1/4), so ``q kᵀ * scale + mask`` is exact in float32 for every
+  mask value and the reference sees the very scores the kernel sees.
+* The entmax-1.5 threshold search runs on max-shifted scores: a row masked by ``-1e6`` converges in a
+  handful of Newton passes (counted by wrapping the kernel's ``_score_block``), not at the cap of 32.
+* Skipped work is exact: key blocks dropped from the Newton and output passes, query / key tiles
+  without support skipped in the backward, Gaussian tiles whose bias is exactly 0.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from typing import Any
+
+if "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import entmax
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vitattn.functional import GaussianBias, attention
+from vitattn.kernels import configs
+
+triton = pytest.importorskip("triton")
+
+interpreted = pytest.mark.triton_interpreter
+
+MASK_VALUES = (-1e4, -65504.0, -1e6, torch.finfo(torch.float32).min, float("-inf"))
+FINITE_FILLS = MASK_VALUES[:4]
+
+
+def _dyadic(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Entries in {-1, -1/2, 0, 1/2, 1}: ``q kᵀ / 4`` is a multiple of 1/16 below 4 (exact in float32)."""
+    return torch.randint(-2, 3, shape, generator=g).double() / 2
+
+
+def _draw_mask(data: st.DataObject, b: int, h: int, n: int) -> tuple[torch.Tensor, list[tuple[int, ...]]]:
+    """``(mask, full)``: an additive float64 mask (B, H, N, N) and the rows masked by one finite fill."""
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    density = data.draw(st.sampled_from([0.2, 0.5, 0.8]), label="masked fraction")
+    which = torch.randint(0, len(MASK_VALUES), (b, h, n, n), generator=g)
+    mask = torch.tensor(MASK_VALUES, dtype=torch.float64)[which]
+    mask = torch.where(torch.rand(b, h, n, n, generator=g) < density, mask, torch.zeros(()).double())
+    mask[..., 0] = 0.0  # every row keeps a key unless masked entirely below
+    full = []
+    for _ in range(data.draw(st.integers(0, 3), label="fully masked rows")):
+        bi, hi, i = (data.draw(st.integers(0, s - 1)) for s in (b, h, n))
+        fill = data.draw(st.sampled_from(MASK_VALUES), label="fill")
+        mask[bi, hi, i] = fill
+        if fill != float("-inf"):
+            full.append((bi, hi, i))
+    return mask, full
+
+
+def _check_masked(normalizer: str, dtype: torch.dtype, data: st.DataObject) -> None:
+    b, h = 1, 2
+    n = data.draw(st.sampled_from([5, 23, 37]), label="N")
+    d = data.draw(st.sampled_from([8, 16]), label="D")
+    g = torch.Generator().manual_seed(n * 100 + d)
+    q, k, v = (_dyadic((b, h, n, d), g) for _ in range(3))
+    mask, full = _draw_mask(data, b, h, n)
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    out = attention(*leaves, normalizer=normalizer, mask=mask.float(), scale=0.25, backend="triton")
+    ref = attention(*ref_leaves, normalizer=normalizer, mask=mask, scale=0.25, backend="torch")
+    assert not out.isnan().any()
+    fwd_tol, grad_tol = (2e-6, 2e-5) if dtype == torch.float32 else (2e-3, 4e-3)
+    # Softmax works in base 2 (log2(e) folded into the scale): on a row masked entirely by a finite
+    # fill M its exponents are rounded at |M| log2(e), as the torch path's float32 scores are at |M|.
+    # entmax-1.5 halves the scores (exact) and shifts them by the row max: exact on such rows too.
+    tol = torch.full(out.shape[:-1], fwd_tol, dtype=torch.float64)
+    if normalizer == "softmax":
+        for bi, hi, i in full:
+            fill = mask[bi, hi, i, 0].abs().item()
+            tol[bi, hi, i] = fwd_tol if fill > 1e30 else max(fwd_tol, 2**-21 * fill)
+    err = (out.double() - ref).abs().amax(-1)
+    assert (err <= tol).all(), f"forward error {(err / tol).max().item():.2f} x the tolerance"
+    # rows masked entirely by -inf give zeros
+    dead = (mask == float("-inf")).all(-1)
+    assert torch.equal(out[dead].float(), torch.zeros_like(out[dead]).float())
+    # The backward recomputes the scores and reads one float32 threshold per row: on a row whose
+    # largest score is itself at a mask's magnitude (masked entirely by a finite value) that threshold
+    # is rounded to float32 there (see docs/kernels.md). Such rows get no upstream gradient here;
+    # every other row (the ones with an unmasked key) must match the reference.
+    grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for bi, hi, i in full:
+        grad[bi, hi, i] = 0.0
+    got = torch.autograd.grad(out, leaves, grad.to(dtype))
+    want = torch.autograd.grad(ref, ref_leaves, grad)
+    for name, a, w in zip("qkv", got, want, strict=True):
+        assert torch.isfinite(a).all(), name
+        top = w.abs().max().clamp_min(1.0)
+        err = ((a.double() - w).abs().max() / top).item()
+        assert err <= grad_tol, f"d{name}: relative error {err:.2e} > {grad_tol:.0e}"
+
+
+@interpreted
+@settings(max_examples=6)
+@given(data=st.data())
+def test_entmax_large_finite_masks_float32(data):
+    _check_masked("entmax15", torch.float32, data)
+
+
+@interpreted
+@settings(max_examples=4)
+@given(data=st.data())
+def test_entmax_large_finite_masks_float16(data):
+    _check_masked("entmax15", torch.float16, data)
+
+
+@interpreted
+@settings(max_examples=3)
+@given(data=st.data())
+def test_softmax_large_finite_masks_float32(data):
+    _check_masked("softmax", torch.float32, data)
+
+
+@interpreted
+@pytest.mark.parametrize("fill", FINITE_FILLS, ids=["-1e4", "-65504", "-1e6", "finfo.min"])
+def test_entmax_fully_masked_row_matches_the_entmax_package(fill):
+    """A row masked entirely by a finite value is the entmax of its (shifted) scores, as in the torch path."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (_dyadic((1, 1, 21, 16), g).float() for _ in range(3))
+    mask = torch.zeros(1, 1, 21, 21)
+    mask[0, 0, 4] = fill
+    mask[0, 0, 9, 3:] = fill  # keys 0-2 unmasked
+    out = attention(q, k, v, normalizer="entmax15", mask=mask, scale=0.25, backend="triton")
+    z = (q.double() @ k.double().transpose(-1, -2)) * 0.25 + mask.double()
+    z[0, 0, 4] = (q.double() @ k.double().transpose(-1, -2))[0, 0, 4] * 0.25  # shift invariance
+    if fill == torch.finfo(torch.float32).min:
+        z[0, 0, 4] = 0.0  # the scores vanish next to finfo.min: a uniform row, as in the torch path
+    want = entmax.entmax15(z, dim=-1) @ v.double()
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=0)
+
+
+class _Counter:
+    """Counts the calls of a kernel module's ``@triton.jit`` helper (the interpreter runs them as Python)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> None:
+        self.calls = 0
+        inner = getattr(module, name)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapped)
+
+
+def _kernel_module(name: str) -> types.ModuleType:
+    from vitattn.kernels import ops
+
+    ops.kernels()  # (re)imports the kernel modules for this interpreter setting
+    return sys.modules[f"vitattn.kernels.{name}"]
+
+
+@interpreted
+@pytest.mark.parametrize("fill", FINITE_FILLS, ids=["-1e4", "-65504", "-1e6", "finfo.min"])
+def test_entmax_masked_row_does_not_run_newton_to_the_cap(fill, monkeypatch):
+    """One key block (N = 20 < BLOCK_N = 32): score tiles = 1 (row max) + Newton passes + 1 (output).
+    Without the shift, a row at -1e6 has a float32 spacing of 0.06 there, the step never drops below
+    the tolerance and the whole query block runs all 32 passes."""
+    counter = _Counter(monkeypatch, _kernel_module("entmax15"), "_score_block")
+    g = torch.Generator().manual_seed(0)  # the unshifted search (before) ran 32 passes at -1e6 here
+    q, k, v = (torch.randn(1, 1, 20, 16, generator=g) for _ in range(3))
+    mask = torch.zeros(1, 1, 20, 20)
+    mask[0, 0, 7] = fill
+    out = attention(q, k, v, normalizer="entmax15", mask=mask, backend="triton")
+    passes = counter.calls - 2
+    assert 1 <= passes <= 8, f"{passes} Newton passes"
+    # the other rows against the reference (row 7's scores are rounded in float32 at the mask's
+    # magnitude, so it is checked on exact scores in the test above)
+    ref = attention(q.double(), k.double(), v.double(), normalizer="entmax15", mask=mask.double(),
+                    backend="torch")
+    rows = torch.arange(20) != 7
+    torch.testing.assert_close(out[0, 0, rows].double(), ref[0, 0, rows], atol=2e-5, rtol=0)
+
+
+def _banded(n: int, width: float, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """q, k, v (1, 2, n, 16) and an additive mask ``-|i - j| / width``: entmax rows with local support."""
+    q, k, v = (torch.randn(1, 2, n, 16, generator=gen) for _ in range(3))
+    i = torch.arange(n, dtype=torch.float32)
+    mask = -(i[:, None] - i[None, :]).abs() / width
+    return q, k, v, mask.expand(1, 2, n, n).clone()
+
+
+@interpreted
+def test_entmax_skipped_key_blocks_are_exact(monkeypatch):
+    """Dropping key blocks without support (tau only grows) changes nothing: against the same kernel
+    with every block kept, to 1e-6, and fewer score tiles are computed."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v, mask = _banded(130, 1.0, g)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    entmax_mod = _kernel_module("entmax15")
+
+    def run(keep_all: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], int]:
+        if keep_all:
+            monkeypatch.setattr(entmax_mod, "_block_live", lambda *args: True)
+        counter = _Counter(monkeypatch, entmax_mod, "_score_block")
+        out = attention(*leaves, normalizer="entmax15", mask=mask, backend="triton")
+        monkeypatch.undo()
+        return out, torch.autograd.grad(out, leaves, torch.ones_like(out)), counter.calls
+
+    out, grads, tiles = run(keep_all=False)
+    out_all, grads_all, tiles_all = run(keep_all=True)
+    assert tiles < tiles_all, (tiles, tiles_all)
+    torch.testing.assert_close(out, out_all, atol=1e-6, rtol=0)
+    for a, w in zip(grads, grads_all, strict=True):
+        torch.testing.assert_close(a, w, atol=1e-6, rtol=0)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = attention(*ref_leaves, normalizer="entmax15", mask=mask.double(), backend="torch")
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=0)
+    for a, w in zip(grads, torch.autograd.grad(ref, ref_leaves, torch.ones_like(ref)), strict=True):
+        torch.testing.assert_close(a.double(), w, atol=2e-5, rtol=0)
+
+
+@interpreted
+def test_entmax_backward_skips_tiles_without_support(monkeypatch):
+    """The backward passes skip dP and dS (and V, dO) on tiles with no support: fewer dots, same grads."""
+    g = torch.Generator().manual_seed(3)
+    back = _kernel_module("backward")
+
+    def dots(normalizer: str, mask: torch.Tensor) -> int:
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = attention(*leaves, normalizer=normalizer, mask=mask, backend="triton")
+        counter = _Counter(monkeypatch, back, "_dot")
+        got = torch.autograd.grad(out, leaves, torch.ones_like(out))
+        monkeypatch.undo()
+        ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+        ref = attention(*ref_leaves, normalizer=normalizer, mask=mask.double(), backend="torch")
+        for a, w in zip(got, torch.autograd.grad(ref, ref_leaves, torch.ones_like(ref)), strict=True):
+            torch.testing.assert_close(a.double(), w, atol=2e-5, rtol=0)
+        return counter.calls
+
+    q, k, v, mask = _banded(96, 8.0, g)
+    tiles = -(-96 // configs.INTERPRET.block_m) * -(-96 // configs.INTERPRET.block_n)
+    # counted here (the score dots are _common's): dK/dV 3 per tile (dV, dP, dK), dQ 2 (dP, dQ)
+    dense = dots("softmax", mask)
+    assert dense == 5 * tiles * 2  # x 2 heads
+    sparse = dots("entmax15", mask)
+    assert sparse < dense, (sparse, dense)
+
+
+@interpreted
+@pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
+def test_gaussian_bias_skipped_only_where_exactly_zero(normalizer, monkeypatch):
+    """A Gaussian tile whose exponent bound is below -120 is skipped: bit-identical to computing it."""
+    g = torch.Generator().manual_seed(4)
+    grid = (12, 12)
+    n = 1 + grid[0] * grid[1]
+    q, k, v = (torch.randn(1, 1, n, 16, generator=g) for _ in range(3))
+    sigma = torch.exp(torch.randn(1, 1, n - 1, 2, generator=g) * 0.3 - 4.0)  # small: a local bias
+    alpha = torch.rand(1, 1, n - 1, 1, generator=g) * 3
+    common = _kernel_module("_common")
+    back = _kernel_module("backward")
+
+    def run() -> list[torch.Tensor]:
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sigma, alpha)]
+        bias = GaussianBias(leaves[3], leaves[4], grid, 1)
+        out = attention(*leaves[:3], normalizer=normalizer, bias=bias, backend="triton")
+        return [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
+
+    tiles = _Counter(monkeypatch, common, "_gauss_tile")
+    dq_tiles = _Counter(monkeypatch, back, "_gauss_tile")
+    skipped = run()
+    counted = tiles.calls + dq_tiles.calls
+    monkeypatch.undo()
+    for mod in (common, back):
+        monkeypatch.setattr(mod, "_gauss_reaches", lambda *args: True)
+    tiles = _Counter(monkeypatch, common, "_gauss_tile")
+    dq_tiles = _Counter(monkeypatch, back, "_gauss_tile")
+    full = run()
+    assert counted < tiles.calls + dq_tiles.calls
+    monkeypatch.undo()
+    for a, w in zip(skipped, full, strict=True):
+        assert torch.equal(a, w)
+
+
+@interpreted
+def test_softmax_row_masked_by_finfo_min_is_uniform():
+    """Softmax scales an additive mask by log2(e) in base 2: finfo.min must not overflow to -inf there
+    (a row masked entirely by it is uniform in the torch path, not dead)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 1, 9, 16, generator=g) for _ in range(3))
+    mask = torch.zeros(1, 1, 9, 9)
+    mask[0, 0, 2] = torch.finfo(torch.float32).min
+    mask[0, 0, 5, 4:] = torch.finfo(torch.float32).min
+    out = attention(q, k, v, mask=mask, backend="triton")
+    ref = attention(q.double(), k.double(), v.double(), mask=mask.double(), backend="torch")
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=0)
+    torch.testing.assert_close(out[0, 0, 2], v[0, 0].mean(0), atol=2e-6, rtol=0)
