@@ -115,7 +115,7 @@ def test_no_dense_tensor_is_saved_or_allocated():
     rows = 16
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _LargestTensor() as largest_fwd:
         out = gaussian_softmax_attention_train(
-            q, k, v, 0.25, GaussianBias(sigma, alpha, (gh, gw), prefix), rows
+            q, k, v, 0.25, GaussianBias(sigma, alpha, (gh, gw), prefix), block_rows=rows
         )
     assert saved and all(len(s) < 4 or s[-1] != n or s[-2] != n for s in saved), saved
     assert max(torch.Size(s).numel() for s in saved) <= b * h * n * d  # nothing bigger than q, k, v, out

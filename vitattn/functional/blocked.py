@@ -220,6 +220,7 @@ def gaussian_softmax_attention_train(
     v: torch.Tensor,
     scale: float,
     bias: GaussianBias,
+    *,
     block_rows: int | None = None,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
