@@ -1,7 +1,7 @@
 """Block-size lists the kernels are autotuned over (all power-of-two tiles, >= 16 in every dim).
 
 Plain data, no triton import: :mod:`vitattn.kernels.ops` turns them into ``triton.Config`` objects and
-:mod:`vitattn.kernels.aot` compiles every one of them for sm_80 and sm_90 ahead of time.
+:mod:`vitattn.kernels._build.aot` compiles every one of them for sm_80 and sm_90 ahead of time.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ class TileConfig:
 
 
 # Kernel name -> autotune list. Every entry fits sm_80's 163 KiB of shared memory at its largest head
-# dim and compiles without register spills on sm_90 there (checked by ``python -m vitattn.kernels.aot``;
+# dim and compiles without register spills on sm_90 there (checked by ``python -m vitattn.kernels._build.aot``;
 # some spill a little on sm_80 at head dim 128, see docs/kernels.md). With float32 operands (the TF32
 # path) the tiles take twice the shared memory: ``max_head_dim_fp32`` marks the entries that exceed
-# sm_80's or sm_90's limit at head dim 128 then (``python -m vitattn.kernels.aot --dtype fp32``).
+# sm_80's or sm_90's limit at head dim 128 then (``python -m vitattn.kernels._build.aot --dtype fp32``).
 AUTOTUNE: dict[str, tuple[TileConfig, ...]] = {
     "fwd_softmax": (
         TileConfig(128, 64, 8, 3, max_head_dim_masked=64, max_head_dim_fp32=64),
