@@ -30,10 +30,11 @@ class TileConfig:
 
 
 # Kernel name -> autotune list. Every entry fits sm_80's 163 KiB of shared memory at its largest head
-# dim and compiles without register spills on sm_90 there (checked by ``python -m vitattn.kernels._build.aot``;
-# some spill a little on sm_80 at head dim 128, see docs/kernels.md). With float32 operands (the TF32
-# path) the tiles take twice the shared memory: ``max_head_dim_fp32`` marks the entries that exceed
-# sm_80's or sm_90's limit at head dim 128 then (``python -m vitattn.kernels._build.aot --dtype fp32``).
+# dim and compiles for sm_80 and sm_90 (checked by ``python -m vitattn.kernels._build.aot``, which
+# prints registers and spills; some entmax tiles spill a little at head dim 128, see docs/kernels.md).
+# With float32 operands (the TF32 path) the tiles take twice the shared memory: ``max_head_dim_fp32``
+# marks the entries that exceed sm_80's or sm_90's limit at head dim 128 then
+# (``python -m vitattn.kernels._build.aot --dtype fp32``).
 AUTOTUNE: dict[str, tuple[TileConfig, ...]] = {
     "fwd_softmax": (
         TileConfig(128, 64, 8, 3, max_head_dim_masked=64, max_head_dim_fp32=64),
