@@ -1,6 +1,6 @@
 """The tile picker of the Triton kernels (:func:`vitattn.kernels.ops.pick_tile`), without a GPU: the
 tuning key buckets sequence lengths by powers of two and holds B·H; picks are cached in this process
-and across processes (``autotune.json`` under ``VITATTN_CACHE_DIR``); inside CUDA-graph capture
+and across processes (``autotune.json`` under ``VITATTN_CACHE``); inside CUDA-graph capture
 (``torch.cuda.is_current_stream_capturing``, patched here) nothing is benchmarked and an unknown key
 gets the default (first) tile. ``bench`` stands in for ``triton.testing.do_bench``.
 """
@@ -12,6 +12,7 @@ import json
 import pytest
 
 pytest.importorskip("triton")
+from vitattn.cache import CACHE_ENV  # noqa: E402
 from vitattn.kernels import configs, ops  # noqa: E402  (imports triton)
 
 TILES = configs.AUTOTUNE["fwd_softmax"]
@@ -22,7 +23,7 @@ META = dict(GAUSS=True, HAS_ADD=False, HAS_KEEP=False, F32_DOT=0, BLOCK_D=64, BL
 @pytest.fixture(autouse=True)
 def _fresh_cache(tmp_path, monkeypatch):
     """An empty autotune.json directory and empty in-process caches for every test."""
-    monkeypatch.setenv(ops.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     monkeypatch.delenv(ops.TILES_ENV, raising=False)
     monkeypatch.setattr(ops, "_capturing", lambda: False)
     ops._TUNED.clear()

@@ -33,6 +33,7 @@ from vitattn.functional import GaussianBias
 from vitattn.layers import EntmaxAttention, LocAtAttention
 
 pytest.importorskip("triton")
+from vitattn.cache import CACHE_ENV  # noqa: E402
 from vitattn.kernels import ops  # noqa: E402  (imports triton, registers the ops)
 
 interpreted = pytest.mark.triton_interpreter
@@ -185,7 +186,7 @@ def test_compiled_layer_on_cuda_matches_eager(name):
 def test_first_call_inside_cuda_graph_capture_uses_the_default_tile(tmp_path, monkeypatch):
     from vitattn.functional import attention
 
-    monkeypatch.setenv(ops.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     monkeypatch.delenv(ops.TILES_ENV, raising=False)
     ops._TUNED.clear()
     ops._DISK.clear()

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..cache import cache_dir
+
 __all__ = ["DigitScenes", "majority_patch_labels"]
 
 #: Bump when the generator changes: it is part of the cache key.
@@ -287,9 +289,8 @@ def _build_scenes(split: str, image_size: int, seed: int, size: int) -> dict[str
 
 
 def default_cache_dir() -> Path:
-    """``$VITATTN_CACHE`` if set (and non-empty), else ``~/.cache/vitattn``."""
-    env = os.environ.get("VITATTN_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "vitattn"
+    """The scenes' ``.npz`` cache folder: :func:`vitattn.cache.cache_dir`."""
+    return cache_dir()
 
 
 def _meta(split: str, image_size: int, seed: int, size: int) -> np.ndarray:
@@ -367,7 +368,7 @@ class DigitScenes(torch.utils.data.Dataset):
 
     Default sizes: train 5000, val 1000, test 1000. Building the 5000 train scenes at 32 px took 1.3 s
     on an idle 2-core CPU (2.5-3 s with the CPU shared; 48 px: 3.2-3.9 s shared); afterwards they
-    load from the ``.npz`` cache in ``cache_dir`` (default ``$VITATTN_CACHE`` or ``~/.cache/vitattn``)
+    load from the ``.npz`` cache in ``cache_dir`` (default :func:`vitattn.cache.cache_dir`)
     in about 0.03 s. The bytes are the same on every machine.
     """
 

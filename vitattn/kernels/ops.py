@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import triton
 
+from ..cache import cache_dir
 from . import configs
 from .backend import dot_mode, interpret_requested
 
@@ -91,7 +92,6 @@ def device_guard(tensors: Iterable[Any]) -> contextlib.AbstractContextManager[An
 # ---- tile choice: bucketed autotuning, cached across processes, never inside CUDA-graph capture ----------
 
 TILES_ENV = "VITATTN_TRITON_TILES"  # "first": the first usable tile, no tuning (tests, memcheck)
-CACHE_ENV = "VITATTN_CACHE_DIR"  # where autotune.json lives (default: $XDG_CACHE_HOME/vitattn)
 BENCH_WARMUP_MS, BENCH_REP_MS = 10, 40
 _TUNED: dict[str, configs.TileConfig] = {}  # tuning key -> tile picked in (or read by) this process
 _DISK: dict[str, Any] = {}  # the loaded autotune.json, "entries" -> {scope: {key: [bm, bn, warps, stages]}}
@@ -114,11 +114,8 @@ def tune_key(
 
 
 def autotune_cache_path() -> Path:
-    """``$VITATTN_CACHE_DIR/autotune.json``, else ``$XDG_CACHE_HOME/vitattn/autotune.json`` (``~/.cache``)."""
-    root = os.environ.get(CACHE_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "vitattn"
-    )
-    return Path(root) / "autotune.json"
+    """``autotune.json`` in :func:`vitattn.cache.cache_dir` (``$VITATTN_CACHE`` or ``~/.cache/vitattn``)."""
+    return cache_dir() / "autotune.json"
 
 
 def _cache_scope() -> str:
