@@ -33,6 +33,20 @@ from torch import nn
 
 from .reference_formulas import naive_gaug_bias
 
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[int]:
+    """Wrap ``owner.name`` so each call appends 1 to the returned list (and still runs the original)."""
+    calls: list[int] = []
+    original = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
 # ---- official LocAt / PRR semantics, re-stated (the GAug bias is reference_formulas.naive_gaug_bias) --
 
 

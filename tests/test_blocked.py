@@ -11,6 +11,7 @@ import vitattn.functional.torch_backend as torch_backend
 from vitattn.functional import GaussianBias, attention
 from vitattn.functional.blocked import _scratch_buffer, block_rows_for, gaussian_softmax_attention
 
+from .helpers import count_calls
 from .reference_formulas import naive_gaug_bias, plain_attention
 
 
@@ -82,14 +83,7 @@ def _case(requires_grad: bool = False):
 
 
 def test_dispatch_uses_blocked_only_without_autograd(monkeypatch):
-    calls = []
-    original = torch_backend.gaussian_softmax_attention
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(torch_backend, "gaussian_softmax_attention", spy)
+    calls = count_calls(monkeypatch, torch_backend, "gaussian_softmax_attention")
     q, k, v, bias = _case()
     with torch.no_grad():
         fast = attention(q, k, v, bias=bias)

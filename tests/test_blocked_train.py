@@ -13,6 +13,7 @@ import vitattn.functional.torch_backend as torch_backend
 from vitattn.functional import GaussianBias, attention
 from vitattn.functional.blocked import gaussian_softmax_attention_train
 
+from .helpers import count_calls
 from .reference_formulas import naive_gaug_bias
 
 
@@ -145,17 +146,10 @@ def test_masks_and_bad_inputs_are_declined_clearly():
 
 
 def test_training_dispatch_takes_the_fused_path_not_sdpa(monkeypatch):
-    calls = []
-    original = torch_backend.gaussian_softmax_attention_train
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
     def no_sdpa(*args, **kwargs):
         raise AssertionError("SDPA was called for a Gaussian-biased training call")
 
-    monkeypatch.setattr(torch_backend, "gaussian_softmax_attention_train", spy)
+    calls = count_calls(monkeypatch, torch_backend, "gaussian_softmax_attention_train")
     monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", no_sdpa)
     q, k, v, sigma, alpha = _leaves(2, 3, 4, 4, 1, 8, torch.float32)
     bias = GaussianBias(sigma, alpha, (4, 4), 1)

@@ -107,24 +107,15 @@ def _check_masked(normalizer: str, dtype: torch.dtype, data: st.DataObject) -> N
 
 
 @interpreted
-@settings(max_examples=6)
+@pytest.mark.parametrize(
+    "normalizer, dtype",
+    [("entmax15", torch.float32), ("entmax15", torch.float16), ("softmax", torch.float32)],
+    ids=["entmax15-float32", "entmax15-float16", "softmax-float32"],
+)
+@settings(max_examples=5)
 @given(data=st.data())
-def test_entmax_large_finite_masks_float32(data):
-    _check_masked("entmax15", torch.float32, data)
-
-
-@interpreted
-@settings(max_examples=4)
-@given(data=st.data())
-def test_entmax_large_finite_masks_float16(data):
-    _check_masked("entmax15", torch.float16, data)
-
-
-@interpreted
-@settings(max_examples=3)
-@given(data=st.data())
-def test_softmax_large_finite_masks_float32(data):
-    _check_masked("softmax", torch.float32, data)
+def test_large_finite_masks(normalizer, dtype, data):
+    _check_masked(normalizer, dtype, data)
 
 
 @interpreted
