@@ -2,11 +2,15 @@
 
 The CPU path for LocAt attention. Handing SDPA the bias as a dense ``(B, H, N, N)`` float mask
 costs a full write of that tensor plus SDPA's read of it; here, one head at a time, each block of
-query rows gets its bias rows written into a small reused buffer (a few MiB), the scores are added
-into the same buffer by ``baddbmm``, normalized in place and multiplied by ``v``. Same result as
-the reference formula, no ``N x N`` tensor. :func:`gaussian_softmax_attention` is forward only
-(inference); :func:`gaussian_softmax_attention_train` is the same forward as an autograd function
-whose backward recomputes each row block, for training.
+query rows gets its bias written into a small reused buffer (a few MiB), the scores are added
+into the same buffer by ``baddbmm``, exponentiated in place and multiplied by ``v``, and the
+``(rows, Dv)`` output is divided by the row sums. Same result as the reference formula, no
+``N x N`` tensor. A block is stored keys first, ``(B, N, rows)``: the query index is then the
+contiguous one for the bias factors too, so the bias is one vectorized outer product, and the
+exponentials are ``exp2`` of log2(e)-scaled scores (torch's ``exp2`` is ~3x its ``exp`` on the CPU).
+:func:`gaussian_softmax_attention` is forward only (inference);
+:func:`gaussian_softmax_attention_train` is the same forward as an autograd function whose
+backward recomputes each row block, for training.
 
 Working per head, batched over B, lets the matmuls read q, k, v as the strided views a fused qkv
 projection gives (no copies) and write the output in ``(B, N, H, Dv)`` memory order, so that
@@ -27,6 +31,7 @@ __all__ = ["block_rows_for", "gaussian_softmax_attention", "gaussian_softmax_att
 
 # ~5 MiB of float32 scores per block (L3-sized; see docs/benchmarks.md for the block-size measurements)
 _BLOCK_ELEMENTS = 5 * 2**18
+_LOG2E = 1.4426950408889634  # exp(x) = 2 ** (x * log2(e))
 
 
 _scratch = threading.local()
@@ -78,6 +83,83 @@ def _prepare(
     return q, k, v, ra.expand(b, h, *ra.shape[2:]), c.expand(b, h, *c.shape[2:]), min(rows, max_rows)
 
 
+def _key_major_factors(ra: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log2(e) * (alpha R)ᵀ: (B, H, gh, Np)`` and ``Cᵀ: (B, H, gw, Np)``, contiguous: the bias
+    factors with the query index last, as :func:`_exp2_block` reads them."""
+    ra_t = torch.empty(*ra.shape[:2], ra.shape[-1], ra.shape[-2], dtype=ra.dtype, device=ra.device)
+    torch.mul(ra.transpose(-1, -2), _LOG2E, out=ra_t)
+    return ra_t, c.transpose(-1, -2).contiguous()
+
+
+def _exp2_block(
+    buf: torch.Tensor,
+    q_j: torch.Tensor,
+    k_j: torch.Tensor,
+    factors_t: tuple[torch.Tensor, torch.Tensor],
+    start: int,
+    stop: int,
+    scale: float,
+    bias: GaussianBias,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unnormalized probabilities of query rows ``start:stop`` of one head, keys first.
+
+    Writes ``E[:, t, s] = 2 ** (log2(e) * (score + bias)[start + s, t] - row max)`` into ``buf``
+    viewed as ``(B, N, rows)`` and returns ``(E, row sums: (B, rows))``; ``softmax = E / sums``.
+    Keys first puts the query index innermost, where both bias factors are contiguous (the
+    outer product then runs vectorized instead of ``gw`` elements at a time), and ``exp2`` is
+    several times faster than ``exp`` on the CPU (measurements in docs/benchmarks.md).
+
+    ``q_j, k_j: (B, N, D)``; ``factors_t``: one head of :func:`_key_major_factors`, ``(B, gh, Np)``
+    and ``(B, gw, Np)``.
+    """
+    p = bias.num_prefix_tokens
+    gh, gw = bias.grid_size
+    b, n, _ = k_j.shape
+    rows = stop - start
+    e = buf[: b * n * rows].view(b, n, rows)
+    first = max(start, p)  # first patch query of the block
+    if p:
+        e[:, :p].zero_()  # prefix keys
+    if first > start:
+        e[:, p:, : first - start].zero_()  # prefix queries
+    if first < stop:
+        ra_t, c_t = factors_t
+        lo, hi = first - p, stop - p
+        patches = e[:, p:, first - start :].unflatten(1, (gh, gw))  # (B, gh, gw, rows'), last stride 1
+        torch.mul(ra_t[:, :, None, lo:hi], c_t[:, None, :, lo:hi], out=patches)
+    e.baddbmm_(k_j, q_j[:, start:stop].transpose(1, 2), alpha=scale * _LOG2E)
+    e.sub_(e.amax(dim=1, keepdim=True)).exp2_()
+    return e, e.sum(dim=1)
+
+
+def _blocked_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ra: torch.Tensor,
+    c: torch.Tensor,
+    scale: float,
+    bias: GaussianBias,
+    rows: int,
+) -> torch.Tensor:
+    """The row-blocked forward of both entry points: ``(B, H, N, Dv)``, a view of ``(B, N, H, Dv)``."""
+    b, h, n, _ = q.shape
+    dv = v.shape[-1]
+    factors_t = _key_major_factors(ra, c)
+    scratch = _scratch_buffer(b * rows * n, q.dtype, q.device)
+    out = torch.empty(b, n, h, dv, dtype=v.dtype, device=v.device)
+    for j in range(h):  # one head at a time, batched over B: q, k, v are read in place
+        q_j, k_j, v_j = q[:, j], k[:, j], v[:, j]  # (B, N, D), (B, N, D), (B, N, Dv)
+        head_factors = (factors_t[0][:, j], factors_t[1][:, j])
+        for start in range(0, n, rows):
+            stop = min(n, start + rows)
+            e, sums = _exp2_block(scratch, q_j, k_j, head_factors, start, stop, scale, bias)
+            o = out[:, start:stop, j]
+            torch.bmm(e.transpose(1, 2), v_j, out=o)
+            o.div_(sums.unsqueeze(-1))  # normalize the (rows, Dv) output, not the (N, rows) block
+    return out.transpose(1, 2)
+
+
 def gaussian_softmax_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -97,33 +179,9 @@ def gaussian_softmax_attention(
     Returns:
         ``(B, H, N, Dv)`` in ``v``'s dtype: a view of a ``(B, N, H, Dv)`` contiguous tensor.
     """
-    b, h, n, _ = q.shape
-    dv = v.shape[-1]
+    n = q.shape[2]
     q, k, v, ra, c, rows = _prepare(q, k, v, bias, block_rows, n)
-    scratch = _scratch_buffer(b * rows * n, q.dtype, q.device)
-    out = torch.empty(b, n, h, dv, dtype=v.dtype, device=v.device)
-    for j in range(h):  # one head at a time, batched over B: q, k, v are read in place
-        q_j, kt_j, v_j = q[:, j], k[:, j].transpose(1, 2), v[:, j]  # (B, N, D), (B, D, N), (B, N, Dv)
-        factors = (ra[:, j : j + 1], c[:, j : j + 1])
-        for start in range(0, n, rows):
-            stop = min(n, start + rows)
-            scores = scratch[: b * (stop - start) * n].view(b, 1, stop - start, n)
-            bias.write_rows(scores, start, factors)
-            scores3 = scores[:, 0]
-            scores3.baddbmm_(q_j[:, start:stop], kt_j, alpha=scale)
-            torch.softmax(scores3, dim=-1, out=scores3)  # row by row, so in place is safe (and tested)
-            torch.bmm(scores3, v_j, out=out[:, start:stop, j])
-    return out.transpose(1, 2)
-
-
-def _row_blocks(n: int, prefix: int, rows: int) -> list[tuple[int, int]]:
-    """``(start, stop)`` query-row blocks: the prefix rows on their own, then patch rows ``rows`` at a time.
-
-    A block never mixes prefix and patch rows, so a block's patch columns ``[:, :, prefix:]`` of a
-    ``(B, rows, N)`` buffer fold to ``(B * rows, gh, gw)`` without a copy.
-    """
-    blocks = [(0, prefix)] if prefix else []
-    return blocks + [(s, min(n, s + rows)) for s in range(prefix, n, rows)]
+    return _blocked_forward(q, k, v, ra, c, scale, bias, rows)
 
 
 class _GaussianSoftmaxFunction(torch.autograd.Function):
@@ -142,22 +200,7 @@ class _GaussianSoftmaxFunction(torch.autograd.Function):
         bias: GaussianBias,
         rows: int,
     ) -> torch.Tensor:
-        b, h, n, _ = q.shape
-        dv = v.shape[-1]
-        blocks = _row_blocks(n, bias.num_prefix_tokens, rows)
-        scratch = _scratch_buffer(b * max(rows, bias.num_prefix_tokens) * n, q.dtype, q.device)
-        out = torch.empty(b, n, h, dv, dtype=v.dtype, device=v.device)
-        for j in range(h):
-            q_j, kt_j, v_j = q[:, j], k[:, j].transpose(1, 2), v[:, j]
-            factors = (ra[:, j : j + 1], c[:, j : j + 1])
-            for start, stop in blocks:
-                scores = scratch[: b * (stop - start) * n].view(b, 1, stop - start, n)
-                bias.write_rows(scores, start, factors)
-                scores3 = scores[:, 0]
-                scores3.baddbmm_(q_j[:, start:stop], kt_j, alpha=scale)
-                torch.softmax(scores3, dim=-1, out=scores3)
-                torch.bmm(scores3, v_j, out=out[:, start:stop, j])
-        out = out.transpose(1, 2)
+        out = _blocked_forward(q, k, v, ra, c, scale, bias, rows)
         ctx.save_for_backward(q, k, v, ra, c, out)
         ctx.scale, ctx.bias, ctx.rows = scale, bias, rows
         return out
@@ -171,46 +214,51 @@ class _GaussianSoftmaxFunction(torch.autograd.Function):
         gh, gw = bias.grid_size
         b, h, n, d = q.shape
         go = grad_out.to(v.dtype)
-        delta = (go * out).sum(-1, keepdim=True)  # (B, H, N, 1): rowsum(dO * O)
+        delta = (go * out).sum(-1).unsqueeze(2)  # (B, H, 1, N): rowsum(dO * O), keys-first broadcast
         # (H, B, N, D) memory order: each head's (B, N, D) slice is contiguous, which baddbmm_ needs
         # to accumulate in one batched call (on a strided slice it falls back to an addmm_ per entry)
         dq = torch.empty(h, b, n, d, dtype=q.dtype, device=q.device)
         dk = torch.zeros(h, b, n, d, dtype=k.dtype, device=k.device)
         dvv = torch.zeros(h, b, n, v.shape[-1], dtype=v.dtype, device=v.device)
-        dra = torch.zeros_like(ra, memory_format=torch.contiguous_format)
-        dc = torch.zeros_like(c, memory_format=torch.contiguous_format)
-        numel = b * max(rows, p) * n
+        n_p = gh * gw
+        dra_t = torch.zeros(b, h, gh, n_p, dtype=ra.dtype, device=ra.device)  # keys-first like the factors
+        dc_t = torch.zeros(b, h, gw, n_p, dtype=c.dtype, device=c.device)
+        factors_t = _key_major_factors(ra, c)
+        numel = b * rows * n
         probs_buf = _scratch_buffer(numel, q.dtype, q.device, slot=0)
         grad_buf = _scratch_buffer(numel, q.dtype, q.device, slot=1)
+        prod_buf = _scratch_buffer(numel, q.dtype, q.device, slot=4)  # slots 2, 3 are entmax15's
         for j in range(h):
             q_j, k_j, v_j, go_j = q[:, j], k[:, j], v[:, j], go[:, j]
             dk_j, dv_j = dk[j], dvv[j]
-            factors = (ra[:, j : j + 1], c[:, j : j + 1])
-            for start, stop in _row_blocks(n, p, rows):
+            ra_t, c_t = factors_t[0][:, j], factors_t[1][:, j]
+            for start in range(0, n, rows):
+                stop = min(n, start + rows)
                 r = stop - start
-                probs4 = probs_buf[: b * r * n].view(b, 1, r, n)
-                bias.write_rows(probs4, start, factors)
-                probs = probs4[:, 0]
-                probs.baddbmm_(q_j[:, start:stop], k_j.transpose(1, 2), alpha=scale)
-                # P of the forward, bit for bit: a block holds whole rows, so the softmax needs no saved
-                # logsumexp (and is faster than exp(S - lse) here: torch's exp_ is the slower kernel)
-                torch.softmax(probs, dim=-1, out=probs)
-                dv_j.baddbmm_(probs.transpose(1, 2), go_j[:, start:stop])
-                ds = grad_buf[: b * r * n].view(b, r, n)
-                torch.bmm(go_j[:, start:stop], v_j.transpose(1, 2), out=ds)  # dP
-                ds.sub_(delta[:, j, start:stop]).mul_(probs)  # dS = P * (dP - delta): d(scores)
-                torch.bmm(ds, k_j, out=dq[j, :, start:stop])
-                dk_j.baddbmm_(ds.transpose(1, 2), q_j[:, start:stop])
-                if start >= p:  # d bias = dS on patch rows x patch columns; S = (alpha R)[row] * C[col]
-                    ds_p = ds[:, :, p:].reshape(b * r, gh, gw)  # a view: the block holds patch rows only
-                    lo, hi = start - p, stop - p
-                    c_blk = c[:, j, lo:hi].reshape(b * r, 1, gw)
-                    ra_blk = ra[:, j, lo:hi].reshape(b * r, 1, gh)
-                    # d(alpha R) = dS C as a row vector times dSᵀ: ~2.5x faster than the matrix-vector bmm
-                    dra[:, j, lo:hi] = torch.bmm(c_blk, ds_p.transpose(1, 2)).view(b, r, gh)
-                    dc[:, j, lo:hi] = torch.bmm(ra_blk, ds_p).view(b, r, gw)
+                # Pᵀ of the block, keys first, recomputed as the forward computed it
+                e, sums = _exp2_block(probs_buf, q_j, k_j, (ra_t, c_t), start, stop, scale, bias)
+                probs = e.div_(sums.unsqueeze(1))
+                dv_j.baddbmm_(probs, go_j[:, start:stop])
+                ds = grad_buf[: b * n * r].view(b, n, r)
+                torch.bmm(v_j, go_j[:, start:stop].transpose(1, 2), out=ds)  # dPᵀ
+                ds.sub_(delta[:, j, :, start:stop]).mul_(probs)  # dSᵀ = Pᵀ * (dPᵀ - delta): d(scores)ᵀ
+                torch.bmm(ds.transpose(1, 2), k_j, out=dq[j, :, start:stop])
+                dk_j.baddbmm_(ds, q_j[:, start:stop])
+                first = max(start, p)
+                if first < stop:  # d bias = dS on patch queries x patch keys; S = (alpha R)[row] * C[col]
+                    lo, hi = first - p, stop - p
+                    ds_p = ds[:, p:, first - start :].unflatten(1, (gh, gw))  # (B, gh, gw, rows')
+                    prod = prod_buf[: ds_p.numel()].view(ds_p.shape)
+                    torch.mul(ds_p, c_t[:, None, :, lo:hi], out=prod)
+                    torch.sum(prod, dim=2, out=dra_t[:, j, :, lo:hi])  # d(alpha R) = sum_col dS C
+                    torch.mul(ds_p, ra_t[:, :, None, lo:hi], out=prod)
+                    torch.sum(prod, dim=1, out=dc_t[:, j, :, lo:hi])  # dC = sum_row dS (alpha R)
         dq.mul_(scale)
         dk.mul_(scale)
+        dc_t.mul_(1.0 / _LOG2E)  # the keys-first alpha R carries the factor log2(e)
+        # back to (B, H, Np, g) memory order: autograd's next step concatenates the two (a split's
+        # backward), which is ~2x slower on transposed inputs than this copy
+        dra, dc = dra_t.transpose(-1, -2).contiguous(), dc_t.transpose(-1, -2).contiguous()
         return dq.transpose(0, 1), dk.transpose(0, 1), dvv.transpose(0, 1), dra, dc, None, None, None
 
 
@@ -229,16 +277,16 @@ def gaussian_softmax_attention_train(
 
     The forward works in row blocks like :func:`gaussian_softmax_attention` and saves only its
     inputs and output (no row statistics: a block always holds whole rows, so the backward
-    recomputes each block's probabilities with the same softmax, bit for bit, which on the CPU is
+    recomputes each block's probabilities with the forward's own block step, which on the CPU is
     cheaper than ``exp(S - logsumexp)``). The backward gives dq, dk, dv (with the row statistic
     ``rowsum(dO * O)``) and the gradients of the separable factors ``alpha R`` and ``C``
-    (:meth:`GaussianBias.scaled_factors`), which autograd carries on to σ and α. Extra memory: two
-    reused ``(B, rows, N)`` block buffers, never an ``(B, H, N, N)`` tensor.
+    (:meth:`GaussianBias.scaled_factors`), which autograd carries on to σ and α. Extra memory: three
+    reused ``(B, N, rows)`` block buffers, never an ``(B, H, N, N)`` tensor.
 
     Args:
         q, k: ``(B, H, N, D)``; v: ``(B, H, N, Dv)``; float32 or float64, one dtype, same N.
         bias: the Gaussian bias (``sigma``/``alpha`` may broadcast over B, H).
-        block_rows: patch rows per block (default :func:`block_rows_for`); prefix rows form their own block.
+        block_rows: query rows per block (default :func:`block_rows_for`).
         mask: not supported: anything but ``None`` raises (masked calls take the dense path).
 
     Returns:
@@ -259,5 +307,5 @@ def gaussian_softmax_attention_train(
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be (B, H, N, D) with one "
             f"N = bias.num_tokens = {bias.num_tokens}"
         )
-    q, k, v, ra, c, rows = _prepare(q, k, v, bias, block_rows, max(1, n - bias.num_prefix_tokens))
+    q, k, v, ra, c, rows = _prepare(q, k, v, bias, block_rows, n)
     return _GaussianSoftmaxFunction.apply(q, k, v, ra, c, float(scale), bias, rows)

@@ -91,7 +91,7 @@ def gaussian_bias_from_queries(
         # both heads in one matmul: q_sp is a strided view, so this reads (and copies) it once
         out = F.linear(q_sp.to(work), weight.to(work), bias.to(work))  # (B, H, Np, 3)
         sigma = torch.sigmoid(out[..., :2] - shift) * sigma_max
-        alpha = F.softplus(out[..., 2:])
+        alpha = -F.logsigmoid(-out[..., 2:])  # softplus, in the CPU's faster kernel (within 1 ulp)
     return GaussianBias(sigma, alpha, grid_size, num_prefix_tokens, initial_grid_size)
 
 
