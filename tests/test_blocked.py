@@ -7,6 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import vitattn.functional.blocked as blocked
 import vitattn.functional.torch_backend as torch_backend
 from vitattn.functional import GaussianBias, attention
 from vitattn.functional.blocked import _scratch_buffer, block_rows_for, gaussian_softmax_attention
@@ -108,3 +109,38 @@ def test_inputs_without_unit_last_stride():
     bias = GaussianBias(torch.rand(1, 2, 9, 2, dtype=torch.float64) + 0.2, torch.rand(1, 2, 9, 1), (3, 3), 1)
     ref, _ = plain_attention(q, k, v, "softmax", scale=0.5, bias=bias.dense())
     torch.testing.assert_close(gaussian_softmax_attention(q, k, v, 0.5, bias, block_rows=4), ref)
+
+
+@pytest.mark.parametrize("offset", [0.0, -300.0, 200.0, "mixed"])
+def test_rows_near_the_exp_range_take_the_shifted_step(monkeypatch, offset):
+    """Scores far below zero (every unshifted exp2 flushes to 0) or above float32's exp range (inf)
+    must give the softmax all the same, by the maxima-subtracted retry; ordinary scores never retry."""
+    shifted = []
+    original = blocked._exp2_block_once
+
+    def spy(*args, shift):
+        shifted.append(shift)
+        return original(*args, shift=shift)
+
+    monkeypatch.setattr(blocked, "_exp2_block_once", spy)
+    g = torch.Generator().manual_seed(3)
+    b, h, gh, gw, prefix, d = 2, 2, 3, 4, 1, 8
+    n = prefix + gh * gw
+    q, k, v = (torch.randn(b, h, n, d, generator=g) for _ in range(3))
+    # a constant added to every score of a row: q gets a component along a direction all keys share
+    k[..., 0] = 1.0
+    row_offset = torch.full((b, h, n), 0.0 if offset == "mixed" else float(offset))
+    if offset == "mixed":
+        row_offset[0, 0, 2], row_offset[1, 1, 5] = -300.0, 200.0
+    scale = 0.5
+    q[..., 0] = row_offset / scale
+    sigma, alpha = torch.rand(b, h, gh * gw, 2, generator=g) + 0.3, torch.rand(b, h, gh * gw, 1, generator=g)
+    bias = GaussianBias(sigma, alpha, (gh, gw), prefix)
+    got = gaussian_softmax_attention(q, k, v, scale, bias, block_rows=5)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    ref, _ = plain_attention(q64, k64, v64, "softmax", scale=scale, bias=bias.dense().double())
+    assert torch.isfinite(got).all()
+    # float32 scores near -300 carry rounding of ulp(300) ~ 3e-5 in every path, hence the offset term
+    atol = 2e-5 + 2e-7 * (300.0 if offset == "mixed" else abs(offset))
+    torch.testing.assert_close(got.double(), ref, atol=atol, rtol=1e-5)
+    assert any(shifted) == (offset != 0.0)  # a retry exactly when some row is out of range

@@ -21,6 +21,7 @@ measurements behind these choices are in docs/benchmarks.md.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -32,6 +33,7 @@ __all__ = ["block_rows_for", "gaussian_softmax_attention", "gaussian_softmax_att
 # ~5 MiB of float32 scores per block (L3-sized; see docs/benchmarks.md for the block-size measurements)
 _BLOCK_ELEMENTS = 5 * 2**18
 _LOG2E = 1.4426950408889634  # exp(x) = 2 ** (x * log2(e))
+_MIN_ROW_SUM = 2.0**-64  # unshifted row sums at least this are exact, see _exp2_block
 
 
 _scratch = threading.local()
@@ -91,7 +93,7 @@ def _key_major_factors(ra: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor,
     return ra_t, c.transpose(-1, -2).contiguous()
 
 
-def _exp2_block(
+def _exp2_block_once(
     buf: torch.Tensor,
     q_j: torch.Tensor,
     k_j: torch.Tensor,
@@ -100,11 +102,13 @@ def _exp2_block(
     stop: int,
     scale: float,
     bias: GaussianBias,
+    shift: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unnormalized probabilities of query rows ``start:stop`` of one head, keys first.
+    """One try of :func:`_exp2_block`.
 
-    Writes ``E[:, t, s] = 2 ** (log2(e) * (score + bias)[start + s, t] - row max)`` into ``buf``
-    viewed as ``(B, N, rows)`` and returns ``(E, row sums: (B, rows))``; ``softmax = E / sums``.
+    Writes ``E[:, t, s] = 2 ** (log2(e) * (score + bias)[start + s, t] - m_s)`` into ``buf``
+    viewed as ``(B, N, rows)``, with ``m_s`` the row maximum if ``shift``, else 0, and returns
+    ``(E, row sums: (B, rows))``.
     Keys first puts the query index innermost, where both bias factors are contiguous (the
     outer product then runs vectorized instead of ``gw`` elements at a time), and ``exp2`` is
     several times faster than ``exp`` on the CPU (measurements in docs/benchmarks.md).
@@ -128,8 +132,36 @@ def _exp2_block(
         patches = e[:, p:, first - start :].unflatten(1, (gh, gw))  # (B, gh, gw, rows'), last stride 1
         torch.mul(ra_t[:, :, None, lo:hi], c_t[:, None, :, lo:hi], out=patches)
     e.baddbmm_(k_j, q_j[:, start:stop].transpose(1, 2), alpha=scale * _LOG2E)
-    e.sub_(e.amax(dim=1, keepdim=True)).exp2_()
-    return e, e.sum(dim=1)
+    if shift:
+        e.sub_(e.amax(dim=1, keepdim=True))
+    sums = e.exp2_().sum(dim=1)
+    return e, sums
+
+
+def _exp2_block(
+    buf: torch.Tensor,
+    q_j: torch.Tensor,
+    k_j: torch.Tensor,
+    factors_t: tuple[torch.Tensor, torch.Tensor],
+    start: int,
+    stop: int,
+    scale: float,
+    bias: GaussianBias,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unnormalized probabilities of query rows ``start:stop`` of one head, keys first:
+    ``(E: (B, N, rows), row sums: (B, rows))`` with ``softmax = E / sums``.
+
+    First without subtracting the row maxima (two passes fewer). That is exact whenever every row
+    sum lies in ``[2^-64, inf)``: nothing overflowed, and the terms ``exp2`` flushed to zero (each
+    below ``2^-126``) add at most ``N * 2^-62`` relative to their row. Otherwise (a row whose scores
+    are all below about -44, or one near float32's exp range) the block is recomputed with the
+    maxima subtracted, as a softmax does.
+    """
+    args = (buf, q_j, k_j, factors_t, start, stop, scale, bias)
+    e, sums = _exp2_block_once(*args, shift=False)
+    if bool(((sums >= _MIN_ROW_SUM) & (sums < math.inf)).all()):
+        return e, sums
+    return _exp2_block_once(*args, shift=True)
 
 
 def _blocked_forward(
