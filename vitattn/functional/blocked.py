@@ -250,11 +250,12 @@ class _GaussianSoftmaxFunction(torch.autograd.Function):
         # (H, B, N, D) memory order: each head's (B, N, D) slice is contiguous, which baddbmm_ needs
         # to accumulate in one batched call (on a strided slice it falls back to an addmm_ per entry)
         dq = torch.empty(h, b, n, d, dtype=q.dtype, device=q.device)
-        dk = torch.zeros(h, b, n, d, dtype=k.dtype, device=k.device)
-        dvv = torch.zeros(h, b, n, v.shape[-1], dtype=v.dtype, device=v.device)
+        dk = torch.empty(h, b, n, d, dtype=k.dtype, device=k.device)  # the first block writes, others add
+        dvv = torch.empty(h, b, n, v.shape[-1], dtype=v.dtype, device=v.device)
         n_p = gh * gw
-        dra_t = torch.zeros(b, h, gh, n_p, dtype=ra.dtype, device=ra.device)  # keys-first like the factors
-        dc_t = torch.zeros(b, h, gw, n_p, dtype=c.dtype, device=c.device)
+        # keys-first like the factors; every patch query's column is written by exactly one block
+        dra_t = torch.empty(b, h, gh, n_p, dtype=ra.dtype, device=ra.device)
+        dc_t = torch.empty(b, h, gw, n_p, dtype=c.dtype, device=c.device)
         factors_t = _key_major_factors(ra, c)
         numel = b * rows * n
         probs_buf = _scratch_buffer(numel, q.dtype, q.device, slot=0)
@@ -267,15 +268,23 @@ class _GaussianSoftmaxFunction(torch.autograd.Function):
             for start in range(0, n, rows):
                 stop = min(n, start + rows)
                 r = stop - start
-                # Pᵀ of the block, keys first, recomputed as the forward computed it
+                # Eᵀ of the block, keys first, recomputed as the forward computed it; P = E / sums is
+                # never formed: dO and delta are divided by the sums instead (rows x Dv, not N x rows),
+                # so dSᵀ = Eᵀ * (v (dO / sums)ᵀ - delta / sums) = Pᵀ * (dPᵀ - delta) exactly
                 e, sums = _exp2_block(probs_buf, q_j, k_j, (ra_t, c_t), start, stop, scale, bias)
-                probs = e.div_(sums.unsqueeze(1))
-                dv_j.baddbmm_(probs, go_j[:, start:stop])
+                go_s = go_j[:, start:stop] / sums.unsqueeze(-1)
+                if start == 0:
+                    torch.bmm(e, go_s, out=dv_j)
+                else:
+                    dv_j.baddbmm_(e, go_s)
                 ds = grad_buf[: b * n * r].view(b, n, r)
-                torch.bmm(v_j, go_j[:, start:stop].transpose(1, 2), out=ds)  # dPᵀ
-                ds.sub_(delta[:, j, :, start:stop]).mul_(probs)  # dSᵀ = Pᵀ * (dPᵀ - delta): d(scores)ᵀ
+                torch.bmm(v_j, go_s.transpose(1, 2), out=ds)  # dPᵀ / sums
+                ds.sub_(delta[:, j, :, start:stop] / sums.unsqueeze(1)).mul_(e)  # dSᵀ: d(scores)ᵀ
                 torch.bmm(ds.transpose(1, 2), k_j, out=dq[j, :, start:stop])
-                dk_j.baddbmm_(ds, q_j[:, start:stop])
+                if start == 0:
+                    torch.bmm(ds, q_j[:, start:stop], out=dk_j)
+                else:
+                    dk_j.baddbmm_(ds, q_j[:, start:stop])
                 first = max(start, p)
                 if first < stop:  # d bias = dS on patch queries x patch keys; S = (alpha R)[row] * C[col]
                     lo, hi = first - p, stop - p
