@@ -178,3 +178,29 @@ def test_inference_mode_then_training_share_the_block_buffers():
     out.sum().backward()
     torch.testing.assert_close(out.detach(), fast, atol=1e-6, rtol=1e-5)  # other row blocks: ulps
     assert q.grad is not None and sigma.grad is not None
+
+
+@pytest.mark.parametrize("offset", [-300.0, 200.0])
+def test_gradients_of_rows_near_the_exp_range(offset):
+    """The backward recomputes each block with the forward's step, including its maxima-subtracted
+    retry: rows whose scores all sit near -300 or +200 still give the float64 gradients (within
+    float32's rounding of scores that large) and nothing non-finite."""
+    b, h, gh, gw, prefix, d = 2, 2, 3, 3, 1, 8
+    leaves = _leaves(b, h, gh, gw, prefix, d, torch.float32, seed=4)
+    scale = 0.5
+    with torch.no_grad():  # every score of a row shifted by the same offset: a key component all keys share
+        leaves[1][..., 0] = 1.0
+        leaves[0][:, :, 2, 0] = offset / scale
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    out = gaussian_softmax_attention_train(
+        *leaves[:3], scale, GaussianBias(leaves[3], leaves[4], (gh, gw), prefix), block_rows=4
+    )
+    ref = _dense_reference(*ref_leaves, (gh, gw), prefix, scale)
+    grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    got = torch.autograd.grad(out, leaves, grad.float())
+    want = torch.autograd.grad(ref, ref_leaves, grad)
+    for name, a, w in zip(("q", "k", "v", "sigma", "alpha"), got, want, strict=True):
+        assert torch.isfinite(a).all(), name
+        top = w.abs().max().clamp_min(1e-3).item()
+        err = (a.double() - w).abs().max().item() / top
+        assert err <= 5e-4, f"d{name}: error {err:.2e} relative to max |grad| {top:.2e}"
