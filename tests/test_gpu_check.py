@@ -324,3 +324,25 @@ def test_an_implementation_that_fails_is_reported_and_the_others_still_timed(mod
     kb._measure_mode(res, impls, mode, rounds=1)
     assert [r.impl for r in res.rows] == ["softmax sdpa"] and res.rows[0].ms > 0
     assert res.skipped == [{"mode": mode, "impl": "softmax broken", "reason": "failed: RuntimeError: boom"}]
+
+
+def test_skip_notes_group_by_reason():
+    """One printed line per reason (impls and their modes listed once), not one per impl and mode."""
+    from vitattn.bench import kernels as kb
+
+    case = kb.CASES["vit_b"]
+    a = kb.CaseResult(case, case.dry_shape, "cpu", torch.float32, dry=True)
+    b = kb.CaseResult(case, case.dry_shape, "cpu", torch.float32, dry=True)
+    a.skipped = [
+        {"mode": "fwd+bwd", "impl": "x", "reason": "needs CUDA"},
+        {"mode": "fwd+bwd", "impl": "y", "reason": "failed: boom"},
+        {"mode": "fwd", "impl": "x", "reason": "needs CUDA"},
+    ]
+    b.skipped = [
+        {"mode": "fwd", "impl": "z", "reason": "needs CUDA"},
+        {"mode": "fwd", "impl": "x", "reason": "needs CUDA"},  # x's fwd again, from another case
+    ]
+    assert kb.skip_notes([a, b]) == [
+        "skipped (needs CUDA): x [fwd+bwd, fwd], z [fwd]",
+        "skipped (failed: boom): y [fwd+bwd]",
+    ]

@@ -611,6 +611,20 @@ def _version(module: str) -> str | None:
         return None
 
 
+def skip_notes(results: list[CaseResult]) -> list[str]:
+    """One note per distinct reason: ``skipped (reason): impl [modes], ...``, in first-seen order."""
+    by_reason: dict[str, dict[str, list[str]]] = {}
+    for r in results:
+        for s in r.skipped:
+            modes = by_reason.setdefault(s["reason"], {}).setdefault(s["impl"], [])
+            if s["mode"] not in modes:
+                modes.append(s["mode"])
+    return [
+        f"skipped ({reason}): " + ", ".join(f"{impl} [{', '.join(modes)}]" for impl, modes in impls.items())
+        for reason, impls in by_reason.items()
+    ]
+
+
 @register_suite("kernels", "Triton kernels vs SDPA flash/cuDNN, dense bias, Flex, AdaSplash (CUDA, bf16)")
 def kernels_suite(quick: bool = False) -> SuiteResult:
     """Every case on CUDA (``quick``: ``vit_b`` and ``sparse``); without CUDA the dry-run shapes, CPU."""
@@ -623,6 +637,5 @@ def kernels_suite(quick: bool = False) -> SuiteResult:
         title=f"fused attention kernels and their peers, ratio = ms / {ref} (lower is faster)",
         reference=ref,
         rows=[row for p in parts for row in p.rows],
-        notes=[note for p in parts for note in p.notes]
-        + [f"skipped {s['impl']} ({s['mode']}): {s['reason']}" for r in results for s in r.skipped],
+        notes=[note for p in parts for note in p.notes] + skip_notes(results),
     )
