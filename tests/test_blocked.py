@@ -55,7 +55,8 @@ def test_float32_close_to_float64_and_strided_inputs():
 
 
 def test_block_rows_for():
-    assert block_rows_for(2, 785, 785) == 785  # 448 px, batch 2: one block per head
+    assert block_rows_for(2, 785, 785) == 393  # 448 px, batch 2: two blocks (at most 512 rows each)
+    assert block_rows_for(1, 3137, 3137) == 393  # 896 px, batch 1: eight blocks of 393 or 392 rows
     assert block_rows_for(4, 785, 785) == 393  # 448 px, batch 4: two blocks of 393 and 392 rows
     assert block_rows_for(16, 197, 197) == 197  # 224 px, batch 16: one block per head
     assert block_rows_for(1, 100, 100) == 100  # one block when it fits
