@@ -55,8 +55,9 @@ def test_float32_close_to_float64_and_strided_inputs():
 
 
 def test_block_rows_for():
-    assert block_rows_for(2, 785, 785) == 393  # 448 px, batch 2: two blocks (at most 512 rows each)
-    assert block_rows_for(1, 3137, 3137) == 393  # 896 px, batch 1: eight blocks of 393 or 392 rows
+    assert block_rows_for(2, 785, 785) == 785  # 448 px, batch 2: one block per head
+    assert block_rows_for(2, 785, 785, max_rows=512) == 393  # inference's cap: two blocks
+    assert block_rows_for(1, 3137, 3137, max_rows=512) == 393  # 896 px, batch 1: eight blocks of 393 or 392
     assert block_rows_for(4, 785, 785) == 393  # 448 px, batch 4: two blocks of 393 and 392 rows
     assert block_rows_for(16, 197, 197) == 197  # 224 px, batch 16: one block per head
     assert block_rows_for(1, 100, 100) == 100  # one block when it fits
@@ -145,3 +146,23 @@ def test_rows_near_the_exp_range_take_the_shifted_step(monkeypatch, offset):
     atol = 2e-5 + 2e-7 * (300.0 if offset == "mixed" else abs(offset))
     torch.testing.assert_close(got.double(), ref, atol=atol, rtol=1e-5)
     assert any(shifted) == (offset != 0.0)  # a retry exactly when some row is out of range
+
+
+def test_inference_blocks_hold_at_most_512_rows(monkeypatch):
+    """448 px, batch 2 (N = 785): inference runs two blocks per head by default, an explicit
+    ``block_rows`` is taken as given."""
+    blocks = []
+    original = blocked._exp2_block_once
+
+    def spy(buf, q_j, k_j, factors_t, start, stop, *rest, shift):
+        blocks.append((start, stop))
+        return original(buf, q_j, k_j, factors_t, start, stop, *rest, shift=shift)
+
+    monkeypatch.setattr(blocked, "_exp2_block_once", spy)
+    q, k, v = (torch.randn(2, 1, 785, 4) for _ in range(3))
+    bias = GaussianBias(torch.rand(2, 1, 784, 2) + 0.5, torch.rand(2, 1, 784, 1), (28, 28), 1)
+    gaussian_softmax_attention(q, k, v, 0.5, bias)
+    assert blocks == [(0, 393), (393, 785)]
+    blocks.clear()
+    gaussian_softmax_attention(q, k, v, 0.5, bias, block_rows=785)
+    assert blocks == [(0, 785)]
