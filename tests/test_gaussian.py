@@ -118,6 +118,30 @@ def test_write_rows_is_a_row_slice_of_dense(case, data):
     torch.testing.assert_close(out, bias.dense()[:, :, start:stop], atol=0, rtol=0)
 
 
+@given(bias_cases(), st.data())
+def test_write_columns_is_a_transposed_row_slice_of_dense(case, data):
+    sigma, alpha, grid, prefix, initial = case
+    bias = GaussianBias(sigma, alpha, grid, num_prefix_tokens=prefix, initial_grid_size=initial)
+    n = bias.num_tokens
+    start = data.draw(st.integers(0, n - 1))
+    stop = data.draw(st.integers(start + 1, n))
+    ra, c = bias.scaled_factors()
+    factors_t = (ra.transpose(-1, -2).contiguous(), c.transpose(-1, -2).contiguous())
+    out = torch.full((ra.shape[0], ra.shape[1], n, stop - start), float("nan"), dtype=ra.dtype)
+    bias.write_columns(out, start, factors_t)
+    torch.testing.assert_close(out, bias.dense()[:, :, start:stop].transpose(-1, -2), atol=0, rtol=0)
+
+
+def test_write_columns_rejects_a_block_that_does_not_fit():
+    bias = GaussianBias(torch.ones(1, 1, 4, 2), torch.ones(1, 1, 4, 1), (2, 2), 1)
+    ra, c = bias.scaled_factors()
+    factors_t = (ra.transpose(-1, -2), c.transpose(-1, -2))
+    with pytest.raises(ValueError, match=r"query rows 3\.\.6 of a \(B, H, 5, 5\) bias, keys first"):
+        bias.write_columns(torch.empty(1, 1, 5, 3), 3, factors_t)
+    with pytest.raises(ValueError, match=r"do not fit out of shape \(1, 1, 4, 2\)"):
+        bias.write_columns(torch.empty(1, 1, 4, 2), 0, factors_t)
+
+
 def test_write_rows_rejects_a_block_that_does_not_fit():
     bias = GaussianBias(torch.ones(1, 1, 4, 2), torch.ones(1, 1, 4, 1), (2, 2), 1)
     with pytest.raises(ValueError, match=r"rows 3\.\.6 of a \(B, H, 5, 5\) bias do not fit out of shape"):

@@ -75,18 +75,17 @@ def _prepare(
     v: torch.Tensor,
     bias: GaussianBias,
     block_rows: int | None,
-    max_rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """What both row-blocked paths start from: q, k, v with a unit last stride, the bias factors
     ``alpha R: (B, H, Np, gh)`` and ``C: (B, H, Np, gw)`` in q's dtype, and the rows per block
-    (at most ``max_rows``)."""
+    (at most N)."""
     b, h, n, _ = q.shape
     rows = block_rows_for(b, n, n) if block_rows is None else int(block_rows)
     if rows < 1:
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     ra, c = bias.scaled_factors(q.dtype)
-    return q, k, v, ra.expand(b, h, *ra.shape[2:]), c.expand(b, h, *c.shape[2:]), min(rows, max_rows)
+    return q, k, v, ra.expand(b, h, *ra.shape[2:]), c.expand(b, h, *c.shape[2:]), min(rows, n)
 
 
 def _key_major_factors(ra: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,29 +111,18 @@ def _exp2_block_once(
 
     Writes ``E[:, t, s] = 2 ** (log2(e) * (score + bias)[start + s, t] - m_s)`` into ``buf``
     viewed as ``(B, N, rows)``, with ``m_s`` the row maximum if ``shift``, else 0, and returns
-    ``(E, row sums: (B, rows))``.
-    Keys first puts the query index innermost, where both bias factors are contiguous (the
-    outer product then runs vectorized instead of ``gw`` elements at a time), and ``exp2`` is
-    several times faster than ``exp`` on the CPU (measurements in docs/benchmarks.md).
+    ``(E, row sums: (B, rows))``. Keys first makes the bias write one vectorized outer product
+    (:meth:`GaussianBias.write_columns`), and ``exp2`` is several times faster than ``exp`` on the
+    CPU (measurements in docs/benchmarks.md).
 
     ``q_j, k_j: (B, N, D)``; ``factors_t``: one head of :func:`_key_major_factors`, ``(B, gh, Np)``
     and ``(B, gw, Np)``.
     """
-    p = bias.num_prefix_tokens
-    gh, gw = bias.grid_size
     b, n, _ = k_j.shape
     rows = stop - start
     e = buf[: b * n * rows].view(b, n, rows)
-    first = max(start, p)  # first patch query of the block
-    if p:
-        e[:, :p].zero_()  # prefix keys
-    if first > start:
-        e[:, p:, : first - start].zero_()  # prefix queries
-    if first < stop:
-        ra_t, c_t = factors_t
-        lo, hi = first - p, stop - p
-        patches = e[:, p:, first - start :].unflatten(1, (gh, gw))  # (B, gh, gw, rows'), last stride 1
-        torch.mul(ra_t[:, :, None, lo:hi], c_t[:, None, :, lo:hi], out=patches)
+    ra_t, c_t = factors_t
+    bias.write_columns(e.unsqueeze(1), start, (ra_t.unsqueeze(1), c_t.unsqueeze(1)))
     e.baddbmm_(k_j, q_j[:, start:stop].transpose(1, 2), alpha=scale * _LOG2E)
     if shift:
         e.sub_(e.amax(dim=1, keepdim=True))
@@ -218,7 +206,7 @@ def gaussian_softmax_attention(
     b, _, n, _ = q.shape
     if block_rows is None:
         block_rows = block_rows_for(b, n, n, max_rows=_INFERENCE_MAX_ROWS)
-    q, k, v, ra, c, rows = _prepare(q, k, v, bias, block_rows, n)
+    q, k, v, ra, c, rows = _prepare(q, k, v, bias, block_rows)
     return _blocked_forward(q, k, v, ra, c, scale, bias, rows)
 
 
@@ -354,5 +342,5 @@ def gaussian_softmax_attention_train(
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be (B, H, N, D) with one "
             f"N = bias.num_tokens = {bias.num_tokens}"
         )
-    q, k, v, ra, c, rows = _prepare(q, k, v, bias, block_rows, n)
+    q, k, v, ra, c, rows = _prepare(q, k, v, bias, block_rows)
     return _GaussianSoftmaxFunction.apply(q, k, v, ra, c, float(scale), bias, rows)

@@ -220,6 +220,38 @@ class GaussianBias:
             out[..., first - start :, :p].zero_()
         return out
 
+    def write_columns(
+        self, out: torch.Tensor, start: int, factors_t: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """Write the transposed bias of query rows ``start .. start + out.shape[-1]`` into
+        ``out: (B, H, N, rows)`` (keys first), so ``out[..., t, s] = S[start + s, t]``.
+
+        ``factors_t`` are :meth:`scaled_factors` with the query index last, ``(B, H, gh, Np)`` and
+        ``(B, H, gw, Np)``, in ``out``'s dtype (any common scale, e.g. log2(e), is the caller's).
+        The query index is then the contiguous one of all three tensors, so the outer product runs
+        vectorized (:meth:`write_rows`' innermost run is only ``gw`` long). Not differentiable.
+        """
+        p = self.num_prefix_tokens
+        gh, gw = self.grid_size
+        rows = out.shape[-1]
+        stop = start + rows
+        if not 0 <= start <= stop <= self.num_tokens or out.shape[-2] != self.num_tokens:
+            raise ValueError(
+                f"write_columns: query rows {start}..{stop} of a (B, H, {self.num_tokens}, "
+                f"{self.num_tokens}) bias, keys first, do not fit out of shape {shape_str(out)}"
+            )
+        first = max(start, p)  # first patch query of the block
+        if p:
+            out[..., :p, :].zero_()  # prefix keys
+        if first > start:
+            out[..., p:, : first - start].zero_()  # prefix queries
+        if first < stop:
+            ra_t, c_t = factors_t
+            lo, hi = first - p, stop - p
+            patches = out[..., p:, first - start :].unflatten(-2, (gh, gw))  # (B, H, gh, gw, rows')
+            torch.mul(ra_t[..., :, None, lo:hi], c_t[..., None, :, lo:hi], out=patches)
+        return out
+
     def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``(B, H, N, N)`` additive bias with zero rows and columns for the prefix tokens."""
         p = self.num_prefix_tokens
