@@ -118,13 +118,13 @@ def test_rows_near_the_exp_range_take_the_shifted_step(monkeypatch, offset):
     """Scores far below zero (every unshifted exp2 flushes to 0) or above float32's exp range (inf)
     must give the softmax all the same, by the maxima-subtracted retry; ordinary scores never retry."""
     shifted = []
-    original = blocked._exp2_block_once
+    original = blocked._exp2_step
 
-    def spy(*args, shift):
-        shifted.append(shift)
-        return original(*args, shift=shift)
+    def spy(*args):
+        shifted.append(args[-1])
+        return original(*args)
 
-    monkeypatch.setattr(blocked, "_exp2_block_once", spy)
+    monkeypatch.setattr(blocked, "_exp2_step", spy)
     g = torch.Generator().manual_seed(3)
     b, h, gh, gw, prefix, d = 2, 2, 3, 4, 1, 8
     n = prefix + gh * gw
@@ -152,13 +152,13 @@ def test_inference_blocks_hold_at_most_512_rows(monkeypatch):
     """448 px, batch 2 (N = 785): inference runs two blocks per head by default, an explicit
     ``block_rows`` is taken as given."""
     blocks = []
-    original = blocked._exp2_block_once
+    original = blocked._exp2_step
 
-    def spy(buf, q_j, k_j, factors_t, start, stop, *rest, shift):
-        blocks.append((start, stop))
-        return original(buf, q_j, k_j, factors_t, start, stop, *rest, shift=shift)
+    def spy(block, *rest):
+        blocks.append((block.start, block.stop))
+        return original(block, *rest)
 
-    monkeypatch.setattr(blocked, "_exp2_block_once", spy)
+    monkeypatch.setattr(blocked, "_exp2_step", spy)
     q, k, v = (torch.randn(2, 1, 785, 4) for _ in range(3))
     bias = GaussianBias(torch.rand(2, 1, 784, 2) + 0.5, torch.rand(2, 1, 784, 1), (28, 28), 1)
     gaussian_softmax_attention(q, k, v, 0.5, bias)

@@ -129,7 +129,31 @@ def test_write_columns_is_a_transposed_row_slice_of_dense(case, data):
     factors_t = (ra.transpose(-1, -2).contiguous(), c.transpose(-1, -2).contiguous())
     out = torch.full((ra.shape[0], ra.shape[1], n, stop - start), float("nan"), dtype=ra.dtype)
     bias.write_columns(out, start, factors_t)
-    torch.testing.assert_close(out, bias.dense()[:, :, start:stop].transpose(-1, -2), atol=0, rtol=0)
+    want = bias.dense()[:, :, start:stop].transpose(-1, -2)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    # one head's (B, N, rows) block, its views made once and written again for another head
+    block = bias.column_block(torch.full_like(out[:, 0], float("nan")), start)
+    for j in range(ra.shape[1]):
+        block.write((factors_t[0][:, j], factors_t[1][:, j]))
+        torch.testing.assert_close(block.out, want[:, j], atol=0, rtol=0)
+
+
+@given(bias_cases(), st.sampled_from([1.0, 1.4426950408889634]))
+def test_key_major_factors_are_the_scaled_factors_transposed(case, scale):
+    sigma, alpha, grid, prefix, initial = case
+    leaves = sigma.clone().requires_grad_(), alpha.clone().requires_grad_()
+    bias = GaussianBias(*leaves, grid, num_prefix_tokens=prefix, initial_grid_size=initial)
+    ra_t, c_t = bias.key_major_factors(scale=scale)
+    ra, c = bias.scaled_factors()
+    # within ulps: exp2's vectorized and scalar loops (the two layouts' tails differ) may round apart
+    torch.testing.assert_close(ra_t, scale * ra.transpose(-1, -2), atol=1e-300, rtol=1e-14)
+    torch.testing.assert_close(c_t, c.transpose(-1, -2), atol=1e-300, rtol=1e-14)
+    assert ra_t.dtype == torch.float64 and bias.key_major_factors(torch.float32)[0].dtype == torch.float32
+    w_r, w_c = torch.randn_like(ra_t), torch.randn_like(c_t)  # the same gradients reach sigma and alpha
+    got = torch.autograd.grad((ra_t * w_r).sum() + (c_t * w_c).sum(), leaves)
+    want = torch.autograd.grad((ra * scale * w_r.mT).sum() + (c * w_c.mT).sum(), leaves)
+    for a, w in zip(got, want, strict=True):
+        torch.testing.assert_close(a, w, atol=1e-12, rtol=1e-10)
 
 
 def test_write_columns_rejects_a_block_that_does_not_fit():

@@ -26,7 +26,7 @@ import threading
 
 import torch
 
-from .gaussian import GaussianBias
+from .gaussian import ColumnBlock, GaussianBias
 
 __all__ = ["block_rows_for", "gaussian_softmax_attention", "gaussian_softmax_attention_train"]
 
@@ -36,7 +36,7 @@ _BLOCK_ELEMENTS = 5 * 2**18
 # 448 px, batch 2 (6 fresh processes; 262 and 128 rows were slower; training was the same either way)
 _INFERENCE_MAX_ROWS = 512
 _LOG2E = 1.4426950408889634  # exp(x) = 2 ** (x * log2(e))
-_MIN_ROW_SUM = 2.0**-64  # unshifted row sums at least this are exact, see _exp2_block
+_MIN_ROW_SUM = 2.0**-64  # unshifted row sums at least this are exact, see _sums_in_range
 
 
 _scratch = threading.local()
@@ -77,111 +77,110 @@ def _prepare(
     block_rows: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """What both row-blocked paths start from: q, k, v with a unit last stride, the bias factors
-    ``alpha R: (B, H, Np, gh)`` and ``C: (B, H, Np, gw)`` in q's dtype, and the rows per block
-    (at most N)."""
+    keys first, ``log2(e) (alpha R)ᵀ: (B, H, gh, Np)`` and ``Cᵀ: (B, H, gw, Np)`` in q's dtype
+    (:meth:`GaussianBias.key_major_factors`), and the rows per block (at most N)."""
     b, h, n, _ = q.shape
     rows = block_rows_for(b, n, n) if block_rows is None else int(block_rows)
     if rows < 1:
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    ra, c = bias.scaled_factors(q.dtype)
-    return q, k, v, ra.expand(b, h, *ra.shape[2:]), c.expand(b, h, *c.shape[2:]), min(rows, n)
+    ra_t, c_t = bias.key_major_factors(q.dtype, scale=_LOG2E)
+    return q, k, v, ra_t.expand(b, h, *ra_t.shape[2:]), c_t.expand(b, h, *c_t.shape[2:]), min(rows, n)
 
 
-def _key_major_factors(ra: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``log2(e) * (alpha R)ᵀ: (B, H, gh, Np)`` and ``Cᵀ: (B, H, gw, Np)``, contiguous: the bias
-    factors with the query index last, as :func:`_exp2_block` reads them."""
-    ra_t = torch.empty(*ra.shape[:2], ra.shape[-1], ra.shape[-2], dtype=ra.dtype, device=ra.device)
-    torch.mul(ra.transpose(-1, -2), _LOG2E, out=ra_t)
-    return ra_t, c.transpose(-1, -2).contiguous()
+def _blocks(buf: torch.Tensor, b: int, n: int, rows: int, bias: GaussianBias) -> list[ColumnBlock]:
+    """The query-row blocks of one head, each a keys-first ``(B, N, rows)`` view of ``buf`` with
+    its bias views made once (every head reuses them)."""
+    blocks = []
+    for start in range(0, n, rows):
+        r = min(n, start + rows) - start
+        blocks.append(bias.column_block(buf[: b * n * r].view(b, n, r), start))
+    return blocks
 
 
-def _exp2_block_once(
-    buf: torch.Tensor,
-    q_j: torch.Tensor,
+def _exp2_step(
+    block: ColumnBlock,
+    q_t: torch.Tensor,
     k_j: torch.Tensor,
-    factors_t: tuple[torch.Tensor, torch.Tensor],
-    start: int,
-    stop: int,
-    scale: float,
-    bias: GaussianBias,
+    factors_j: tuple[torch.Tensor, torch.Tensor],
+    alpha: float,
     shift: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One try of :func:`_exp2_block`.
+) -> torch.Tensor:
+    """Unnormalized probabilities of one head's query rows ``block.start:block.stop``, keys first:
+    ``E[:, t, s] = 2 ** (log2(e) (score + bias)[start + s, t] - m_s)`` written into ``block.out:
+    (B, N, rows)`` and returned, with ``m_s`` the row maximum if ``shift``, else 0.
 
-    Writes ``E[:, t, s] = 2 ** (log2(e) * (score + bias)[start + s, t] - m_s)`` into ``buf``
-    viewed as ``(B, N, rows)``, with ``m_s`` the row maximum if ``shift``, else 0, and returns
-    ``(E, row sums: (B, rows))``. Keys first makes the bias write one vectorized outer product
-    (:meth:`GaussianBias.write_columns`), and ``exp2`` is several times faster than ``exp`` on the
-    CPU (measurements in docs/benchmarks.md).
-
-    ``q_j, k_j: (B, N, D)``; ``factors_t``: one head of :func:`_key_major_factors`, ``(B, gh, Np)``
-    and ``(B, gw, Np)``.
+    ``q_t: (B, D, N)`` (q transposed), ``k_j: (B, N, D)``, ``factors_j``: one head of the keys-first
+    factors, ``alpha = scale * log2(e)``. Keys first makes the bias write one vectorized outer product
+    (:meth:`ColumnBlock.write`); ``exp2`` is several times faster than ``exp`` on the CPU.
     """
-    b, n, _ = k_j.shape
-    rows = stop - start
-    e = buf[: b * n * rows].view(b, n, rows)
-    ra_t, c_t = factors_t
-    bias.write_columns(e.unsqueeze(1), start, (ra_t.unsqueeze(1), c_t.unsqueeze(1)))
-    e.baddbmm_(k_j, q_j[:, start:stop].transpose(1, 2), alpha=scale * _LOG2E)
+    e = block.write(factors_j)
+    e.baddbmm_(k_j, q_t if block.all_rows else q_t[..., block.start : block.stop], alpha=alpha)
     if shift:
         e.sub_(e.amax(dim=1, keepdim=True))
-    sums = e.exp2_().sum(dim=1)
-    return e, sums
+    return e.exp2_()
 
 
-def _exp2_block(
-    buf: torch.Tensor,
-    q_j: torch.Tensor,
-    k_j: torch.Tensor,
+def _sums_in_range(sums: torch.Tensor) -> bool:
+    """Whether every row sum lies in ``[2^-64, inf)``, where the unshifted exponentials are exact.
+
+    Then nothing overflowed, and the terms ``exp2`` flushed to zero (each below ``2^-126``) add at
+    most ``N * 2^-62`` relative to their row. Otherwise (a row whose scores are all below about
+    -44, or one near float32's exp range, or a NaN) the rows are recomputed with the maxima
+    subtracted, as a softmax does.
+    """
+    return bool(((sums >= _MIN_ROW_SUM) & (sums < math.inf)).all())
+
+
+def _unnormalized_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     factors_t: tuple[torch.Tensor, torch.Tensor],
-    start: int,
-    stop: int,
     scale: float,
     bias: GaussianBias,
+    rows: int,
+    shift: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unnormalized probabilities of query rows ``start:stop`` of one head, keys first:
-    ``(E: (B, N, rows), row sums: (B, rows))`` with ``softmax = E / sums``.
-
-    First without subtracting the row maxima (two passes fewer). That is exact whenever every row
-    sum lies in ``[2^-64, inf)``: nothing overflowed, and the terms ``exp2`` flushed to zero (each
-    below ``2^-126``) add at most ``N * 2^-62`` relative to their row. Otherwise (a row whose scores
-    are all below about -44, or one near float32's exp range) the block is recomputed with the
-    maxima subtracted, as a softmax does.
-    """
-    args = (buf, q_j, k_j, factors_t, start, stop, scale, bias)
-    e, sums = _exp2_block_once(*args, shift=False)
-    if bool(((sums >= _MIN_ROW_SUM) & (sums < math.inf)).all()):
-        return e, sums
-    return _exp2_block_once(*args, shift=True)
+    """``(E v: (B, N, H, Dv), row sums of E: (H, B, N))``, one head and row block at a time."""
+    b, h, n, _ = q.shape
+    out = torch.empty(b, n, h, v.shape[-1], dtype=v.dtype, device=v.device)
+    sums = torch.empty(h, b, n, dtype=q.dtype, device=q.device)
+    blocks = _blocks(_scratch_buffer(b * rows * n, q.dtype, q.device), b, n, rows, bias)
+    alpha = scale * _LOG2E
+    for j in range(h):  # one head at a time, batched over B: q, k, v are read in place
+        q_t, k_j, v_j, out_j = q[:, j].transpose(1, 2), k[:, j], v[:, j], out[:, :, j]
+        factors_j = (factors_t[0][:, j], factors_t[1][:, j])
+        for block in blocks:
+            e = _exp2_step(block, q_t, k_j, factors_j, alpha, shift)
+            span = slice(block.start, block.stop)
+            torch.sum(e, dim=1, out=sums[j, :, span])
+            torch.bmm(e.transpose(1, 2), v_j, out=out_j if block.all_rows else out_j[:, span])
+    return out, sums
 
 
 def _blocked_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    ra: torch.Tensor,
-    c: torch.Tensor,
+    factors_t: tuple[torch.Tensor, torch.Tensor],
     scale: float,
     bias: GaussianBias,
     rows: int,
-) -> torch.Tensor:
-    """The row-blocked forward of both entry points: ``(B, H, N, Dv)``, a view of ``(B, N, H, Dv)``."""
-    b, h, n, _ = q.shape
-    dv = v.shape[-1]
-    factors_t = _key_major_factors(ra, c)
-    scratch = _scratch_buffer(b * rows * n, q.dtype, q.device)
-    out = torch.empty(b, n, h, dv, dtype=v.dtype, device=v.device)
-    for j in range(h):  # one head at a time, batched over B: q, k, v are read in place
-        q_j, k_j, v_j = q[:, j], k[:, j], v[:, j]  # (B, N, D), (B, N, D), (B, N, Dv)
-        head_factors = (factors_t[0][:, j], factors_t[1][:, j])
-        for start in range(0, n, rows):
-            stop = min(n, start + rows)
-            e, sums = _exp2_block(scratch, q_j, k_j, head_factors, start, stop, scale, bias)
-            o = out[:, start:stop, j]
-            torch.bmm(e.transpose(1, 2), v_j, out=o)
-            o.div_(sums.unsqueeze(-1))  # normalize the (rows, Dv) output, not the (N, rows) block
-    return out.transpose(1, 2)
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The row-blocked forward of both entry points: ``(output: (B, H, N, Dv), a view of
+    (B, N, H, Dv); row sums: (H, B, N); whether the maxima were subtracted)``.
+
+    First without subtracting the row maxima (two passes fewer per block), checked once for the
+    whole call (:func:`_sums_in_range`); the rare call that fails it is recomputed shifted. The
+    ``(rows, Dv)`` outputs, not the ``(N, rows)`` blocks, are divided by the row sums.
+    """
+    out, sums = _unnormalized_forward(q, k, v, factors_t, scale, bias, rows, shift=False)
+    shift = not _sums_in_range(sums)
+    if shift:
+        out, sums = _unnormalized_forward(q, k, v, factors_t, scale, bias, rows, shift=True)
+    out.div_(sums.permute(1, 2, 0).unsqueeze(-1))
+    return out.transpose(1, 2), sums, shift
 
 
 def gaussian_softmax_attention(
@@ -206,8 +205,8 @@ def gaussian_softmax_attention(
     b, _, n, _ = q.shape
     if block_rows is None:
         block_rows = block_rows_for(b, n, n, max_rows=_INFERENCE_MAX_ROWS)
-    q, k, v, ra, c, rows = _prepare(q, k, v, bias, block_rows)
-    return _blocked_forward(q, k, v, ra, c, scale, bias, rows)
+    q, k, v, ra_t, c_t, rows = _prepare(q, k, v, bias, block_rows)
+    return _blocked_forward(q, k, v, (ra_t, c_t), scale, bias, rows)[0]
 
 
 class _GaussianSoftmaxFunction(torch.autograd.Function):
@@ -220,81 +219,80 @@ class _GaussianSoftmaxFunction(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        ra: torch.Tensor,
-        c: torch.Tensor,
+        ra_t: torch.Tensor,
+        c_t: torch.Tensor,
         scale: float,
         bias: GaussianBias,
         rows: int,
     ) -> torch.Tensor:
-        out = _blocked_forward(q, k, v, ra, c, scale, bias, rows)
-        ctx.save_for_backward(q, k, v, ra, c, out)
-        ctx.scale, ctx.bias, ctx.rows = scale, bias, rows
+        out, sums, shift = _blocked_forward(q, k, v, (ra_t, c_t), scale, bias, rows)
+        ctx.save_for_backward(q, k, v, ra_t, c_t, out, sums)
+        ctx.scale, ctx.bias, ctx.rows, ctx.shift = scale, bias, rows, shift
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, ra, c, out = ctx.saved_tensors
+        q, k, v, ra_t, c_t, out, sums = ctx.saved_tensors
         scale, bias, rows = ctx.scale, ctx.bias, ctx.rows
-        p = bias.num_prefix_tokens
-        gh, gw = bias.grid_size
         b, h, n, d = q.shape
+        # P = E / sums is never formed: dO and delta are divided by the sums instead (rows x Dv, not
+        # N x rows), so dSᵀ = Eᵀ * (v (dO / sums)ᵀ - delta / sums) = Pᵀ * (dPᵀ - delta) exactly
+        sums_bh = sums.transpose(0, 1).unsqueeze(-1)  # (B, H, N, 1)
         go = grad_out.to(v.dtype)
-        delta = (go * out).sum(-1).unsqueeze(2)  # (B, H, 1, N): rowsum(dO * O), keys-first broadcast
+        go_s = go / sums_bh
+        delta_s = ((go * out).sum(-1, keepdim=True) / sums_bh).transpose(-1, -2)  # (B, H, 1, N)
         # (H, B, N, D) memory order: each head's (B, N, D) slice is contiguous, which baddbmm_ needs
         # to accumulate in one batched call (on a strided slice it falls back to an addmm_ per entry)
         dq = torch.empty(h, b, n, d, dtype=q.dtype, device=q.device)
         dk = torch.empty(h, b, n, d, dtype=k.dtype, device=k.device)  # the first block writes, others add
         dvv = torch.empty(h, b, n, v.shape[-1], dtype=v.dtype, device=v.device)
-        n_p = gh * gw
         # keys-first like the factors; every patch query's column is written by exactly one block
-        dra_t = torch.empty(b, h, gh, n_p, dtype=ra.dtype, device=ra.device)
-        dc_t = torch.empty(b, h, gw, n_p, dtype=c.dtype, device=c.device)
-        factors_t = _key_major_factors(ra, c)
+        dra_t = torch.empty(ra_t.shape, dtype=ra_t.dtype, device=ra_t.device)
+        dc_t = torch.empty(c_t.shape, dtype=c_t.dtype, device=c_t.device)
         numel = b * rows * n
-        probs_buf = _scratch_buffer(numel, q.dtype, q.device, slot=0)
-        grad_buf = _scratch_buffer(numel, q.dtype, q.device, slot=1)
+        prob_blocks = _blocks(_scratch_buffer(numel, q.dtype, q.device, slot=0), b, n, rows, bias)
+        grad_blocks = _blocks(_scratch_buffer(numel, q.dtype, q.device, slot=1), b, n, rows, bias)
         prod_buf = _scratch_buffer(numel, q.dtype, q.device, slot=4)  # slots 2, 3 are entmax15's
+        alpha = scale * _LOG2E
         for j in range(h):
-            q_j, k_j, v_j, go_j = q[:, j], k[:, j], v[:, j], go[:, j]
-            dk_j, dv_j = dk[j], dvv[j]
-            ra_t, c_t = factors_t[0][:, j], factors_t[1][:, j]
-            for start in range(0, n, rows):
-                stop = min(n, start + rows)
-                r = stop - start
-                # Eᵀ of the block, keys first, recomputed as the forward computed it; P = E / sums is
-                # never formed: dO and delta are divided by the sums instead (rows x Dv, not N x rows),
-                # so dSᵀ = Eᵀ * (v (dO / sums)ᵀ - delta / sums) = Pᵀ * (dPᵀ - delta) exactly
-                e, sums = _exp2_block(probs_buf, q_j, k_j, (ra_t, c_t), start, stop, scale, bias)
-                go_s = go_j[:, start:stop] / sums.unsqueeze(-1)
-                if start == 0:
-                    torch.bmm(e, go_s, out=dv_j)
+            q_j, k_j, v_j, go_j, delta_j = q[:, j], k[:, j], v[:, j], go_s[:, j], delta_s[:, j]
+            q_t, dk_j, dv_j, dq_j = q_j.transpose(1, 2), dk[j], dvv[j], dq[j]
+            ra_j, c_j = ra_t[:, j], c_t[:, j]
+            for pb, gb in zip(prob_blocks, grad_blocks, strict=True):
+                first_block = pb.start == 0
+                span = slice(pb.start, pb.stop)
+                # Eᵀ of the block, keys first, recomputed exactly as the forward computed it
+                e = _exp2_step(pb, q_t, k_j, (ra_j, c_j), alpha, ctx.shift)
+                go_b = go_j if pb.all_rows else go_j[:, span]  # (B, rows, Dv), divided by the sums
+                if first_block:
+                    torch.bmm(e, go_b, out=dv_j)
                 else:
-                    dv_j.baddbmm_(e, go_s)
-                ds = grad_buf[: b * n * r].view(b, n, r)
-                torch.bmm(v_j, go_s.transpose(1, 2), out=ds)  # dPᵀ / sums
-                ds.sub_(delta[:, j, :, start:stop] / sums.unsqueeze(1)).mul_(e)  # dSᵀ: d(scores)ᵀ
-                torch.bmm(ds.transpose(1, 2), k_j, out=dq[j, :, start:stop])
-                if start == 0:
-                    torch.bmm(ds, q_j[:, start:stop], out=dk_j)
+                    dv_j.baddbmm_(e, go_b)
+                ds = gb.out
+                torch.bmm(v_j, go_b.transpose(1, 2), out=ds)  # dPᵀ / sums
+                ds.sub_(delta_j if pb.all_rows else delta_j[..., span]).mul_(e)  # dSᵀ: d(scores)ᵀ
+                q_b = q_j if pb.all_rows else q_j[:, span]
+                torch.bmm(ds.transpose(1, 2), k_j, out=dq_j if pb.all_rows else dq_j[:, span])
+                if first_block:
+                    torch.bmm(ds, q_b, out=dk_j)
                 else:
-                    dk_j.baddbmm_(ds, q_j[:, start:stop])
-                first = max(start, p)
-                if first < stop:  # d bias = dS on patch queries x patch keys; S = (alpha R)[row] * C[col]
-                    lo, hi = first - p, stop - p
-                    ds_p = ds[:, p:, first - start :].unflatten(1, (gh, gw))  # (B, gh, gw, rows')
+                    dk_j.baddbmm_(ds, q_b)
+                ds_p = gb.patches  # (B, gh, gw, rows'): dS on patch keys x patch queries
+                if ds_p is not None:  # the bias is (alpha R)[row] * C[col], both keys first
+                    lo, hi = gb.lo, gb.hi
                     prod = prod_buf[: ds_p.numel()].view(ds_p.shape)
-                    torch.mul(ds_p, c_t[:, None, :, lo:hi], out=prod)
+                    torch.mul(ds_p, c_j[:, None, :, lo:hi], out=prod)
                     torch.sum(prod, dim=2, out=dra_t[:, j, :, lo:hi])  # d(alpha R) = sum_col dS C
-                    torch.mul(ds_p, ra_t[:, :, None, lo:hi], out=prod)
+                    torch.mul(ds_p, ra_j[:, :, None, lo:hi], out=prod)
                     torch.sum(prod, dim=1, out=dc_t[:, j, :, lo:hi])  # dC = sum_row dS (alpha R)
         dq.mul_(scale)
         dk.mul_(scale)
-        dc_t.mul_(1.0 / _LOG2E)  # the keys-first alpha R carries the factor log2(e)
-        # back to (B, H, Np, g) memory order: autograd's next step concatenates the two (a split's
-        # backward), which is ~2x slower on transposed inputs than this copy
-        dra, dc = dra_t.transpose(-1, -2).contiguous(), dc_t.transpose(-1, -2).contiguous()
-        return dq.transpose(0, 1), dk.transpose(0, 1), dvv.transpose(0, 1), dra, dc, None, None, None
+        # the bias in log2 units is ra_t * c_t = log2(e) * bias, so each factor's gradient is
+        # 1 / log2(e) of the sums above
+        dra_t.mul_(1.0 / _LOG2E)
+        dc_t.mul_(1.0 / _LOG2E)
+        return dq.transpose(0, 1), dk.transpose(0, 1), dvv.transpose(0, 1), dra_t, dc_t, None, None, None
 
 
 def gaussian_softmax_attention_train(
@@ -310,13 +308,13 @@ def gaussian_softmax_attention_train(
     """``softmax(q kᵀ * scale + bias) v`` with autograd to q, k, v, ``bias.sigma`` and ``bias.alpha``,
     never building an ``N x N`` tensor.
 
-    The forward works in row blocks like :func:`gaussian_softmax_attention` and saves only its
-    inputs and output (no row statistics: a block always holds whole rows, so the backward
-    recomputes each block's probabilities with the forward's own block step, which on the CPU is
-    cheaper than ``exp(S - logsumexp)``). The backward gives dq, dk, dv (with the row statistic
-    ``rowsum(dO * O)``) and the gradients of the separable factors ``alpha R`` and ``C``
-    (:meth:`GaussianBias.scaled_factors`), which autograd carries on to σ and α. Extra memory: three
-    reused ``(B, N, rows)`` block buffers, never an ``(B, H, N, N)`` tensor.
+    The forward works in row blocks like :func:`gaussian_softmax_attention` and saves its inputs,
+    its output and the row sums ``(H, B, N)`` (a block always holds whole rows, so the backward
+    recomputes each block's unnormalized probabilities with the forward's own block step, which on
+    the CPU is cheaper than ``exp(S - logsumexp)``). The backward gives dq, dk, dv (with the row
+    statistic ``rowsum(dO * O)``) and the gradients of the separable factors ``alpha R`` and ``C``
+    (:meth:`GaussianBias.key_major_factors`), which autograd carries on to σ and α. Extra memory:
+    three reused ``(B, N, rows)`` block buffers, never an ``(B, H, N, N)`` tensor.
 
     Args:
         q, k: ``(B, H, N, D)``; v: ``(B, H, N, Dv)``; float32 or float64, one dtype, same N.
@@ -342,5 +340,5 @@ def gaussian_softmax_attention_train(
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be (B, H, N, D) with one "
             f"N = bias.num_tokens = {bias.num_tokens}"
         )
-    q, k, v, ra, c, rows = _prepare(q, k, v, bias, block_rows)
-    return _GaussianSoftmaxFunction.apply(q, k, v, ra, c, float(scale), bias, rows)
+    q, k, v, ra_t, c_t, rows = _prepare(q, k, v, bias, block_rows)
+    return _GaussianSoftmaxFunction.apply(q, k, v, ra_t, c_t, float(scale), bias, rows)

@@ -23,7 +23,7 @@ import torch
 from ._checks import check_floating, check_rank, grid_pair, shape_str
 from .dtypes import compute_dtype
 
-__all__ = ["GaussianBias", "gaussian_eps", "gaussian_clamp"]
+__all__ = ["ColumnBlock", "GaussianBias", "gaussian_eps", "gaussian_clamp"]
 
 _FP16_HALF_MAX = 32500.0  # half of float16's largest value (65000 / 2): the exponent's bound per axis
 _CLAMP_FLOOR = -6550.0  # float16-safe floor of D_m at the smallest eps
@@ -45,6 +45,49 @@ def gaussian_eps(initial_grid_size: tuple[int, int]) -> float:
 def gaussian_clamp(initial_grid_size: tuple[int, int]) -> float:
     """Lower clamp of ``D_m``: ``max(-(max(initial grid) - 1)^2 / 2, -6550)``."""
     return max(-0.5 * (max(initial_grid_size) - 1) ** 2, _CLAMP_FLOOR)
+
+
+def _floored_exp2(exponent: torch.Tensor) -> torch.Tensor:
+    """``exp2`` of per-axis exponents in log2 units, each floored at the equivalent of -40 first.
+
+    The exponents are in log2 units (the numerator table holds ``D * log2(e)``), so exp is exp2,
+    ~3x faster on the CPU. e^-40 ~ 4e-18: the floor moves the bias by at most ``alpha * 4e-18``
+    where it was smaller still (invisible next to any score), while exp2 and the products stay
+    clear of denormals, which are ~10x slower on CPUs. ``exponent`` is clamped in place.
+    """
+    return torch.exp2(exponent.clamp_min_(_EXPONENT_FLOOR * _LOG2E))
+
+
+@dataclass(frozen=True)
+class ColumnBlock:
+    """One keys-first block ``out: (..., N, rows)`` of the transposed bias (from
+    :meth:`GaussianBias.column_block`): the views its writes need, made once."""
+
+    out: torch.Tensor
+    start: int  # first query row of the block
+    stop: int
+    zeros: tuple[torch.Tensor, ...]  # prefix keys, prefix queries: bias 0
+    patches: torch.Tensor | None  # (..., gh, gw, patch queries of the block); None if there are none
+    lo: int  # the patch queries' range among all Np patches
+    hi: int
+    num_patches: int
+
+    @property
+    def all_rows(self) -> bool:
+        """Whether the block holds every query row (``N`` of them)."""
+        return self.start == 0 and self.stop == self.out.shape[-2]
+
+    def write(self, factors_t: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Write the block's bias from :meth:`GaussianBias.key_major_factors` ``(..., gh, Np)``,
+        ``(..., gw, Np)`` (leading dims broadcast against ``out``'s); returns ``out``."""
+        for view in self.zeros:
+            view.zero_()
+        if self.patches is not None:
+            ra_t, c_t = factors_t
+            if self.lo > 0 or self.hi < self.num_patches:
+                ra_t, c_t = ra_t[..., self.lo : self.hi], c_t[..., self.lo : self.hi]
+            torch.mul(ra_t.unsqueeze(-2), c_t.unsqueeze(-3), out=self.patches)
+        return self.out
 
 
 @dataclass(frozen=True)
@@ -131,12 +174,13 @@ class GaussianBias:
             out.append(d.clamp_min(self.clamp))
         return out[0], out[1]
 
-    def _patch_numerators(self) -> torch.Tensor:
-        """``(Np, gh + gw)``: each patch's row numerators, then its column numerators, times log2(e).
+    def _patch_numerators(self, queries_last: bool = False) -> torch.Tensor:
+        """``(Np, gh + gw)``: each patch's row numerators, then its column numerators, times log2(e);
+        ``(gh + gw, Np)``, contiguous, with ``queries_last``.
 
         Constant for a grid, so cached (outside autograd and inference mode) except while compiling.
         """
-        key = (self.grid_size, self.clamp, self.sigma.device, self._work_dtype())
+        key = (self.grid_size, self.clamp, self.sigma.device, self._work_dtype(), queries_last)
         cached = None if torch.compiler.is_compiling() else _NUMERATORS.get(key)
         if cached is not None:
             return cached
@@ -146,6 +190,8 @@ class GaussianBias:
             rows = torch.arange(gh, device=d_row.device).repeat_interleave(gw)  # row index of each patch
             cols = torch.arange(gw, device=d_row.device).repeat(gh)  # column index of each patch
             table = torch.cat([d_row[rows], d_col[cols]], dim=-1) * _LOG2E
+            if queries_last:
+                table = table.t().contiguous()
         if not torch.compiler.is_compiling():
             if len(_NUMERATORS) >= _NUMERATOR_CACHE_SIZE:
                 _NUMERATORS.pop(next(iter(_NUMERATORS)))
@@ -166,12 +212,7 @@ class GaussianBias:
             exponent = (table.unflatten(-1, (2, gh)) / den.unsqueeze(-1)).flatten(-2)
         else:
             exponent = torch.cat([table[:, :gh] / den[..., 0:1], table[:, gh:] / den[..., 1:2]], dim=-1)
-        # The exponents are in log2 units (the table holds D * log2(e)), so exp is exp2, ~3x faster
-        # on the CPU. Each is floored at the equivalent of -40 before exp2: e^-40 ~ 4e-18, so the bias
-        # moves by at most alpha * 4e-18 where it was smaller still (invisible next to any score),
-        # while exp2 and the products stay clear of denormals, which are ~10x slower on CPUs.
-        factors = torch.exp2(exponent.clamp_min_(_EXPONENT_FLOOR * _LOG2E))
-        r, c = factors.split(self.grid_size, dim=-1)
+        r, c = _floored_exp2(exponent).split(self.grid_size, dim=-1)
         return r, c
 
     def scaled_factors(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,6 +222,28 @@ class GaussianBias:
         if dtype is None:
             return ra, c
         return ra.to(dtype), c.to(dtype)
+
+    def key_major_factors(
+        self, dtype: torch.dtype | None = None, scale: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`scaled_factors` with the query index last, computed in that layout (no transposed
+        copies): ``(scale * alpha * R)ᵀ: (B, H, gh, Np)`` and ``Cᵀ: (B, H, gw, Np)``, in ``dtype``.
+
+        The layout :meth:`write_columns` reads; ``scale`` multiplies alpha (the bias is scaled by it).
+        """
+        gh, gw = self.grid_size
+        table = self._patch_numerators(queries_last=True)  # (gh + gw, Np)
+        den = self.denominators().transpose(-1, -2)  # (B, H, 2, Np)
+        if gh == gw:  # one broadcast division: (2, g, Np) / (B, H, 2, 1, Np)
+            exponent = (table.unflatten(0, (2, gh)) / den.unsqueeze(-2)).flatten(-3, -2)
+        else:
+            exponent = torch.cat([table[:gh] / den[..., 0:1, :], table[gh:] / den[..., 1:2, :]], dim=-2)
+        r_t, c_t = _floored_exp2(exponent).split(self.grid_size, dim=-2)
+        alpha = self.alpha.to(r_t.dtype).transpose(-1, -2)  # (B, H, 1, Np)
+        ra_t = r_t * (alpha if scale == 1.0 else alpha * scale)
+        if dtype is None or dtype == ra_t.dtype:
+            return ra_t, c_t
+        return ra_t.to(dtype), c_t.to(dtype)
 
     def patch_bias(self) -> torch.Tensor:
         """``(B, H, Np, Np)`` bias between patches only, in float32 (float64 stays)."""
@@ -220,37 +283,43 @@ class GaussianBias:
             out[..., first - start :, :p].zero_()
         return out
 
+    def column_block(self, out: torch.Tensor, start: int) -> ColumnBlock:
+        """Views of ``out: (..., N, rows)``, the transposed (keys-first) bias of query rows
+        ``start .. start + out.shape[-1]``, for :meth:`ColumnBlock.write` (see :meth:`write_columns`).
+
+        A caller that writes the same block many times (one head after another) makes the views once.
+        """
+        p = self.num_prefix_tokens
+        gh, gw = self.grid_size
+        rows = out.shape[-1]
+        stop = start + rows
+        if not 0 <= start <= stop <= self.num_tokens or out.dim() < 2 or out.shape[-2] != self.num_tokens:
+            raise ValueError(
+                f"write_columns: query rows {start}..{stop} of a (B, H, {self.num_tokens}, "
+                f"{self.num_tokens}) bias, keys first, do not fit out of shape {shape_str(out)}"
+            )
+        first = max(start, p)  # first patch query of the block
+        zeros = []
+        if p:
+            zeros.append(out[..., :p, :])  # prefix keys
+        if first > start:
+            zeros.append(out[..., p:, : first - start])  # prefix queries
+        patches = out[..., p:, first - start :].unflatten(-2, (gh, gw)) if first < stop else None
+        return ColumnBlock(out, start, stop, tuple(zeros), patches, first - p, stop - p, gh * gw)
+
     def write_columns(
         self, out: torch.Tensor, start: int, factors_t: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         """Write the transposed bias of query rows ``start .. start + out.shape[-1]`` into
         ``out: (B, H, N, rows)`` (keys first), so ``out[..., t, s] = S[start + s, t]``.
 
-        ``factors_t`` are :meth:`scaled_factors` with the query index last, ``(B, H, gh, Np)`` and
-        ``(B, H, gw, Np)``, in ``out``'s dtype (any common scale, e.g. log2(e), is the caller's).
-        The query index is then the contiguous one of all three tensors, so the outer product runs
-        vectorized (:meth:`write_rows`' innermost run is only ``gw`` long). Not differentiable.
+        ``factors_t`` are :meth:`key_major_factors`, ``(B, H, gh, Np)`` and ``(B, H, gw, Np)``, in
+        ``out``'s dtype (any common scale, e.g. log2(e), is the caller's). The query index is then
+        the contiguous one of all three tensors, so the outer product runs vectorized
+        (:meth:`write_rows`' innermost run is only ``gw`` long). Leading dims other than ``(B, H)``
+        work alike. Not differentiable.
         """
-        p = self.num_prefix_tokens
-        gh, gw = self.grid_size
-        rows = out.shape[-1]
-        stop = start + rows
-        if not 0 <= start <= stop <= self.num_tokens or out.shape[-2] != self.num_tokens:
-            raise ValueError(
-                f"write_columns: query rows {start}..{stop} of a (B, H, {self.num_tokens}, "
-                f"{self.num_tokens}) bias, keys first, do not fit out of shape {shape_str(out)}"
-            )
-        first = max(start, p)  # first patch query of the block
-        if p:
-            out[..., :p, :].zero_()  # prefix keys
-        if first > start:
-            out[..., p:, : first - start].zero_()  # prefix queries
-        if first < stop:
-            ra_t, c_t = factors_t
-            lo, hi = first - p, stop - p
-            patches = out[..., p:, first - start :].unflatten(-2, (gh, gw))  # (B, H, gh, gw, rows')
-            torch.mul(ra_t[..., :, None, lo:hi], c_t[..., None, :, lo:hi], out=patches)
-        return out
+        return self.column_block(out, start).write(factors_t)
 
     def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``(B, H, N, N)`` additive bias with zero rows and columns for the prefix tokens."""
