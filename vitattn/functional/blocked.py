@@ -132,7 +132,7 @@ def _sums_in_range(sums: torch.Tensor) -> bool:
     return bool(((sums >= _MIN_ROW_SUM) & (sums < math.inf)).all())
 
 
-def _unnormalized_forward(
+def _forward_blocks(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -142,20 +142,29 @@ def _unnormalized_forward(
     rows: int,
     shift: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(E v: (B, N, H, Dv), row sums of E: (H, B, N))``, one head and row block at a time."""
+    """``(output: (B, N, H, Dv), row sums of E: (H, B, N))``, one head and row block at a time.
+
+    Each block's ``E v`` goes into a contiguous ``(B, rows, Dv)`` buffer (a strided ``out=`` makes
+    ``bmm`` run one matrix product per batch entry) and is divided by its row sums on the way into
+    the output's ``(B, N, H, Dv)`` memory order.
+    """
     b, h, n, _ = q.shape
-    out = torch.empty(b, n, h, v.shape[-1], dtype=v.dtype, device=v.device)
+    dv = v.shape[-1]
+    out = torch.empty(b, n, h, dv, dtype=v.dtype, device=v.device)
     sums = torch.empty(h, b, n, dtype=q.dtype, device=q.device)
     blocks = _blocks(_scratch_buffer(b * rows * n, q.dtype, q.device), b, n, rows, bias)
+    out_buf = _scratch_buffer(b * rows * dv, v.dtype, v.device, slot=5)
+    out_blocks = [out_buf[: b * blk.rows * dv].view(b, blk.rows, dv) for blk in blocks]
     alpha = scale * _LOG2E
     for j in range(h):  # one head at a time, batched over B: q, k, v are read in place
         q_t, k_j, v_j, out_j = q[:, j].transpose(1, 2), k[:, j], v[:, j], out[:, :, j]
         factors_j = (factors_t[0][:, j], factors_t[1][:, j])
-        for block in blocks:
+        for block, o in zip(blocks, out_blocks, strict=True):
             e = _exp2_step(block, q_t, k_j, factors_j, alpha, shift)
             span = slice(block.start, block.stop)
-            torch.sum(e, dim=1, out=sums[j, :, span])
-            torch.bmm(e.transpose(1, 2), v_j, out=out_j if block.all_rows else out_j[:, span])
+            sums_b = torch.sum(e, dim=1, out=sums[j, :, span])
+            torch.bmm(e.transpose(1, 2), v_j, out=o)
+            torch.div(o, sums_b.unsqueeze(-1), out=out_j if block.all_rows else out_j[:, span])
     return out, sums
 
 
@@ -175,11 +184,10 @@ def _blocked_forward(
     whole call (:func:`_sums_in_range`); the rare call that fails it is recomputed shifted. The
     ``(rows, Dv)`` outputs, not the ``(N, rows)`` blocks, are divided by the row sums.
     """
-    out, sums = _unnormalized_forward(q, k, v, factors_t, scale, bias, rows, shift=False)
+    out, sums = _forward_blocks(q, k, v, factors_t, scale, bias, rows, shift=False)
     shift = not _sums_in_range(sums)
     if shift:
-        out, sums = _unnormalized_forward(q, k, v, factors_t, scale, bias, rows, shift=True)
-    out.div_(sums.permute(1, 2, 0).unsqueeze(-1))
+        out, sums = _forward_blocks(q, k, v, factors_t, scale, bias, rows, shift=True)
     return out.transpose(1, 2), sums, shift
 
 
@@ -253,7 +261,7 @@ class _GaussianSoftmaxFunction(torch.autograd.Function):
         numel = b * rows * n
         prob_blocks = _blocks(_scratch_buffer(numel, q.dtype, q.device, slot=0), b, n, rows, bias)
         grad_blocks = _blocks(_scratch_buffer(numel, q.dtype, q.device, slot=1), b, n, rows, bias)
-        prod_buf = _scratch_buffer(numel, q.dtype, q.device, slot=4)  # slots 2, 3 are entmax15's
+        prod_buf = _scratch_buffer(numel, q.dtype, q.device, slot=4)  # 2, 3: entmax15's; 5: forward's
         alpha = scale * _LOG2E
         for j in range(h):
             q_j, k_j, v_j, go_j, delta_j = q[:, j], k[:, j], v[:, j], go_s[:, j], delta_s[:, j]

@@ -73,6 +73,11 @@ class ColumnBlock:
     num_patches: int
 
     @property
+    def rows(self) -> int:
+        """Query rows in the block."""
+        return self.stop - self.start
+
+    @property
     def all_rows(self) -> bool:
         """Whether the block holds every query row (``N`` of them)."""
         return self.start == 0 and self.stop == self.out.shape[-2]
