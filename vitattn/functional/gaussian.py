@@ -58,6 +58,67 @@ def _floored_exp2(exponent: torch.Tensor) -> torch.Tensor:
     return torch.exp2(exponent.clamp_min_(_EXPONENT_FLOOR * _LOG2E))
 
 
+_LN2 = 0.6931471805599453
+
+
+def _key_major_factors(
+    table: torch.Tensor,
+    den: torch.Tensor,
+    alpha: torch.Tensor,
+    grid_size: tuple[int, int],
+    scale: float,
+    slopes: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(scale alpha R)ᵀ: (..., gh, Np)``, ``Cᵀ: (..., gw, Np)`` and both factors ``F = [R; C]ᵀ:
+    (..., gh + gw, Np)`` from the numerator table ``(gh + gw, Np)`` (log2 units), the denominators
+    ``den: (..., 2, Np)`` and ``alpha: (..., 1, Np)``. With ``slopes``, also ``F * E`` (``E`` the
+    floored exponent), so that ``dF / d den = -ln 2 * F * E / den``. Where the floor binds, the
+    clamp's derivative is 0 but ``F * E`` is about ``-58 * 2^-58``: kept, as it is below rounding
+    next to any unfloored term of the same sum."""
+    gh, gw = grid_size
+    if gh == gw:  # one broadcast division: (2, g, Np) / (..., 2, 1, Np)
+        exponent = (table.unflatten(0, (2, gh)) / den.unsqueeze(-2)).flatten(-3, -2)
+    else:
+        exponent = torch.cat([table[:gh] / den[..., 0:1, :], table[gh:] / den[..., 1:2, :]], dim=-2)
+    factors = _floored_exp2(exponent)
+    slope = factors * exponent if slopes else None
+    r_t, c_t = factors.split(grid_size, dim=-2)
+    return r_t * (alpha if scale == 1.0 else alpha * scale), c_t, factors, slope
+
+
+class _KeyMajorFactors(torch.autograd.Function):
+    """:func:`_key_major_factors` with a hand-written backward to ``den`` and ``alpha``: a few
+    reductions over the factors instead of autograd's chain of full-size elementwise steps (split,
+    mul, exp2, clamp, div, each with its own pass)."""
+
+    @staticmethod
+    def forward(ctx, table, den, alpha, grid_size, scale):  # type: ignore[override]
+        ra_t, c_t, factors, slope = _key_major_factors(table, den, alpha, grid_size, scale, slopes=True)
+        ctx.save_for_backward(factors, slope, den, alpha)
+        ctx.gh, ctx.scale = grid_size[0], scale
+        return ra_t, c_t
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_ra: torch.Tensor, d_c: torch.Tensor):  # type: ignore[override]
+        factors, slope, den, alpha = ctx.saved_tensors
+        gh, scale = ctx.gh, ctx.scale
+        # ra = scale alpha R and c = C, with F = 2^E, E = table / den floored: dF / d den = -ln 2 F E / den
+        d_r = d_ra * (alpha if scale == 1.0 else alpha * scale)  # the gradient reaching R
+        d_den = torch.cat(
+            [
+                (d_r * slope[..., :gh, :]).sum(-2, keepdim=True),
+                (d_c * slope[..., gh:, :]).sum(-2, keepdim=True),
+            ],
+            dim=-2,
+        )
+        d_den = d_den.mul_(-_LN2).div_(den)
+        d_alpha = (d_ra * factors[..., :gh, :]).sum(-2, keepdim=True)  # d alpha = scale * sum_g d_ra R
+        if scale != 1.0:
+            d_alpha.mul_(scale)
+        return None, d_den, d_alpha, None, None
+
+
 @dataclass(frozen=True)
 class ColumnBlock:
     """One keys-first block ``out: (..., N, rows)`` of the transposed bias (from
@@ -236,16 +297,13 @@ class GaussianBias:
 
         The layout :meth:`write_columns` reads; ``scale`` multiplies alpha (the bias is scaled by it).
         """
-        gh, gw = self.grid_size
         table = self._patch_numerators(queries_last=True)  # (gh + gw, Np)
         den = self.denominators().transpose(-1, -2)  # (B, H, 2, Np)
-        if gh == gw:  # one broadcast division: (2, g, Np) / (B, H, 2, 1, Np)
-            exponent = (table.unflatten(0, (2, gh)) / den.unsqueeze(-2)).flatten(-3, -2)
+        alpha = self.alpha.to(den.dtype).transpose(-1, -2)  # (B, H, 1, Np)
+        if torch.is_grad_enabled() and (den.requires_grad or alpha.requires_grad):
+            ra_t, c_t = _KeyMajorFactors.apply(table, den, alpha, self.grid_size, scale)
         else:
-            exponent = torch.cat([table[:gh] / den[..., 0:1, :], table[gh:] / den[..., 1:2, :]], dim=-2)
-        r_t, c_t = _floored_exp2(exponent).split(self.grid_size, dim=-2)
-        alpha = self.alpha.to(r_t.dtype).transpose(-1, -2)  # (B, H, 1, Np)
-        ra_t = r_t * (alpha if scale == 1.0 else alpha * scale)
+            ra_t, c_t, _, _ = _key_major_factors(table, den, alpha, self.grid_size, scale, slopes=False)
         if dtype is None or dtype == ra_t.dtype:
             return ra_t, c_t
         return ra_t.to(dtype), c_t.to(dtype)
