@@ -92,7 +92,14 @@ class _KeyMajorFactors(torch.autograd.Function):
     mul, exp2, clamp, div, each with its own pass)."""
 
     @staticmethod
-    def forward(ctx, table, den, alpha, grid_size, scale):  # type: ignore[override]
+    def forward(
+        ctx,
+        table: torch.Tensor,
+        den: torch.Tensor,
+        alpha: torch.Tensor,
+        grid_size: tuple[int, int],
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         ra_t, c_t, factors, slope = _key_major_factors(table, den, alpha, grid_size, scale, slopes=True)
         ctx.save_for_backward(factors, slope, den, alpha)
         ctx.gh, ctx.scale = grid_size[0], scale
@@ -100,7 +107,7 @@ class _KeyMajorFactors(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, d_ra: torch.Tensor, d_c: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, d_ra: torch.Tensor, d_c: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         factors, slope, den, alpha = ctx.saved_tensors
         gh, scale = ctx.gh, ctx.scale
         # ra = scale alpha R and c = C, with F = 2^E, E = table / den floored: dF / d den = -ln 2 F E / den
