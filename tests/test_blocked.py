@@ -56,8 +56,7 @@ def test_float32_close_to_float64_and_strided_inputs():
 
 def test_block_rows_for():
     assert block_rows_for(2, 785, 785) == 785  # 448 px, batch 2: one block per head
-    assert block_rows_for(2, 785, 785, max_rows=512) == 393  # inference's cap: two blocks
-    assert block_rows_for(1, 3137, 3137, max_rows=512) == 393  # 896 px, batch 1: eight blocks of 393 or 392
+    assert block_rows_for(1, 3137, 3137) == 393  # 896 px, batch 1: eight blocks of 393 or 392
     assert block_rows_for(4, 785, 785) == 393  # 448 px, batch 4: two blocks of 393 and 392 rows
     assert block_rows_for(16, 197, 197) == 197  # 224 px, batch 16: one block per head
     assert block_rows_for(1, 100, 100) == 100  # one block when it fits
@@ -148,8 +147,8 @@ def test_rows_near_the_exp_range_take_the_shifted_step(monkeypatch, offset):
     assert any(shifted) == (offset != 0.0)  # a retry exactly when some row is out of range
 
 
-def test_inference_blocks_hold_at_most_512_rows(monkeypatch):
-    """448 px, batch 2 (N = 785): inference runs two blocks per head by default, an explicit
+def test_default_and_explicit_blocks(monkeypatch):
+    """448 px, batch 2 (N = 785): one block per head by default (as in training), an explicit
     ``block_rows`` is taken as given."""
     blocks = []
     original = blocked._exp2_step
@@ -162,7 +161,7 @@ def test_inference_blocks_hold_at_most_512_rows(monkeypatch):
     q, k, v = (torch.randn(2, 1, 785, 4) for _ in range(3))
     bias = GaussianBias(torch.rand(2, 1, 784, 2) + 0.5, torch.rand(2, 1, 784, 1), (28, 28), 1)
     gaussian_softmax_attention(q, k, v, 0.5, bias)
-    assert blocks == [(0, 393), (393, 785)]
-    blocks.clear()
-    gaussian_softmax_attention(q, k, v, 0.5, bias, block_rows=785)
     assert blocks == [(0, 785)]
+    blocks.clear()
+    gaussian_softmax_attention(q, k, v, 0.5, bias, block_rows=393)
+    assert blocks == [(0, 393), (393, 785)]

@@ -32,9 +32,6 @@ __all__ = ["block_rows_for", "gaussian_softmax_attention", "gaussian_softmax_att
 
 # ~5 MiB of float32 scores per block (L3-sized; see docs/benchmarks.md for the block-size measurements)
 _BLOCK_ELEMENTS = 5 * 2**18
-# inference only: keys-first blocks of ~400 query rows ran ~2.5 % faster than one 785-row block at
-# 448 px, batch 2 (6 fresh processes; 262 and 128 rows were slower; training was the same either way)
-_INFERENCE_MAX_ROWS = 512
 _LOG2E = 1.4426950408889634  # exp(x) = 2 ** (x * log2(e))
 _MIN_ROW_SUM = 2.0**-64  # unshifted row sums at least this are exact, see _sums_in_range
 
@@ -60,11 +57,10 @@ def _scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device, slot: 
     return buf[:numel]
 
 
-def block_rows_for(batch: int, num_keys: int, num_queries: int, max_rows: int | None = None) -> int:
+def block_rows_for(batch: int, num_keys: int, num_queries: int) -> int:
     """Query rows per block: blocks of near-equal size with ``batch * rows * num_keys`` at most ~1.3M
-    and at most ``max_rows`` rows (but at least 16 rows)."""
-    limit = _BLOCK_ELEMENTS // max(1, batch * num_keys)
-    limit = max(16, limit if max_rows is None else min(max_rows, limit))
+    (but at least 16 rows)."""
+    limit = max(16, _BLOCK_ELEMENTS // max(1, batch * num_keys))
     blocks = -(-num_queries // limit)
     return -(-num_queries // blocks)
 
@@ -205,14 +201,11 @@ def gaussian_softmax_attention(
         q, k: ``(B, H, N, D)``; v: ``(B, H, N, Dv)``; one floating dtype (float32 or float64); any
             strides with a unit last stride are read in place.
         bias: describes the ``(B, H, N, N)`` Gaussian bias (``sigma``/``alpha`` may broadcast over B, H).
-        block_rows: query rows per block (default :func:`block_rows_for`, at most 512 rows).
+        block_rows: query rows per block (default :func:`block_rows_for`).
 
     Returns:
         ``(B, H, N, Dv)`` in ``v``'s dtype: a view of a ``(B, N, H, Dv)`` contiguous tensor.
     """
-    b, _, n, _ = q.shape
-    if block_rows is None:
-        block_rows = block_rows_for(b, n, n, max_rows=_INFERENCE_MAX_ROWS)
     q, k, v, ra_t, c_t, rows = _prepare(q, k, v, bias, block_rows)
     return _blocked_forward(q, k, v, (ra_t, c_t), scale, bias, rows)[0]
 
