@@ -126,7 +126,7 @@ class _KeyMajorFactors(torch.autograd.Function):
         return None, d_den, d_alpha, None, None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds tensor views: identity, not elementwise, equality
 class ColumnBlock:
     """One keys-first block ``out: (..., N, rows)`` of the transposed bias (from
     :meth:`GaussianBias.column_block`): the views its writes need, made once."""
