@@ -42,7 +42,8 @@ _scratch = threading.local()
 def _scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device, slot: int = 0) -> torch.Tensor:
     """A flat buffer of at least ``numel`` elements, reused by later calls on this thread.
 
-    ``slot`` tells apart buffers needed at the same time (the backward uses two). Always a normal
+    ``slot`` tells apart buffers needed at the same time (0 and 5: the forward's block and output
+    block; 0, 1 and 4: the backward's; 2 and 3: entmax15's chunks). Always a normal
     tensor, even when first asked for under ``torch.inference_mode`` (an inference tensor could not
     be written in place by a later training call).
     """
@@ -128,42 +129,6 @@ def _sums_in_range(sums: torch.Tensor) -> bool:
     return bool(((sums >= _MIN_ROW_SUM) & (sums < math.inf)).all())
 
 
-def _forward_blocks(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    factors_t: tuple[torch.Tensor, torch.Tensor],
-    scale: float,
-    bias: GaussianBias,
-    rows: int,
-    shift: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(output: (B, N, H, Dv), row sums of E: (H, B, N))``, one head and row block at a time.
-
-    Each block's ``E v`` goes into a contiguous ``(B, rows, Dv)`` buffer (a strided ``out=`` makes
-    ``bmm`` run one matrix product per batch entry) and is divided by its row sums on the way into
-    the output's ``(B, N, H, Dv)`` memory order.
-    """
-    b, h, n, _ = q.shape
-    dv = v.shape[-1]
-    out = torch.empty(b, n, h, dv, dtype=v.dtype, device=v.device)
-    sums = torch.empty(h, b, n, dtype=q.dtype, device=q.device)
-    blocks = _blocks(_scratch_buffer(b * rows * n, q.dtype, q.device), b, n, rows, bias)
-    out_buf = _scratch_buffer(b * rows * dv, v.dtype, v.device, slot=5)
-    out_blocks = [out_buf[: b * blk.rows * dv].view(b, blk.rows, dv) for blk in blocks]
-    alpha = scale * _LOG2E
-    for j in range(h):  # one head at a time, batched over B: q, k, v are read in place
-        q_t, k_j, v_j, out_j = q[:, j].transpose(1, 2), k[:, j], v[:, j], out[:, :, j]
-        factors_j = (factors_t[0][:, j], factors_t[1][:, j])
-        for block, o in zip(blocks, out_blocks, strict=True):
-            e = _exp2_step(block, q_t, k_j, factors_j, alpha, shift)
-            span = slice(block.start, block.stop)
-            sums_b = torch.sum(e, dim=1, out=sums[j, :, span])
-            torch.bmm(e.transpose(1, 2), v_j, out=o)
-            torch.div(o, sums_b.unsqueeze(-1), out=out_j if block.all_rows else out_j[:, span])
-    return out, sums
-
-
 def _blocked_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -173,17 +138,36 @@ def _blocked_forward(
     bias: GaussianBias,
     rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """The row-blocked forward of both entry points: ``(output: (B, H, N, Dv), a view of
-    (B, N, H, Dv); row sums: (H, B, N); whether the maxima were subtracted)``.
+    """The row-blocked forward of both entry points, one head and row block at a time:
+    ``(output: (B, H, N, Dv), a view of (B, N, H, Dv); row sums: (H, B, N); whether the maxima
+    were subtracted)``.
 
     First without subtracting the row maxima (two passes fewer per block), checked once for the
-    whole call (:func:`_sums_in_range`); the rare call that fails it is recomputed shifted. The
-    ``(rows, Dv)`` outputs, not the ``(N, rows)`` blocks, are divided by the row sums.
+    whole call (:func:`_sums_in_range`); the rare call that fails it is recomputed shifted. Each
+    block's ``E v`` goes into a contiguous ``(B, rows, Dv)`` buffer (a strided ``out=`` makes
+    ``bmm`` run one matrix product per batch entry) and is divided by its row sums on the way into
+    the output: the ``(rows, Dv)`` outputs are normalized, never the ``(N, rows)`` blocks.
     """
-    out, sums = _forward_blocks(q, k, v, factors_t, scale, bias, rows, shift=False)
-    shift = not _sums_in_range(sums)
-    if shift:
-        out, sums = _forward_blocks(q, k, v, factors_t, scale, bias, rows, shift=True)
+    b, h, n, _ = q.shape
+    dv = v.shape[-1]
+    out = torch.empty(b, n, h, dv, dtype=v.dtype, device=v.device)
+    sums = torch.empty(h, b, n, dtype=q.dtype, device=q.device)
+    blocks = _blocks(_scratch_buffer(b * rows * n, q.dtype, q.device), b, n, rows, bias)
+    out_buf = _scratch_buffer(b * rows * dv, v.dtype, v.device, slot=5)
+    out_blocks = [out_buf[: b * blk.rows * dv].view(b, blk.rows, dv) for blk in blocks]
+    alpha = scale * _LOG2E
+    for shift in (False, True):
+        for j in range(h):  # one head at a time, batched over B: q, k, v are read in place
+            q_t, k_j, v_j, out_j = q[:, j].transpose(1, 2), k[:, j], v[:, j], out[:, :, j]
+            factors_j = (factors_t[0][:, j], factors_t[1][:, j])
+            for block, o in zip(blocks, out_blocks, strict=True):
+                e = _exp2_step(block, q_t, k_j, factors_j, alpha, shift)
+                span = slice(block.start, block.stop)
+                sums_b = torch.sum(e, dim=1, out=sums[j, :, span])
+                torch.bmm(e.transpose(1, 2), v_j, out=o)
+                torch.div(o, sums_b.unsqueeze(-1), out=out_j if block.all_rows else out_j[:, span])
+        if shift or _sums_in_range(sums):
+            break
     return out.transpose(1, 2), sums, shift
 
 
@@ -254,7 +238,7 @@ class _GaussianSoftmaxFunction(torch.autograd.Function):
         numel = b * rows * n
         prob_blocks = _blocks(_scratch_buffer(numel, q.dtype, q.device, slot=0), b, n, rows, bias)
         grad_blocks = _blocks(_scratch_buffer(numel, q.dtype, q.device, slot=1), b, n, rows, bias)
-        prod_buf = _scratch_buffer(numel, q.dtype, q.device, slot=4)  # 2, 3: entmax15's; 5: forward's
+        prod_buf = _scratch_buffer(numel, q.dtype, q.device, slot=4)
         alpha = scale * _LOG2E
         for j in range(h):
             q_j, k_j, v_j, go_j, delta_j = q[:, j], k[:, j], v[:, j], go_s[:, j], delta_s[:, j]
@@ -315,7 +299,8 @@ def gaussian_softmax_attention_train(
     the CPU is cheaper than ``exp(S - logsumexp)``). The backward gives dq, dk, dv (with the row
     statistic ``rowsum(dO * O)``) and the gradients of the separable factors ``alpha R`` and ``C``
     (:meth:`GaussianBias.key_major_factors`), which autograd carries on to σ and α. Extra memory:
-    three reused ``(B, N, rows)`` block buffers, never an ``(B, H, N, N)`` tensor.
+    reused per-thread buffers (three ``(B, N, rows)`` blocks and a ``(B, rows, Dv)`` output block)
+    and the ``(H, B, N)`` row sums, never an ``(B, H, N, N)`` tensor.
 
     Args:
         q, k: ``(B, H, N, D)``; v: ``(B, H, N, Dv)``; float32 or float64, one dtype, same N.

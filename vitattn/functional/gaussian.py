@@ -61,6 +61,20 @@ def _floored_exp2(exponent: torch.Tensor) -> torch.Tensor:
 _LN2 = 0.6931471805599453
 
 
+def _axis_factors_t(
+    table: torch.Tensor, den: torch.Tensor, grid_size: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(F = [R; C]ᵀ: (..., gh + gw, Np), E)``: both axes' factors with the query index last and
+    their floored exponent ``E`` (log2 units), from the numerator table ``(gh + gw, Np)`` and the
+    denominators ``den: (..., 2, Np)``. The one statement of the factor formula."""
+    gh, gw = grid_size
+    if gh == gw:  # one broadcast division: (2, g, Np) / (..., 2, 1, Np)
+        exponent = (table.unflatten(0, (2, gh)) / den.unsqueeze(-2)).flatten(-3, -2)
+    else:
+        exponent = torch.cat([table[:gh] / den[..., 0:1, :], table[gh:] / den[..., 1:2, :]], dim=-2)
+    return _floored_exp2(exponent), exponent
+
+
 def _key_major_factors(
     table: torch.Tensor,
     den: torch.Tensor,
@@ -69,18 +83,12 @@ def _key_major_factors(
     scale: float,
     slopes: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(scale alpha R)ᵀ: (..., gh, Np)``, ``Cᵀ: (..., gw, Np)`` and both factors ``F = [R; C]ᵀ:
-    (..., gh + gw, Np)`` from the numerator table ``(gh + gw, Np)`` (log2 units), the denominators
-    ``den: (..., 2, Np)`` and ``alpha: (..., 1, Np)``. With ``slopes``, also ``F * E`` (``E`` the
-    floored exponent), so that ``dF / d den = -ln 2 * F * E / den``. Where the floor binds, the
+    """``(scale alpha R)ᵀ: (..., gh, Np)``, ``Cᵀ: (..., gw, Np)`` and both factors ``F`` (see
+    :func:`_axis_factors_t`), with ``alpha: (..., 1, Np)``. With ``slopes``, also ``F * E`` (``E``
+    the floored exponent), so that ``dF / d den = -ln 2 * F * E / den``. Where the floor binds, the
     clamp's derivative is 0 but ``F * E`` is about ``-58 * 2^-58``: kept, as it is below rounding
     next to any unfloored term of the same sum."""
-    gh, gw = grid_size
-    if gh == gw:  # one broadcast division: (2, g, Np) / (..., 2, 1, Np)
-        exponent = (table.unflatten(0, (2, gh)) / den.unsqueeze(-2)).flatten(-3, -2)
-    else:
-        exponent = torch.cat([table[:gh] / den[..., 0:1, :], table[gh:] / den[..., 1:2, :]], dim=-2)
-    factors = _floored_exp2(exponent)
+    factors, exponent = _axis_factors_t(table, den, grid_size)
     slope = factors * exponent if slopes else None
     r_t, c_t = factors.split(grid_size, dim=-2)
     return r_t * (alpha if scale == 1.0 else alpha * scale), c_t, factors, slope
@@ -247,13 +255,13 @@ class GaussianBias:
             out.append(d.clamp_min(self.clamp))
         return out[0], out[1]
 
-    def _patch_numerators(self, queries_last: bool = False) -> torch.Tensor:
-        """``(Np, gh + gw)``: each patch's row numerators, then its column numerators, times log2(e);
-        ``(gh + gw, Np)``, contiguous, with ``queries_last``.
+    def _patch_numerators(self) -> torch.Tensor:
+        """``(gh + gw, Np)``, contiguous: each patch's row numerators, then its column numerators,
+        times log2(e), with the patch index last.
 
         Constant for a grid, so cached (outside autograd and inference mode) except while compiling.
         """
-        key = (self.grid_size, self.clamp, self.sigma.device, self._work_dtype(), queries_last)
+        key = (self.grid_size, self.clamp, self.sigma.device, self._work_dtype())
         cached = None if torch.compiler.is_compiling() else _NUMERATORS.get(key)
         if cached is not None:
             return cached
@@ -262,9 +270,7 @@ class GaussianBias:
             d_row, d_col = self.axis_numerators()
             rows = torch.arange(gh, device=d_row.device).repeat_interleave(gw)  # row index of each patch
             cols = torch.arange(gw, device=d_row.device).repeat(gh)  # column index of each patch
-            table = torch.cat([d_row[rows], d_col[cols]], dim=-1) * _LOG2E
-            if queries_last:
-                table = table.t().contiguous()
+            table = (torch.cat([d_row[rows], d_col[cols]], dim=-1) * _LOG2E).t().contiguous()
         if not torch.compiler.is_compiling():
             if len(_NUMERATORS) >= _NUMERATOR_CACHE_SIZE:
                 _NUMERATORS.pop(next(iter(_NUMERATORS)))
@@ -275,39 +281,35 @@ class GaussianBias:
         """Separable factors ``R: (B, H, Np, gh)`` and ``C: (B, H, Np, gw)``.
 
         ``R[..., p, i] = exp(D_row(row_p, i) / den_p,row)``, likewise for columns, so that
-        ``S[p, t] = alpha_p * R[p, row_t] * C[p, col_t]``. Both come from one exp over
-        ``(B, H, Np, gh + gw)`` and are views of it.
+        ``S[p, t] = alpha_p * R[p, row_t] * C[p, col_t]``. Both are transposed views of one exp2
+        over ``(B, H, gh + gw, Np)`` (the layout :meth:`key_major_factors` works in).
         """
-        gh, gw = self.grid_size
-        table = self._patch_numerators()
-        den = self.denominators()  # (B, H, Np, 2)
-        if gh == gw:  # one broadcast division: (Np, 2, g) / (B, H, Np, 2, 1)
-            exponent = (table.unflatten(-1, (2, gh)) / den.unsqueeze(-1)).flatten(-2)
-        else:
-            exponent = torch.cat([table[:, :gh] / den[..., 0:1], table[:, gh:] / den[..., 1:2]], dim=-1)
-        r, c = _floored_exp2(exponent).split(self.grid_size, dim=-1)
-        return r, c
+        den = self.denominators().transpose(-1, -2)  # (B, H, 2, Np)
+        factors = _axis_factors_t(self._patch_numerators(), den, self.grid_size)[0]
+        r_t, c_t = factors.split(self.grid_size, dim=-2)
+        return r_t.transpose(-1, -2), c_t.transpose(-1, -2)
 
     def scaled_factors(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``alpha * R: (B, H, Np, gh)`` and ``C: (B, H, Np, gw)``, in ``dtype`` (default: the work dtype)."""
-        r, c = self.axis_factors()
-        ra = r * self.alpha.to(r.dtype)
-        if dtype is None:
-            return ra, c
-        return ra.to(dtype), c.to(dtype)
+        """``alpha * R: (B, H, Np, gh)`` and ``C: (B, H, Np, gw)``, in ``dtype`` (default: the work
+        dtype): transposed views of :meth:`key_major_factors`."""
+        ra_t, c_t = self.key_major_factors(dtype)
+        return ra_t.transpose(-1, -2), c_t.transpose(-1, -2)
 
     def key_major_factors(
         self, dtype: torch.dtype | None = None, scale: float = 1.0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`scaled_factors` with the query index last, computed in that layout (no transposed
-        copies): ``(scale * alpha * R)ᵀ: (B, H, gh, Np)`` and ``Cᵀ: (B, H, gw, Np)``, in ``dtype``.
+        """``(scale * alpha * R)ᵀ: (B, H, gh, Np)`` and ``Cᵀ: (B, H, gw, Np)``: the factors with the
+        query index last (the layout :meth:`write_columns` reads and the factors are computed in),
+        in ``dtype`` (default: the work dtype); ``scale`` multiplies alpha (the bias is scaled by it).
 
-        The layout :meth:`write_columns` reads; ``scale`` multiplies alpha (the bias is scaled by it).
+        With autograd, outside ``torch.compile``, the gradient to σ and α is a hand-written backward
+        (:class:`_KeyMajorFactors`); otherwise autograd follows the elementwise steps.
         """
-        table = self._patch_numerators(queries_last=True)  # (gh + gw, Np)
+        table = self._patch_numerators()  # (gh + gw, Np)
         den = self.denominators().transpose(-1, -2)  # (B, H, 2, Np)
         alpha = self.alpha.to(den.dtype).transpose(-1, -2)  # (B, H, 1, Np)
-        if torch.is_grad_enabled() and (den.requires_grad or alpha.requires_grad):
+        needs_grad = torch.is_grad_enabled() and (den.requires_grad or alpha.requires_grad)
+        if needs_grad and not torch.compiler.is_compiling():
             ra_t, c_t = _KeyMajorFactors.apply(table, den, alpha, self.grid_size, scale)
         else:
             ra_t, c_t, _, _ = _key_major_factors(table, den, alpha, self.grid_size, scale, slopes=False)
