@@ -106,28 +106,30 @@ def test_errors_name_shapes():
         GaussianBias(s, a, (3, 4), num_prefix_tokens=-1)
 
 
-@given(bias_cases(), st.data())
-def test_write_rows_is_a_row_slice_of_dense(case, data):
-    sigma, alpha, grid, prefix, initial = case
+@st.composite
+def bias_row_blocks(draw):
+    """A drawn bias and a block of its query rows ``start:stop``."""
+    sigma, alpha, grid, prefix, initial = draw(bias_cases())
     bias = GaussianBias(sigma, alpha, grid, num_prefix_tokens=prefix, initial_grid_size=initial)
-    n = bias.num_tokens
-    start = data.draw(st.integers(0, n - 1))
-    stop = data.draw(st.integers(start + 1, n))
-    out = torch.full((sigma.shape[0], sigma.shape[1], stop - start, n), float("nan"), dtype=torch.float64)
+    start = draw(st.integers(0, bias.num_tokens - 1))
+    return bias, start, draw(st.integers(start + 1, bias.num_tokens))
+
+
+@given(bias_row_blocks())
+def test_write_rows_is_a_row_slice_of_dense(drawn):
+    bias, start, stop = drawn
+    b, h, n = bias.sigma.shape[0], bias.sigma.shape[1], bias.num_tokens
+    out = torch.full((b, h, stop - start, n), float("nan"), dtype=torch.float64)
     bias.write_rows(out, start)
     torch.testing.assert_close(out, bias.dense()[:, :, start:stop], atol=0, rtol=0)
 
 
-@given(bias_cases(), st.data())
-def test_write_columns_is_a_transposed_row_slice_of_dense(case, data):
-    sigma, alpha, grid, prefix, initial = case
-    bias = GaussianBias(sigma, alpha, grid, num_prefix_tokens=prefix, initial_grid_size=initial)
-    n = bias.num_tokens
-    start = data.draw(st.integers(0, n - 1))
-    stop = data.draw(st.integers(start + 1, n))
-    ra, c = bias.scaled_factors()
-    factors_t = (ra.transpose(-1, -2).contiguous(), c.transpose(-1, -2).contiguous())
-    out = torch.full((ra.shape[0], ra.shape[1], n, stop - start), float("nan"), dtype=ra.dtype)
+@given(bias_row_blocks())
+def test_write_columns_is_a_transposed_row_slice_of_dense(drawn):
+    bias, start, stop = drawn
+    factors_t = bias.key_major_factors()
+    ra = factors_t[0]
+    out = torch.full((ra.shape[0], ra.shape[1], bias.num_tokens, stop - start), float("nan"), dtype=ra.dtype)
     bias.write_columns(out, start, factors_t)
     want = bias.dense()[:, :, start:stop].transpose(-1, -2)
     torch.testing.assert_close(out, want, atol=0, rtol=0)
