@@ -5,12 +5,12 @@
 How ``tau`` is found (in the shifted scale ``x = max(z - max(z), -2) / 2``, so ``x <= 0``):
 
 1. ``f(tau) = sum_i (x_i - tau)_+^2 - 1`` is convex, decreasing and piecewise quadratic.
-   The root lies in ``[lo, hi]`` with ``lo = max(-1, mean(x) - 1/sqrt(n))`` (the top element alone, and
-   Jensen's inequality) and ``hi = -1/sqrt(n)``. Clamping ``x`` at ``-1`` changes nothing for
-   ``tau >= -1`` and removes ``-inf`` from masked entries.
+   The root lies in ``[-1, hi]`` (the top element alone gives ``f(-1) >= 0``; ``hi = -1/sqrt(n)``
+   by Jensen's inequality). Clamping ``x`` at ``-1`` changes nothing for ``tau >= -1``, removes
+   ``-inf`` from masked entries, and makes the first step's ``(x + 1)_+`` a plain ``x + 1``.
 2. Newton steps on ``h(tau) = ||(x - tau)_+||_2 - 1`` (same root, also convex and decreasing, and
-   nearly linear far from the root) from ``lo`` never overshoot, so every iterate stays a lower
-   bound; the safeguard keeps it in ``[lo, hi]`` under rounding. They stop once the largest step
+   nearly linear far from the root) from ``-1`` never overshoot, so every iterate stays a lower
+   bound; the safeguard keeps it in ``[-1, hi]`` under rounding. They stop once the largest step
    in any row is below ``sqrt(machine eps)``.
 3. On the support ``S = {x_i > tau}`` the equation is an exact quadratic; its root (in a
    cancellation-free form) gives ``tau``, so the result is exact once the support is right, not a
@@ -52,16 +52,22 @@ def _newton_threshold(
     tol: float | None = None,
 ) -> torch.Tensor:
     """Lower bound of ``tau`` within ``tol`` (default ``sqrt(eps)``) of the root, starting from the
-    lower bound ``tau`` (default the Jensen bound); ``work`` is scratch of ``x``'s shape."""
+    lower bound ``tau`` (default ``-1``, where ``x``, clamped at ``-1``, makes the first
+    ``(x - tau)_+`` one addition); ``work`` is scratch of ``x``'s shape."""
     n = x.shape[dim]
-    inv_sqrt_n = 1.0 / math.sqrt(n)
+    hi = -1.0 / math.sqrt(n)
+    from_minus_one = tau is None
     if tau is None:
-        tau = (x.mean(dim, keepdim=True) - inv_sqrt_n).clamp_(min=-1.0)
-    hi = -inv_sqrt_n
+        shape = list(x.shape)
+        shape[dim] = 1
+        tau = x.new_full(shape, -1.0)
     tol = math.sqrt(torch.finfo(x.dtype).eps) if tol is None else tol
     steps = _COMPILED_NEWTON_STEPS if torch.compiler.is_compiling() else _MAX_NEWTON_STEPS
-    for _ in range(steps):
-        d = torch.sub(x, tau, out=work).clamp_(min=0.0)
+    for i in range(steps):
+        if i == 0 and from_minus_one:
+            d = torch.add(x, 1.0, out=work)
+        else:
+            d = torch.sub(x, tau, out=work).clamp_(min=0.0)
         s1 = d.sum(dim, keepdim=True)
         norm = torch.linalg.vector_norm(d, dim=dim, keepdim=True)
         # Newton on h = ||(x - tau)_+|| - 1 (convex and decreasing like f, nearly linear far from the

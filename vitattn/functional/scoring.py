@@ -102,6 +102,17 @@ def additive_terms(
     return apply_mask(dense_bias(bias, dtype), mask, dtype)
 
 
+def scaled_products(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * q kᵀ: (B, H, Nq, Nk)`` from ``q: (B, H, Nq, D)``, ``k: (B, H, Nk, D)`` (one dtype), with
+    the scale applied inside the matrix product: no second pass over the scores, and none over their
+    gradient in the backward."""
+    b, h, nq, d = q.shape
+    q3, k3 = q.reshape(b * h, nq, d), k.reshape(b * h, k.shape[2], d)
+    # beta = 0: the (broadcast) input is ignored, so an empty-sized zero stands in for it
+    out = torch.baddbmm(q3.new_zeros(1, 1, 1), q3, k3.transpose(1, 2), beta=0.0, alpha=scale)
+    return out.view(b, h, nq, k.shape[2])
+
+
 def scores_unchecked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -111,7 +122,7 @@ def scores_unchecked(
 ) -> torch.Tensor:
     """:func:`scores` without the argument checks (for callers that validated already)."""
     work = compute_dtype(q, k)
-    out = torch.matmul(q.to(work), k.to(work).transpose(-1, -2)).mul_(scale)
+    out = scaled_products(q.to(work), k.to(work), scale)
     add = additive_terms(bias, mask, work)
     return out if add is None else out + add
 
