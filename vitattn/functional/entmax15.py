@@ -165,9 +165,10 @@ def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor
     return rows.view(shape).movedim(-1, dim)
 
 
-def _entmax15_sqrt_rows(z: torch.Tensor) -> torch.Tensor:
-    """``sqrt(entmax15(z)) = (x - tau)_+`` of each row of a contiguous ``(rows, n)`` tensor, by chunks."""
-    out = torch.empty_like(z)
+def _entmax15_sqrt_rows(z: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``sqrt(entmax15(z)) = (x - tau)_+`` of each row of a contiguous ``(rows, n)`` tensor, by chunks,
+    into ``out`` (a contiguous tensor like ``z``; fresh by default)."""
+    out = torch.empty_like(z) if out is None else out
     chunks = _row_chunks(z.shape[0], z.shape[1])
     if torch.compiler.is_compiling():  # no buffers that outlive the call in a graph
         for a, b in chunks:

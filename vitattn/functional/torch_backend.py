@@ -3,8 +3,9 @@
 Softmax without returned weights goes through ``scaled_dot_product_attention`` (which computes the
 same thing, fused), except CPU calls with a :class:`GaussianBias` and no mask, which go through the
 row-blocked paths of :mod:`.blocked` (no dense bias): the forward-only one for inference, the
-autograd function with a recomputing backward for training; everything else materializes the
-``(B, H, Nq, Nk)`` scores.
+autograd function with a recomputing backward for training. entmax-1.5 on the CPU without weights,
+mask, bias or dropout goes through the row-blocked path of :mod:`.blocked_entmax`; everything else
+materializes the ``(B, H, Nq, Nk)`` scores.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .blocked import gaussian_softmax_attention, gaussian_softmax_attention_train
+from .blocked_entmax import entmax15_attention
 from .dispatch import AttentionCall, autocast_dtype, register_backend
 from .gaussian import GaussianBias
 from .normalize import normalize
@@ -69,6 +71,15 @@ def _gaussian_rows_fit(call: AttentionCall) -> bool:
     return call.q.shape[2] == call.k.shape[2]
 
 
+def _blocked_entmax_applies(call: AttentionCall) -> bool:
+    """entmax-1.5, no weights returned, no mask, bias or dropout, CPU float32/64, eager mode."""
+    if call.normalizer != "entmax15" or call.return_weights or torch.compiler.is_compiling():
+        return False
+    if call.mask is not None or call.bias is not None or call.dropout_p > 0.0:
+        return False
+    return call.q.device.type == "cpu" and call.q.dtype in (torch.float32, torch.float64)
+
+
 class TorchBackend:
     """Reference implementation; supports every call."""
 
@@ -99,6 +110,8 @@ class TorchBackend:
                 assert isinstance(call.bias, GaussianBias)
                 return gaussian_softmax_attention_train(call.q, call.k, call.v, call.scale, call.bias), None
             return self._sdpa(call), None
+        if _blocked_entmax_applies(call):
+            return entmax15_attention(call.q, call.k, call.v, call.scale), None
         scores = scores_of(call)
         probs = normalize(scores, call.normalizer, masked=call.mask is not None)
         weights = probs

@@ -1,0 +1,134 @@
+"""The row-blocked entmax-1.5 attention (CPU path): the `entmax` package's materialized attention in
+float64 and float32 on drawn shapes and blocks, gradcheck, what it keeps for the backward, its blocks
+and its dispatch."""
+
+from __future__ import annotations
+
+import entmax as entmax_pkg
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import vitattn.functional.blocked_entmax as blocked_entmax
+import vitattn.functional.torch_backend as torch_backend
+from vitattn.functional import attention
+from vitattn.functional.blocked_entmax import entmax15_attention, head_row_blocks
+
+from .helpers import count_calls
+
+
+def _reference(q, k, v, scale):
+    """entmax15(scale q kᵀ) v through the `entmax` package, materialized, in float64."""
+    scores = (q.double() @ k.double().transpose(-1, -2)) * scale
+    return entmax_pkg.entmax15(scores, dim=-1) @ v.double()
+
+
+def _leaves(b, h, nq, nk, d, dv, dtype, seed=0, mag=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, nq, d, generator=g, dtype=torch.float64) * mag
+    k = torch.randn(b, h, nk, d, generator=g, dtype=torch.float64) * mag
+    v = torch.randn(b, h, nk, dv, generator=g, dtype=torch.float64)
+    return [t.to(dtype).requires_grad_() for t in (q, k, v)]
+
+
+@st.composite
+def cases(draw):
+    b, h = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    nq, nk = draw(st.integers(1, 19)), draw(st.integers(1, 19))
+    d, dv = draw(st.sampled_from([1, 4, 16])), draw(st.sampled_from([1, 5]))
+    # None: the default (one block here); small limits force head groups and ragged row blocks
+    limit = draw(st.sampled_from([None, 1, 7, 40, 2 * nq * nk, 3 * nq * nk + 1]))
+    return b, h, nq, nk, d, dv, limit, draw(st.sampled_from([0.1, 0.5, 2.0])), draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases())
+def test_matches_the_materialized_package_float64(case):
+    b, h, nq, nk, d, dv, limit, scale, seed = case
+    q, k, v = _leaves(b, h, nq, nk, d, dv, torch.float64, seed)
+    saved = blocked_entmax._BLOCK_ELEMENTS
+    try:
+        if limit is not None:
+            blocked_entmax._BLOCK_ELEMENTS = limit
+        out = entmax15_attention(q, k, v, scale)
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out) + out.detach())
+        with torch.no_grad():
+            inference = entmax15_attention(q, k, v, scale)
+    finally:
+        blocked_entmax._BLOCK_ELEMENTS = saved
+    ref = _reference(q, k, v, scale)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref) + out.detach())
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    torch.testing.assert_close(inference, out.detach(), atol=0, rtol=0)
+    for ours, theirs in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("limit", [None, 30, 5])  # one block; head groups; one head's row blocks
+def test_gradcheck_float64(monkeypatch, limit):
+    if limit is not None:
+        monkeypatch.setattr(blocked_entmax, "_BLOCK_ELEMENTS", limit)
+    q, k, v = _leaves(2, 2, 5, 4, 3, 2, torch.float64, seed=3)
+    assert torch.autograd.gradcheck(lambda q, k, v: entmax15_attention(q, k, v, 0.7), (q, k, v))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 197, 64), (1, 2, 785, 32)])
+def test_float32_at_model_sizes(shape):
+    b, h, n, d = shape
+    q, k, v = _leaves(b, h, n, n, d, d, torch.float32, seed=1)
+    out = entmax15_attention(q, k, v, d**-0.5)
+    ref = _reference(q, k, v, d**-0.5)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+    g = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), g)
+    theirs = torch.autograd.grad(ref, (q, k, v), g.double())
+    for a, r in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4)
+
+
+def test_keeps_sqrt_p_as_the_only_scores_sized_tensor():
+    b, h, nq, nk = 2, 3, 11, 13
+    q, k, v = _leaves(b, h, nq, nk, 8, 8, torch.float64)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = entmax15_attention(q, k, v, 0.5)
+    big = [t for t in saved if t.numel() >= b * h * nq * nk]
+    assert len(big) == 1 and tuple(big[0].shape) == (b * h, nq, nk)
+    p = entmax_pkg.entmax15((q @ k.transpose(-1, -2)) * 0.5, dim=-1)
+    torch.testing.assert_close(big[0].square().view(b, h, nq, nk), p, atol=1e-12, rtol=0)
+    out.sum().backward()  # the saved tensors are enough
+
+
+@given(st.integers(1, 9), st.integers(1, 40), st.integers(1, 40), st.integers(1, 400))
+def test_blocks_cover_every_head_and_row_once(heads, nq, nk, limit):
+    seen = torch.zeros(heads, nq, dtype=torch.int64)
+    for h0, h1, r0, r1 in head_row_blocks(heads, nq, nk, limit):
+        assert (h1 - h0) * (r1 - r0) * nk <= max(limit, nk)  # a single row may exceed a tiny limit
+        assert r0 == 0 and r1 == nq or h1 == h0 + 1  # whole heads, or rows of one head
+        seen[h0:h1, r0:r1] += 1
+    assert torch.equal(seen, torch.ones_like(seen))
+
+
+def test_attention_dispatches_here_for_plain_entmax_on_the_cpu(monkeypatch):
+    calls = count_calls(monkeypatch, torch_backend, "entmax15_attention")
+    q, k, v = _leaves(2, 2, 9, 9, 4, 4, torch.float32)
+    out = attention(q, k, v, normalizer="entmax15")
+    out.sum().backward()
+    with torch.no_grad():
+        attention(q, k, v, normalizer="entmax15")
+    assert len(calls) == 2
+    ref = _reference(q, k, v, 0.5)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+    # weights returned, a mask, a bias or another normalizer: the materialized path
+    keep = torch.rand(9, 9) > 0.3
+    keep[:, 0] = True
+    masked = attention(q, k, v, normalizer="entmax15", mask=keep)
+    weighted, weights = attention(q, k, v, normalizer="entmax15", return_weights=True)
+    attention(q, k, v, normalizer="entmax15", bias=torch.zeros(9, 9))
+    attention(q, k, v, normalizer="sparsemax")
+    assert len(calls) == 2
+    torch.testing.assert_close(weighted, out, atol=1e-6, rtol=0)
+    scores = (q.double() @ k.double().transpose(-1, -2)) * 0.5
+    ref_masked = entmax_pkg.entmax15(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v.double()
+    torch.testing.assert_close(masked.double(), ref_masked, atol=1e-5, rtol=0)

@@ -1,0 +1,121 @@
+"""entmax-1.5 attention computed one block of (head, query rows) at a time, saving only ``sqrt(p)``.
+
+The CPU path of ``attention(q, k, v, normalizer="entmax15")`` without mask, bias or dropout. The
+materialized path writes the scores, ``sqrt(p)`` and ``p`` as three ``(B, H, Nq, Nk)`` tensors
+(and the backward two more); here each block's scores go into a small per-thread buffer (the scale
+inside the matrix product), the exact threshold search of :mod:`.entmax15` runs on it while it is
+in cache, and ``p = sqrt(p)^2`` overwrites it before the product with ``v``. Only ``sqrt(p)`` is
+kept for the backward, which recomputes ``p`` block by block; the gradient of the scores never
+exists beyond one block either. The results are those of the materialized path, bit for bit at
+float64 (same operations, same order within a row).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._entmax_common import support_vjp
+from .blocked import _scratch_buffer
+from .entmax15 import _CHUNK_ELEMENTS, _entmax15_sqrt_rows
+
+__all__ = ["entmax15_attention", "head_row_blocks"]
+
+Block = tuple[int, int, int, int]  # heads h0:h1, query rows r0:r1
+# scores per block: the threshold search's chunk, so that a block is searched in one chunk
+_BLOCK_ELEMENTS = _CHUNK_ELEMENTS
+
+
+def head_row_blocks(heads: int, num_queries: int, num_keys: int, limit: int | None = None) -> list[Block]:
+    """Blocks ``(h0, h1, r0, r1)`` of at most ``limit`` scores each (default ``_BLOCK_ELEMENTS``;
+    at least one row): whole heads grouped in near-equal counts while a head fits, else one head's
+    query rows in near-equal blocks. Each block is then a contiguous slice of a ``(heads, Nq, ·)``
+    tensor."""
+    limit = _BLOCK_ELEMENTS if limit is None else int(limit)
+    per_head = num_queries * num_keys
+    if per_head <= limit:
+        groups = -(-heads // max(1, limit // max(per_head, 1)))
+        size = -(-heads // groups)
+        return [(h, min(h + size, heads), 0, num_queries) for h in range(0, heads, size)]
+    pieces = -(-num_queries // max(1, limit // num_keys))
+    rows = -(-num_queries // pieces)
+    starts = range(0, num_queries, rows)
+    return [(h, h + 1, r, min(r + rows, num_queries)) for h in range(heads) for r in starts]
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``(B, H, N, D) -> (B*H, N, D)`` (a copy only when the heads are not laid out one after another)."""
+    return t.reshape(-1, *t.shape[2:])
+
+
+def _forward(
+    q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, scale: float, sqrt_p: torch.Tensor | None
+) -> torch.Tensor:
+    """``entmax15(scale q kᵀ) v: (BH, Nq, Dv)`` from ``(BH, N, D)`` operands; ``sqrt_p: (BH, Nq, Nk)``
+    receives ``sqrt(p)`` when given (for the backward), else a scratch block does."""
+    bh, nq, _ = q3.shape
+    nk = k3.shape[1]
+    out = q3.new_empty(bh, nq, v3.shape[-1])
+    for h0, h1, r0, r1 in head_row_blocks(bh, nq, nk):
+        numel = (h1 - h0) * (r1 - r0) * nk
+        z = _scratch_buffer(numel, q3.dtype, q3.device, slot=0).view(h1 - h0, r1 - r0, nk)
+        z.baddbmm_(q3[h0:h1, r0:r1], k3[h0:h1].transpose(1, 2), beta=0.0, alpha=scale)
+        if sqrt_p is None:
+            g = _scratch_buffer(numel, q3.dtype, q3.device, slot=1).view_as(z)
+        else:
+            g = sqrt_p[h0:h1, r0:r1]
+        _entmax15_sqrt_rows(z.view(-1, nk), out=g.view(-1, nk))
+        torch.bmm(torch.mul(g, g, out=z), v3[h0:h1], out=out[h0:h1, r0:r1])
+    return out
+
+
+class _Entmax15Attention(torch.autograd.Function):
+    """Row-blocked entmax-1.5 attention; saves q, k, v (flattened) and ``sqrt(p)``."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        q3, k3, v3 = _flat(q), _flat(k), _flat(v)
+        sqrt_p = q3.new_empty(q3.shape[0], q3.shape[1], k3.shape[1])
+        out = _forward(q3, k3, v3, scale, sqrt_p)
+        ctx.save_for_backward(q3, k3, v3, sqrt_p)
+        ctx.scale, ctx.shapes = scale, (q.shape, k.shape, v.shape)
+        return out.view(*q.shape[:3], v.shape[-1])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q3, k3, v3, sqrt_p = ctx.saved_tensors
+        go3 = _flat(grad_out.to(q3.dtype))
+        bh, nq, nk = sqrt_p.shape
+        dq, dk, dv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
+        for h0, h1, r0, r1 in head_row_blocks(bh, nq, nk):
+            numel = (h1 - h0) * (r1 - r0) * nk
+            g, go = sqrt_p[h0:h1, r0:r1], go3[h0:h1, r0:r1]
+            dp = _scratch_buffer(numel, q3.dtype, q3.device, slot=0).view_as(g)
+            torch.bmm(go, v3[h0:h1].transpose(1, 2), out=dp)
+            p = torch.mul(g, g, out=_scratch_buffer(numel, q3.dtype, q3.device, slot=1).view_as(g))
+            _product_into(dv[h0:h1], p.transpose(1, 2), go, first=r0 == 0)
+            ds = support_vjp(dp.view(-1, nk), g.view(-1, nk), -1, out=p.view(-1, nk)).view_as(g)
+            torch.bmm(ds, k3[h0:h1], out=dq[h0:h1, r0:r1])
+            _product_into(dk[h0:h1], ds.transpose(1, 2), q3[h0:h1, r0:r1], first=r0 == 0)
+        q_shape, k_shape, v_shape = ctx.shapes
+        dq, dk = dq.mul_(ctx.scale), dk.mul_(ctx.scale)
+        return dq.view(q_shape), dk.view(k_shape), dv.view(v_shape), None
+
+
+def _product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """``out = a @ b`` for a head's first row block, ``out += a @ b`` for the later ones."""
+    if first:
+        torch.bmm(a, b, out=out)
+    else:
+        out.baddbmm_(a, b)
+
+
+def entmax15_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """``entmax15(scale q kᵀ) v`` for ``q: (B, H, Nq, D)``, ``k: (B, H, Nk, D)``, ``v: (B, H, Nk, Dv)``
+    (one floating dtype, float32 or float64 on the CPU): the row-blocked path, with autograd when
+    an input requires a gradient (then ``sqrt(p): (B, H, Nq, Nk)`` is the one tensor of that size
+    kept), forward only otherwise."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _Entmax15Attention.apply(q, k, v, float(scale))
+    out = _forward(_flat(q), _flat(k), _flat(v), float(scale), None)
+    return out.view(*q.shape[:3], v.shape[-1])
