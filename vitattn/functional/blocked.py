@@ -43,7 +43,8 @@ def _scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device, slot: 
     """A flat buffer of at least ``numel`` elements, reused by later calls on this thread.
 
     ``slot`` tells apart buffers needed at the same time (0 and 5: the forward's block and output
-    block; 0, 1 and 4: the backward's; 2 and 3: entmax15's chunks). Always a normal
+    block; 0, 1 and 4: the backward's; 2 and 3: entmax15's chunks; 0 and 1 also the blocks of
+    :mod:`.blocked_entmax`, whose calls never overlap these). Always a normal
     tensor, even when first asked for under ``torch.inference_mode`` (an inference tensor could not
     be written in place by a later training call).
     """
