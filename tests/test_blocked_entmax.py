@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 
 import vitattn.functional.blocked_entmax as blocked_entmax
 import vitattn.functional.torch_backend as torch_backend
-from vitattn.functional import attention
+from vitattn.functional import GaussianBias, attention
 from vitattn.functional.blocked_entmax import entmax15_attention, head_row_blocks
 
 from .helpers import count_calls
+from .reference_formulas import naive_gaug_bias
 
 
 def _reference(q, k, v, scale):
@@ -132,3 +133,66 @@ def test_attention_dispatches_here_for_plain_entmax_on_the_cpu(monkeypatch):
     scores = (q.double() @ k.double().transpose(-1, -2)) * 0.5
     ref_masked = entmax_pkg.entmax15(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v.double()
     torch.testing.assert_close(masked.double(), ref_masked, atol=1e-5, rtol=0)
+
+
+@st.composite
+def gaussian_cases(draw):
+    gh, gw = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    prefix = draw(st.sampled_from([0, 1, 2]))
+    b, h, d = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.sampled_from([1, 4, 16]))
+    broadcast = draw(st.sampled_from([None, "batch", "heads"]))
+    initial = draw(st.sampled_from([None, (2, 2), (6, 5)]))
+    n = prefix + gh * gw
+    limit = draw(st.sampled_from([None, 1, 9, 2 * n * n + 3]))
+    return gh, gw, prefix, b, h, d, broadcast, initial, limit, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=50, deadline=None)
+@given(gaussian_cases())
+def test_gaussian_bias_in_inference_matches_the_dense_bias(case):
+    gh, gw, prefix, b, h, d, broadcast, initial, limit, seed = case
+    g = torch.Generator().manual_seed(seed)
+    n = prefix + gh * gw
+    q, k, v = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64) for _ in range(3))
+    sb, sh = (1 if broadcast == "batch" else b), (1 if broadcast == "heads" else h)
+    sigma = torch.exp(torch.randn(sb, sh, gh * gw, 2, generator=g, dtype=torch.float64))
+    alpha = torch.rand(sb, sh, gh * gw, 1, generator=g, dtype=torch.float64) * 3
+    bias = GaussianBias(sigma, alpha, (gh, gw), prefix, initial_grid_size=initial)
+    saved = blocked_entmax._BLOCK_ELEMENTS
+    try:
+        if limit is not None:
+            blocked_entmax._BLOCK_ELEMENTS = limit
+        out = entmax15_attention(q, k, v, 0.6, bias)
+    finally:
+        blocked_entmax._BLOCK_ELEMENTS = saved
+    dense = naive_gaug_bias(sigma, alpha, (gh, gw), prefix, initial or (gh, gw))
+    ref = entmax_pkg.entmax15((q @ k.transpose(-1, -2)) * 0.6 + dense, dim=-1) @ v
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+
+
+def test_gaussian_bias_errors():
+    q, k, v = _leaves(1, 2, 5, 5, 4, 4, torch.float64)
+    sigma, alpha = torch.ones(1, 2, 4, 2, dtype=torch.float64), torch.ones(1, 2, 4, 1, dtype=torch.float64)
+    bias = GaussianBias(sigma, alpha, (2, 2), 1)
+    with pytest.raises(ValueError, match="only without autograd"):
+        entmax15_attention(q, k, v, 0.5, bias)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"N = 5 tokens, but q is \(1, 2, 6, 4\)"):
+        entmax15_attention(*(torch.randn(1, 2, 6, 4, dtype=torch.float64) for _ in range(3)), 0.5, bias)
+
+
+def test_locat_entmax_layer_takes_it_in_inference_only(monkeypatch):
+    from vitattn import LocAtAttention
+
+    calls = count_calls(monkeypatch, torch_backend, "entmax15_attention")
+    torch.manual_seed(0)
+    layer = LocAtAttention(32, num_heads=2, grid_size=(3, 4), num_prefix_tokens=1, normalizer="entmax15")
+    for lin in (layer.gaug.log_var, layer.gaug.log_alpha):  # a bias that matters
+        torch.nn.init.normal_(lin.weight, std=0.5)
+    x = torch.randn(2, 13, 32)
+    trained = layer(x)  # parameters need gradients: the materialized path
+    assert calls == []
+    trained.sum().backward()
+    with torch.no_grad():
+        inferred = layer(x)
+    assert len(calls) == 1
+    torch.testing.assert_close(inferred, trained.detach(), atol=1e-5, rtol=0)

@@ -1,6 +1,8 @@
 """entmax-1.5 attention computed one block of (head, query rows) at a time, saving only ``sqrt(p)``.
 
-The CPU path of ``attention(q, k, v, normalizer="entmax15")`` without mask, bias or dropout. The
+The CPU path of ``attention(q, k, v, normalizer="entmax15")`` without mask or dropout (and with a
+:class:`~vitattn.functional.GaussianBias` in inference, written block by block by
+:meth:`~vitattn.functional.GaussianBias.write_rows` before the scores are added to it). The
 materialized path writes the scores, ``sqrt(p)`` and ``p`` as three ``(B, H, Nq, Nk)`` tensors
 (and the backward two more); here each block's scores go into a small per-thread buffer (the scale
 inside the matrix product), the exact threshold search of :mod:`.entmax15` runs on it while it is
@@ -17,6 +19,7 @@ import torch
 from ._entmax_common import support_vjp
 from .blocked import _scratch_buffer
 from .entmax15 import _CHUNK_ELEMENTS, _entmax15_sqrt_rows
+from .gaussian import GaussianBias
 
 __all__ = ["entmax15_attention", "head_row_blocks"]
 
@@ -47,18 +50,38 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *t.shape[2:])
 
 
+def _flat_factors(
+    bias: GaussianBias, b: int, h: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bias' queries-first factors ``alpha R: (B*H, Np, gh)`` and ``C: (B*H, Np, gw)`` in
+    ``dtype`` (broadcast σ / α expanded), for :meth:`GaussianBias.write_rows` on blocks of heads."""
+    ra, c = (t.expand(b, h, *t.shape[2:]).reshape(b * h, *t.shape[2:]) for t in bias.scaled_factors(dtype))
+    return ra, c
+
+
 def _forward(
-    q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, scale: float, sqrt_p: torch.Tensor | None
+    q3: torch.Tensor,
+    k3: torch.Tensor,
+    v3: torch.Tensor,
+    scale: float,
+    sqrt_p: torch.Tensor | None,
+    bias: tuple[GaussianBias, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
-    """``entmax15(scale q kᵀ) v: (BH, Nq, Dv)`` from ``(BH, N, D)`` operands; ``sqrt_p: (BH, Nq, Nk)``
-    receives ``sqrt(p)`` when given (for the backward), else a scratch block does."""
+    """``entmax15(scale q kᵀ + bias) v: (BH, Nq, Dv)`` from ``(BH, N, D)`` operands; ``sqrt_p:
+    (BH, Nq, Nk)`` receives ``sqrt(p)`` when given (for the backward), else a scratch block does;
+    ``bias`` is a Gaussian bias with its :func:`_flat_factors`, written into each block first."""
     bh, nq, _ = q3.shape
     nk = k3.shape[1]
     out = q3.new_empty(bh, nq, v3.shape[-1])
     for h0, h1, r0, r1 in head_row_blocks(bh, nq, nk):
         numel = (h1 - h0) * (r1 - r0) * nk
         z = _scratch_buffer(numel, q3.dtype, q3.device, slot=0).view(h1 - h0, r1 - r0, nk)
-        z.baddbmm_(q3[h0:h1, r0:r1], k3[h0:h1].transpose(1, 2), beta=0.0, alpha=scale)
+        if bias is None:
+            z.baddbmm_(q3[h0:h1, r0:r1], k3[h0:h1].transpose(1, 2), beta=0.0, alpha=scale)
+        else:
+            gaussian, (ra, c) = bias
+            gaussian.write_rows(z, r0, (ra[h0:h1], c[h0:h1]))
+            z.baddbmm_(q3[h0:h1, r0:r1], k3[h0:h1].transpose(1, 2), alpha=scale)
         if sqrt_p is None:
             g = _scratch_buffer(numel, q3.dtype, q3.device, slot=1).view_as(z)
         else:
@@ -110,12 +133,35 @@ def _product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bo
         out.baddbmm_(a, b)
 
 
-def entmax15_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """``entmax15(scale q kᵀ) v`` for ``q: (B, H, Nq, D)``, ``k: (B, H, Nk, D)``, ``v: (B, H, Nk, Dv)``
-    (one floating dtype, float32 or float64 on the CPU): the row-blocked path, with autograd when
-    an input requires a gradient (then ``sqrt(p): (B, H, Nq, Nk)`` is the one tensor of that size
-    kept), forward only otherwise."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+def entmax15_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: GaussianBias | None = None
+) -> torch.Tensor:
+    """``entmax15(scale q kᵀ + bias) v`` for ``q: (B, H, Nq, D)``, ``k: (B, H, Nk, D)``,
+    ``v: (B, H, Nk, Dv)`` (one floating dtype, float32 or float64 on the CPU): the row-blocked path,
+    with autograd when an input requires a gradient (then ``sqrt(p): (B, H, Nq, Nk)`` is the one
+    tensor of that size kept), forward only otherwise.
+
+    ``bias``, a :class:`GaussianBias` for ``Nq = Nk = N`` tokens, is written block by block (no
+    dense bias), in the forward-only path: with autograd it raises ``ValueError`` (the dispatcher
+    sends such calls to the materialized path).
+    """
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if bias is not None:
+        grad = grad or (torch.is_grad_enabled() and (bias.sigma.requires_grad or bias.alpha.requires_grad))
+        if grad:
+            raise ValueError(
+                "entmax15_attention takes a GaussianBias only without autograd (q, k, v, sigma and "
+                "alpha needing no gradient); attention() computes such calls materialized"
+            )
+        if q.shape[2] != bias.num_tokens or k.shape[2] != bias.num_tokens:
+            raise ValueError(
+                f"bias describes N = {bias.num_tokens} tokens, but q is {tuple(q.shape)} and k is "
+                f"{tuple(k.shape)}"
+            )
+        factors = _flat_factors(bias, q.shape[0], q.shape[1], q.dtype)
+        out = _forward(_flat(q), _flat(k), _flat(v), float(scale), None, (bias, factors))
+        return out.view(*q.shape[:3], v.shape[-1])
+    if grad:
         return _Entmax15Attention.apply(q, k, v, float(scale))
     out = _forward(_flat(q), _flat(k), _flat(v), float(scale), None)
     return out.view(*q.shape[:3], v.shape[-1])

@@ -4,8 +4,9 @@ Softmax without returned weights goes through ``scaled_dot_product_attention`` (
 same thing, fused), except CPU calls with a :class:`GaussianBias` and no mask, which go through the
 row-blocked paths of :mod:`.blocked` (no dense bias): the forward-only one for inference, the
 autograd function with a recomputing backward for training. entmax-1.5 on the CPU without weights,
-mask, bias or dropout goes through the row-blocked path of :mod:`.blocked_entmax`; everything else
-materializes the ``(B, H, Nq, Nk)`` scores.
+mask or dropout goes through the row-blocked path of :mod:`.blocked_entmax` (with a
+:class:`GaussianBias` only when nothing needs a gradient); everything else materializes the
+``(B, H, Nq, Nk)`` scores.
 """
 
 from __future__ import annotations
@@ -72,10 +73,13 @@ def _gaussian_rows_fit(call: AttentionCall) -> bool:
 
 
 def _blocked_entmax_applies(call: AttentionCall) -> bool:
-    """entmax-1.5, no weights returned, no mask, bias or dropout, CPU float32/64, eager mode."""
+    """entmax-1.5, no weights returned, no mask or dropout, CPU float32/64, eager mode; no bias, or
+    a :class:`GaussianBias` when nothing needs a gradient."""
     if call.normalizer != "entmax15" or call.return_weights or torch.compiler.is_compiling():
         return False
-    if call.mask is not None or call.bias is not None or call.dropout_p > 0.0:
+    if call.mask is not None or call.dropout_p > 0.0:
+        return False
+    if call.bias is not None and not (isinstance(call.bias, GaussianBias) and not _needs_grad(call)):
         return False
     return call.q.device.type == "cpu" and call.q.dtype in (torch.float32, torch.float64)
 
@@ -111,7 +115,8 @@ class TorchBackend:
                 return gaussian_softmax_attention_train(call.q, call.k, call.v, call.scale, call.bias), None
             return self._sdpa(call), None
         if _blocked_entmax_applies(call):
-            return entmax15_attention(call.q, call.k, call.v, call.scale), None
+            bias = call.bias if isinstance(call.bias, GaussianBias) else None
+            return entmax15_attention(call.q, call.k, call.v, call.scale, bias), None
         scores = scores_of(call)
         probs = normalize(scores, call.normalizer, masked=call.mask is not None)
         weights = probs
