@@ -8,8 +8,8 @@ materialized path writes the scores, ``sqrt(p)`` and ``p`` as three ``(B, H, Nq,
 inside the matrix product), the exact threshold search of :mod:`.entmax15` runs on it while it is
 in cache, and ``p = sqrt(p)^2`` overwrites it before the product with ``v``. Only ``sqrt(p)`` is
 kept for the backward, which recomputes ``p`` block by block; the gradient of the scores never
-exists beyond one block either. The results are those of the materialized path, bit for bit at
-float64 (same operations, same order within a row).
+exists beyond one block either. Same operations as the materialized path, in the same order within
+a row: the outputs and gradients matched it bit for bit wherever compared (float32 and float64).
 """
 
 from __future__ import annotations
