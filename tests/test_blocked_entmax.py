@@ -149,50 +149,84 @@ def gaussian_cases(draw):
 
 @settings(max_examples=50, deadline=None)
 @given(gaussian_cases())
-def test_gaussian_bias_in_inference_matches_the_dense_bias(case):
+def test_gaussian_bias_matches_the_dense_bias(case):
+    """Values and gradients (q, k, v, σ, α) against the dense bias from its definition."""
     gh, gw, prefix, b, h, d, broadcast, initial, limit, seed = case
     g = torch.Generator().manual_seed(seed)
     n = prefix + gh * gw
-    q, k, v = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64) for _ in range(3))
+    q, k, v = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
     sb, sh = (1 if broadcast == "batch" else b), (1 if broadcast == "heads" else h)
-    sigma = torch.exp(torch.randn(sb, sh, gh * gw, 2, generator=g, dtype=torch.float64))
-    alpha = torch.rand(sb, sh, gh * gw, 1, generator=g, dtype=torch.float64) * 3
+    sigma = torch.exp(torch.randn(sb, sh, gh * gw, 2, generator=g, dtype=torch.float64)).requires_grad_()
+    alpha = (torch.rand(sb, sh, gh * gw, 1, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    leaves = (q, k, v, sigma, alpha)
     bias = GaussianBias(sigma, alpha, (gh, gw), prefix, initial_grid_size=initial)
     saved = blocked_entmax._BLOCK_ELEMENTS
     try:
         if limit is not None:
             blocked_entmax._BLOCK_ELEMENTS = limit
         out = entmax15_attention(q, k, v, 0.6, bias)
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out) + out.detach())
+        with torch.no_grad():
+            inference = entmax15_attention(q, k, v, 0.6, bias)
     finally:
         blocked_entmax._BLOCK_ELEMENTS = saved
     dense = naive_gaug_bias(sigma, alpha, (gh, gw), prefix, initial or (gh, gw))
     ref = entmax_pkg.entmax15((q @ k.transpose(-1, -2)) * 0.6 + dense, dim=-1) @ v
+    ref_grads = torch.autograd.grad(ref, leaves, torch.ones_like(ref) + out.detach())
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    torch.testing.assert_close(inference, out.detach(), atol=0, rtol=0)
+    for ours, theirs in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-9, rtol=0)
 
 
-def test_gaussian_bias_errors():
-    q, k, v = _leaves(1, 2, 5, 5, 4, 4, torch.float64)
+@pytest.mark.parametrize("limit", [None, 60, 21, 5])  # one block; a head per block; row blocks
+def test_gradcheck_with_gaussian_bias_float64(monkeypatch, limit):
+    if limit is not None:
+        monkeypatch.setattr(blocked_entmax, "_BLOCK_ELEMENTS", limit)
+    q, k, v = _leaves(1, 2, 7, 7, 3, 2, torch.float64, seed=5)
+    g = torch.Generator().manual_seed(6)
+    sigma = torch.exp(torch.randn(1, 2, 6, 2, generator=g, dtype=torch.float64)).requires_grad_()
+    alpha = (torch.rand(1, 2, 6, 1, generator=g, dtype=torch.float64) * 3).requires_grad_()
+
+    def fn(q, k, v, sigma, alpha):
+        return entmax15_attention(q, k, v, 0.7, GaussianBias(sigma, alpha, (3, 2), 1))
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, sigma, alpha))
+
+
+def test_gaussian_bias_must_fit_the_tokens():
     sigma, alpha = torch.ones(1, 2, 4, 2, dtype=torch.float64), torch.ones(1, 2, 4, 1, dtype=torch.float64)
     bias = GaussianBias(sigma, alpha, (2, 2), 1)
-    with pytest.raises(ValueError, match="only without autograd"):
+    q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64) for _ in range(3))
+    with pytest.raises(ValueError, match=r"N = 5 tokens, but q is \(1, 2, 6, 4\)"):
         entmax15_attention(q, k, v, 0.5, bias)
-    with torch.no_grad(), pytest.raises(ValueError, match=r"N = 5 tokens, but q is \(1, 2, 6, 4\)"):
-        entmax15_attention(*(torch.randn(1, 2, 6, 4, dtype=torch.float64) for _ in range(3)), 0.5, bias)
 
 
-def test_locat_entmax_layer_takes_it_in_inference_only(monkeypatch):
+def test_locat_entmax_layer_takes_it_and_matches_the_materialized_path(monkeypatch):
     from vitattn import LocAtAttention
 
-    calls = count_calls(monkeypatch, torch_backend, "entmax15_attention")
     torch.manual_seed(0)
     layer = LocAtAttention(32, num_heads=2, grid_size=(3, 4), num_prefix_tokens=1, normalizer="entmax15")
     for lin in (layer.gaug.log_var, layer.gaug.log_alpha):  # a bias that matters
         torch.nn.init.normal_(lin.weight, std=0.5)
-    x = torch.randn(2, 13, 32)
-    trained = layer(x)  # parameters need gradients: the materialized path
-    assert calls == []
-    trained.sum().backward()
+    x = torch.randn(2, 13, 32, dtype=torch.float64)
+    layer = layer.double()
+
+    def step():
+        layer.zero_grad()
+        out = layer(x)
+        out.square().sum().backward()
+        return out.detach(), [p.grad.clone() for p in layer.parameters()]
+
+    calls = count_calls(monkeypatch, torch_backend, "entmax15_attention")
+    ours, ours_grads = step()
     with torch.no_grad():
         inferred = layer(x)
-    assert len(calls) == 1
-    torch.testing.assert_close(inferred, trained.detach(), atol=1e-5, rtol=0)
+    assert len(calls) == 2
+    monkeypatch.setattr(torch_backend, "_blocked_entmax_applies", lambda call: False)
+    ref, ref_grads = step()
+    assert len(calls) == 2
+    torch.testing.assert_close(ours, ref, atol=1e-12, rtol=0)
+    torch.testing.assert_close(inferred, ref, atol=1e-12, rtol=0)
+    for a, r in zip(ours_grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, r, atol=1e-10, rtol=0)

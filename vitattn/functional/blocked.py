@@ -119,6 +119,31 @@ def _exp2_step(
     return e.exp2_()
 
 
+def factor_grads_into(
+    ds_p: torch.Tensor,
+    factors_t: tuple[torch.Tensor, torch.Tensor],
+    lo: int,
+    hi: int,
+    grads_t: tuple[torch.Tensor, torch.Tensor],
+    prod_buf: torch.Tensor,
+) -> None:
+    """The separable bias' factor gradients from one block's bias gradient, keys first.
+
+    ``ds_p: (..., gh, gw, rows)`` is the gradient of the bias between patch keys and the patch
+    queries ``lo:hi``; ``factors_t`` are ``(alpha R)ᵀ: (..., gh, Np)`` and ``Cᵀ: (..., gw, Np)``, the
+    bias being ``(alpha R)[q, row_t] * C[q, col_t]``. Writes ``d(alpha R) = sum over columns of dS C``
+    and ``dC = sum over rows of dS (alpha R)`` into columns ``lo:hi`` of ``grads_t`` (same shapes as
+    ``factors_t``); ``prod_buf`` is flat scratch of at least ``ds_p.numel()`` elements.
+    """
+    ra_t, c_t = factors_t
+    dra_t, dc_t = grads_t
+    prod = prod_buf[: ds_p.numel()].view(ds_p.shape)
+    torch.mul(ds_p, c_t[..., None, :, lo:hi], out=prod)
+    torch.sum(prod, dim=-2, out=dra_t[..., lo:hi])
+    torch.mul(ds_p, ra_t[..., :, None, lo:hi], out=prod)
+    torch.sum(prod, dim=-3, out=dc_t[..., lo:hi])
+
+
 def _sums_in_range(sums: torch.Tensor) -> bool:
     """Whether every row sum lies in ``[2^-64, inf)``, where the unshifted exponentials are exact.
 
@@ -264,14 +289,9 @@ class _GaussianSoftmaxFunction(torch.autograd.Function):
                     torch.bmm(ds, q_b, out=dk_j)
                 else:
                     dk_j.baddbmm_(ds, q_b)
-                ds_p = gb.patches  # (B, gh, gw, rows'): dS on patch keys x patch queries
-                if ds_p is not None:  # the bias is (alpha R)[row] * C[col], both keys first
-                    lo, hi = gb.lo, gb.hi
-                    prod = prod_buf[: ds_p.numel()].view(ds_p.shape)
-                    torch.mul(ds_p, c_j[:, None, :, lo:hi], out=prod)
-                    torch.sum(prod, dim=2, out=dra_t[:, j, :, lo:hi])  # d(alpha R) = sum_col dS C
-                    torch.mul(ds_p, ra_j[:, :, None, lo:hi], out=prod)
-                    torch.sum(prod, dim=1, out=dc_t[:, j, :, lo:hi])  # dC = sum_row dS (alpha R)
+                if gb.patches is not None:  # dS on patch keys x patch queries: (B, gh, gw, rows')
+                    grads_j = (dra_t[:, j], dc_t[:, j])
+                    factor_grads_into(gb.patches, (ra_j, c_j), gb.lo, gb.hi, grads_j, prod_buf)
         dq.mul_(scale)
         dk.mul_(scale)
         # the bias in log2 units is ra_t * c_t = log2(e) * bias, so each factor's gradient is

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ._entmax_common import support_vjp
-from .blocked import _scratch_buffer
+from .blocked import _scratch_buffer, factor_grads_into
 from .entmax15 import _CHUNK_ELEMENTS, _entmax15_sqrt_rows
 from .gaussian import GaussianBias
 
@@ -92,25 +92,46 @@ def _forward(
 
 
 class _Entmax15Attention(torch.autograd.Function):
-    """Row-blocked entmax-1.5 attention; saves q, k, v (flattened) and ``sqrt(p)``."""
+    """Row-blocked entmax-1.5 attention; saves q, k, v (flattened), ``sqrt(p)`` and, with a Gaussian
+    bias, its flattened factors (their gradients go back through autograd to σ and α)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(
+        ctx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ra: torch.Tensor | None,
+        c: torch.Tensor | None,
+        scale: float,
+        bias: GaussianBias | None,
+    ) -> torch.Tensor:
         q3, k3, v3 = _flat(q), _flat(k), _flat(v)
         sqrt_p = q3.new_empty(q3.shape[0], q3.shape[1], k3.shape[1])
-        out = _forward(q3, k3, v3, scale, sqrt_p)
-        ctx.save_for_backward(q3, k3, v3, sqrt_p)
-        ctx.scale, ctx.shapes = scale, (q.shape, k.shape, v.shape)
+        written = None if bias is None or ra is None or c is None else (bias, (ra, c))
+        out = _forward(q3, k3, v3, scale, sqrt_p, written)
+        ctx.save_for_backward(q3, k3, v3, sqrt_p, ra, c)
+        ctx.scale, ctx.bias, ctx.shapes = scale, bias, (q.shape, k.shape, v.shape)
         return out.view(*q.shape[:3], v.shape[-1])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q3, k3, v3, sqrt_p = ctx.saved_tensors
+        q3, k3, v3, sqrt_p, ra, c = ctx.saved_tensors
+        bias: GaussianBias | None = ctx.bias
         go3 = _flat(grad_out.to(q3.dtype))
         bh, nq, nk = sqrt_p.shape
         dq, dk, dv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
-        for h0, h1, r0, r1 in head_row_blocks(bh, nq, nk):
+        with_bias = bias is not None and ra is not None and c is not None
+        if with_bias:  # keys first, as factor_grads_into writes them; every patch query once per head
+            dra_t = ra.new_empty(bh, ra.shape[2], ra.shape[1])
+            dc_t = c.new_empty(bh, c.shape[2], c.shape[1])
+            factors_t = (ra.transpose(1, 2), c.transpose(1, 2))
+        blocks = head_row_blocks(bh, nq, nk)
+        if with_bias:
+            largest = max((h1 - h0) * (r1 - r0) for h0, h1, r0, r1 in blocks) * nk
+            prod_buf = _scratch_buffer(largest, q3.dtype, q3.device, slot=4)
+        for h0, h1, r0, r1 in blocks:
             numel = (h1 - h0) * (r1 - r0) * nk
             g, go = sqrt_p[h0:h1, r0:r1], go3[h0:h1, r0:r1]
             dp = _scratch_buffer(numel, q3.dtype, q3.device, slot=0).view_as(g)
@@ -120,9 +141,38 @@ class _Entmax15Attention(torch.autograd.Function):
             ds = support_vjp(dp.view(-1, nk), g.view(-1, nk), -1, out=p.view(-1, nk)).view_as(g)
             torch.bmm(ds, k3[h0:h1], out=dq[h0:h1, r0:r1])
             _product_into(dk[h0:h1], ds.transpose(1, 2), q3[h0:h1, r0:r1], first=r0 == 0)
+            if with_bias:
+                assert bias is not None
+                _bias_grads_into(ds, bias, r0, factors_t, (dra_t, dc_t), h0, h1, prod_buf)
         q_shape, k_shape, v_shape = ctx.shapes
         dq, dk = dq.mul_(ctx.scale), dk.mul_(ctx.scale)
-        return dq.view(q_shape), dk.view(k_shape), dv.view(v_shape), None
+        dra = dra_t.transpose(1, 2) if with_bias else None
+        dc = dc_t.transpose(1, 2) if with_bias else None
+        return dq.view(q_shape), dk.view(k_shape), dv.view(v_shape), dra, dc, None, None
+
+
+def _bias_grads_into(
+    ds: torch.Tensor,
+    bias: GaussianBias,
+    r0: int,
+    factors_t: tuple[torch.Tensor, torch.Tensor],
+    grads_t: tuple[torch.Tensor, torch.Tensor],
+    h0: int,
+    h1: int,
+    prod_buf: torch.Tensor,
+) -> None:
+    """The factor gradients of heads ``h0:h1`` from the score gradient ``ds: (heads, rows, N)`` of
+    query rows ``r0 ..`` (the bias' gradient is the scores'): its patch-key x patch-query part, keys
+    first, through :func:`~vitattn.functional.blocked.factor_grads_into`."""
+    p = bias.num_prefix_tokens
+    first = max(r0, p)  # first patch query of the block
+    stop = r0 + ds.shape[1]
+    if first >= stop:
+        return
+    ds_p = ds[:, first - r0 :, p:].unflatten(-1, bias.grid_size).permute(0, 2, 3, 1)  # (h, gh, gw, rows')
+    ra_t, c_t = (t[h0:h1] for t in factors_t)
+    dra_t, dc_t = (t[h0:h1] for t in grads_t)
+    factor_grads_into(ds_p, (ra_t, c_t), first - p, stop - p, (dra_t, dc_t), prod_buf)
 
 
 def _product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
@@ -142,26 +192,22 @@ def entmax15_attention(
     tensor of that size kept), forward only otherwise.
 
     ``bias``, a :class:`GaussianBias` for ``Nq = Nk = N`` tokens, is written block by block (no
-    dense bias), in the forward-only path: with autograd it raises ``ValueError`` (the dispatcher
-    sends such calls to the materialized path).
+    dense bias); with autograd its gradient reaches σ and α through the separable factors
+    (:meth:`GaussianBias.scaled_factors`), from each block's score gradient.
     """
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    factors = None
     if bias is not None:
         grad = grad or (torch.is_grad_enabled() and (bias.sigma.requires_grad or bias.alpha.requires_grad))
-        if grad:
-            raise ValueError(
-                "entmax15_attention takes a GaussianBias only without autograd (q, k, v, sigma and "
-                "alpha needing no gradient); attention() computes such calls materialized"
-            )
         if q.shape[2] != bias.num_tokens or k.shape[2] != bias.num_tokens:
             raise ValueError(
                 f"bias describes N = {bias.num_tokens} tokens, but q is {tuple(q.shape)} and k is "
                 f"{tuple(k.shape)}"
             )
         factors = _flat_factors(bias, q.shape[0], q.shape[1], q.dtype)
-        out = _forward(_flat(q), _flat(k), _flat(v), float(scale), None, (bias, factors))
-        return out.view(*q.shape[:3], v.shape[-1])
     if grad:
-        return _Entmax15Attention.apply(q, k, v, float(scale))
-    out = _forward(_flat(q), _flat(k), _flat(v), float(scale), None)
+        ra, c = (None, None) if factors is None else factors
+        return _Entmax15Attention.apply(q, k, v, ra, c, float(scale), bias)
+    written = None if bias is None or factors is None else (bias, factors)
+    out = _forward(_flat(q), _flat(k), _flat(v), float(scale), None, written)
     return out.view(*q.shape[:3], v.shape[-1])

@@ -4,9 +4,8 @@ Softmax without returned weights goes through ``scaled_dot_product_attention`` (
 same thing, fused), except CPU calls with a :class:`GaussianBias` and no mask, which go through the
 row-blocked paths of :mod:`.blocked` (no dense bias): the forward-only one for inference, the
 autograd function with a recomputing backward for training. entmax-1.5 on the CPU without weights,
-mask or dropout goes through the row-blocked path of :mod:`.blocked_entmax` (with a
-:class:`GaussianBias` only when nothing needs a gradient); everything else materializes the
-``(B, H, Nq, Nk)`` scores.
+mask or dropout (no bias, or a :class:`GaussianBias`) goes through the row-blocked path of
+:mod:`.blocked_entmax`; everything else materializes the ``(B, H, Nq, Nk)`` scores.
 """
 
 from __future__ import annotations
@@ -73,13 +72,13 @@ def _gaussian_rows_fit(call: AttentionCall) -> bool:
 
 
 def _blocked_entmax_applies(call: AttentionCall) -> bool:
-    """entmax-1.5, no weights returned, no mask or dropout, CPU float32/64, eager mode; no bias, or
-    a :class:`GaussianBias` when nothing needs a gradient."""
+    """entmax-1.5, no weights returned, no mask or dropout, CPU float32/64, eager mode; no bias or a
+    :class:`GaussianBias` (not a dense one)."""
     if call.normalizer != "entmax15" or call.return_weights or torch.compiler.is_compiling():
         return False
     if call.mask is not None or call.dropout_p > 0.0:
         return False
-    if call.bias is not None and not (isinstance(call.bias, GaussianBias) and not _needs_grad(call)):
+    if call.bias is not None and not isinstance(call.bias, GaussianBias):
         return False
     return call.q.device.type == "cpu" and call.q.dtype in (torch.float32, torch.float64)
 
