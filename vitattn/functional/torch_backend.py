@@ -59,28 +59,26 @@ def _fused_gaussian_training_applies(call: AttentionCall) -> bool:
     return _gaussian_rows_fit(call) and _needs_grad(call)
 
 
+def _row_blocks_fit(call: AttentionCall) -> bool:
+    """What every CPU row-blocked path needs: eager mode (no per-thread buffers in a graph), no
+    mask, no dropout, CPU float32/64, and no bias or a :class:`GaussianBias` (not a dense one)."""
+    if torch.compiler.is_compiling() or call.mask is not None or call.dropout_p > 0.0:
+        return False
+    if call.bias is not None and not isinstance(call.bias, GaussianBias):
+        return False
+    return call.q.device.type == "cpu" and call.q.dtype in (torch.float32, torch.float64)
+
+
 def _gaussian_rows_fit(call: AttentionCall) -> bool:
-    """CPU, float32/64, Gaussian bias, no mask, no dropout, self-attention (Nq = Nk), eager mode."""
-    if torch.compiler.is_compiling():
-        return False
-    bias = call.bias
-    if not isinstance(bias, GaussianBias) or call.mask is not None or call.dropout_p > 0.0:
-        return False
-    if call.q.device.type != "cpu" or call.q.dtype not in (torch.float32, torch.float64):
+    """:func:`_row_blocks_fit` with a Gaussian bias, self-attention (Nq = Nk)."""
+    if not isinstance(call.bias, GaussianBias) or not _row_blocks_fit(call):
         return False
     return call.q.shape[2] == call.k.shape[2]
 
 
 def _blocked_entmax_applies(call: AttentionCall) -> bool:
-    """entmax-1.5, no weights returned, no mask or dropout, CPU float32/64, eager mode; no bias or a
-    :class:`GaussianBias` (not a dense one)."""
-    if call.normalizer != "entmax15" or call.return_weights or torch.compiler.is_compiling():
-        return False
-    if call.mask is not None or call.dropout_p > 0.0:
-        return False
-    if call.bias is not None and not isinstance(call.bias, GaussianBias):
-        return False
-    return call.q.device.type == "cpu" and call.q.dtype in (torch.float32, torch.float64)
+    """:func:`_row_blocks_fit` for entmax-1.5 that returns no weights."""
+    return call.normalizer == "entmax15" and not call.return_weights and _row_blocks_fit(call)
 
 
 class TorchBackend:
