@@ -202,6 +202,20 @@ def test_gaussian_bias_must_fit_the_tokens():
         entmax15_attention(q, k, v, 0.5, bias)
 
 
+def test_bad_operands_are_named():
+    q = torch.randn(1, 2, 5, 4)
+    with pytest.raises(ValueError, match=r"q must be 4-D \(B, H, N, D\), got shape \(2, 5, 4\)"):
+        entmax15_attention(q[0], q, q, 0.5)
+    with pytest.raises(TypeError, match="one dtype, float32 or float64; got torch.float32, torch.float64"):
+        entmax15_attention(q, q.double(), q, 0.5)
+    with pytest.raises(TypeError, match="got torch.float16"):
+        entmax15_attention(q.half(), q.half(), q.half(), 0.5)
+    with pytest.raises(ValueError, match=r"v \(1, 2, 6, 4\) must be"):
+        entmax15_attention(q, q, torch.randn(1, 2, 6, 4), 0.5)
+    with pytest.raises(ValueError, match=r"k \(1, 2, 5, 3\)"):
+        entmax15_attention(q, torch.randn(1, 2, 5, 3), q, 0.5)
+
+
 def test_locat_entmax_layer_takes_it_and_matches_the_materialized_path(monkeypatch):
     from vitattn import LocAtAttention
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import check_rank, shape_str
 from ._entmax_common import support_vjp
 from .blocked import _scratch_buffer, factor_grads_into
 from .entmax15 import _CHUNK_ELEMENTS, _entmax15_sqrt_rows
@@ -183,6 +184,22 @@ def _product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bo
         out.baddbmm_(a, b)
 
 
+def _check_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``ValueError`` / ``TypeError`` naming the operand unless q, k, v are ``(B, H, N, D)`` tensors of
+    one dtype, float32 or float64, with k, v sharing ``(B, H, Nk)`` and q, k sharing ``(B, H)`` and D."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_rank(name, t, 4, "(B, H, N, D)")
+    if q.dtype not in (torch.float32, torch.float64) or not q.dtype == k.dtype == v.dtype:
+        raise TypeError(
+            f"q, k, v must share one dtype, float32 or float64; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1] or k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)} must be (B, H, Nq, D), (B, H, Nk, D) "
+            "and (B, H, Nk, Dv)"
+        )
+
+
 def entmax15_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: GaussianBias | None = None
 ) -> torch.Tensor:
@@ -195,6 +212,7 @@ def entmax15_attention(
     dense bias); with autograd its gradient reaches σ and α through the separable factors
     (:meth:`GaussianBias.scaled_factors`), from each block's score gradient.
     """
+    _check_operands(q, k, v)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     factors = None
     if bias is not None:
