@@ -284,16 +284,13 @@ class _GaussianSoftmaxFunction(torch.autograd.Function):
                 torch.bmm(v_j, go_b.transpose(1, 2), out=ds)  # dPᵀ / sums
                 ds.sub_(delta_j if pb.all_rows else delta_j[..., span]).mul_(e)  # dSᵀ: d(scores)ᵀ
                 q_b = q_j if pb.all_rows else q_j[:, span]
-                torch.bmm(ds.transpose(1, 2), k_j, out=dq_j if pb.all_rows else dq_j[:, span])
-                if first_block:
-                    torch.bmm(ds, q_b, out=dk_j)
-                else:
-                    dk_j.baddbmm_(ds, q_b)
+                # the scale inside the products (beta = 0: the first write reads nothing)
+                dq_b = dq_j if pb.all_rows else dq_j[:, span]
+                dq_b.baddbmm_(ds.transpose(1, 2), k_j, beta=0.0, alpha=scale)
+                dk_j.baddbmm_(ds, q_b, beta=0.0 if first_block else 1.0, alpha=scale)
                 if gb.patches is not None:  # dS on patch keys x patch queries: (B, gh, gw, rows')
                     grads_j = (dra_t[:, j], dc_t[:, j])
                     factor_grads_into(gb.patches, (ra_j, c_j), gb.lo, gb.hi, grads_j, prod_buf)
-        dq.mul_(scale)
-        dk.mul_(scale)
         # the bias in log2 units is ra_t * c_t = log2(e) * bias, so each factor's gradient is
         # 1 / log2(e) of the sums above
         dra_t.mul_(1.0 / _LOG2E)

@@ -138,15 +138,15 @@ class _Entmax15Attention(torch.autograd.Function):
             dp = _scratch_buffer(numel, q3.dtype, q3.device, slot=0).view_as(g)
             torch.bmm(go, v3[h0:h1].transpose(1, 2), out=dp)
             p = torch.mul(g, g, out=_scratch_buffer(numel, q3.dtype, q3.device, slot=1).view_as(g))
-            _product_into(dv[h0:h1], p.transpose(1, 2), go, first=r0 == 0)
+            beta = 0.0 if r0 == 0 else 1.0  # a head's first row block writes, later ones add
+            dv[h0:h1].baddbmm_(p.transpose(1, 2), go, beta=beta)
             ds = support_vjp(dp.view(-1, nk), g.view(-1, nk), -1, out=p.view(-1, nk)).view_as(g)
-            torch.bmm(ds, k3[h0:h1], out=dq[h0:h1, r0:r1])
-            _product_into(dk[h0:h1], ds.transpose(1, 2), q3[h0:h1, r0:r1], first=r0 == 0)
+            dq[h0:h1, r0:r1].baddbmm_(ds, k3[h0:h1], beta=0.0, alpha=ctx.scale)  # the scale in the product
+            dk[h0:h1].baddbmm_(ds.transpose(1, 2), q3[h0:h1, r0:r1], beta=beta, alpha=ctx.scale)
             if with_bias:
                 assert bias is not None
                 _bias_grads_into(ds, bias, r0, factors_t, (dra_t, dc_t), h0, h1, prod_buf)
         q_shape, k_shape, v_shape = ctx.shapes
-        dq, dk = dq.mul_(ctx.scale), dk.mul_(ctx.scale)
         dra = dra_t.transpose(1, 2) if with_bias else None
         dc = dc_t.transpose(1, 2) if with_bias else None
         return dq.view(q_shape), dk.view(k_shape), dv.view(v_shape), dra, dc, None, None
@@ -174,14 +174,6 @@ def _bias_grads_into(
     ra_t, c_t = (t[h0:h1] for t in factors_t)
     dra_t, dc_t = (t[h0:h1] for t in grads_t)
     factor_grads_into(ds_p, (ra_t, c_t), first - p, stop - p, (dra_t, dc_t), prod_buf)
-
-
-def _product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
-    """``out = a @ b`` for a head's first row block, ``out += a @ b`` for the later ones."""
-    if first:
-        torch.bmm(a, b, out=out)
-    else:
-        out.baddbmm_(a, b)
 
 
 def _check_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
