@@ -2,10 +2,11 @@
 
 Softmax without returned weights goes through ``scaled_dot_product_attention`` (which computes the
 same thing, fused), except CPU calls with a :class:`GaussianBias` and no mask, which go through the
-row-blocked paths of :mod:`.blocked` (no dense bias): the forward-only one for inference, the
-autograd function with a recomputing backward for training. entmax-1.5 on the CPU without weights,
-mask or dropout (no bias, or a :class:`GaussianBias`) goes through the row-blocked path of
-:mod:`.blocked_entmax`; everything else materializes the ``(B, H, Nq, Nk)`` scores.
+row-blocked paths of :mod:`.blocked` (no dense bias): the forward-only one for inference (under
+``torch.compile`` through its custom op, :mod:`.blocked_ops`), the autograd function with a
+recomputing backward for training (eager). entmax-1.5 on the CPU without weights, mask or dropout
+(no bias, or a :class:`GaussianBias`) goes through the row-blocked path of :mod:`.blocked_entmax`
+(eager); everything else materializes the ``(B, H, Nq, Nk)`` scores.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from .blocked import gaussian_softmax_attention, gaussian_softmax_attention_train
 from .blocked_entmax import entmax15_attention
+from .blocked_ops import gaussian_attention_op
 from .dispatch import AttentionCall, autocast_dtype, register_backend
 from .gaussian import GaussianBias
 from .normalize import normalize
@@ -47,22 +49,21 @@ def _needs_grad(call: AttentionCall) -> bool:
 
 
 def _blocked_gaussian_applies(call: AttentionCall) -> bool:
-    """CPU, float32/64, Gaussian bias, no mask, no dropout, nothing that needs a gradient, eager mode.
-
-    Under ``torch.compile`` the dense-bias SDPA path is traced instead (no per-thread buffers in a graph).
-    """
+    """CPU, float32/64, Gaussian bias, no mask, no dropout, nothing that needs a gradient: the
+    row-blocked inference path (eager, or under ``torch.compile`` as its custom op)."""
     return _gaussian_rows_fit(call) and not _needs_grad(call)
 
 
 def _fused_gaussian_training_applies(call: AttentionCall) -> bool:
-    """Like :func:`_blocked_gaussian_applies`, but for a call autograd records (training)."""
-    return _gaussian_rows_fit(call) and _needs_grad(call)
+    """Like :func:`_blocked_gaussian_applies`, but for a call autograd records (training), in eager
+    mode (no per-thread buffers in a graph; compiled, the dense-bias SDPA path is traced)."""
+    return not torch.compiler.is_compiling() and _gaussian_rows_fit(call) and _needs_grad(call)
 
 
 def _row_blocks_fit(call: AttentionCall) -> bool:
-    """What every CPU row-blocked path needs: eager mode (no per-thread buffers in a graph), no
-    mask, no dropout, CPU float32/64, and no bias or a :class:`GaussianBias` (not a dense one)."""
-    if torch.compiler.is_compiling() or call.mask is not None or call.dropout_p > 0.0:
+    """What every CPU row-blocked path needs: no mask, no dropout, CPU float32/64, and no bias or a
+    :class:`GaussianBias` (not a dense one)."""
+    if call.mask is not None or call.dropout_p > 0.0:
         return False
     if call.bias is not None and not isinstance(call.bias, GaussianBias):
         return False
@@ -77,8 +78,10 @@ def _gaussian_rows_fit(call: AttentionCall) -> bool:
 
 
 def _blocked_entmax_applies(call: AttentionCall) -> bool:
-    """:func:`_row_blocks_fit` for entmax-1.5 that returns no weights."""
-    return call.normalizer == "entmax15" and not call.return_weights and _row_blocks_fit(call)
+    """:func:`_row_blocks_fit` for entmax-1.5 that returns no weights, in eager mode."""
+    if torch.compiler.is_compiling() or call.normalizer != "entmax15" or call.return_weights:
+        return False
+    return _row_blocks_fit(call)
 
 
 class TorchBackend:
@@ -106,7 +109,9 @@ class TorchBackend:
         if call.normalizer == "softmax" and not call.return_weights:
             if _blocked_gaussian_applies(call):
                 assert isinstance(call.bias, GaussianBias)
-                return gaussian_softmax_attention(call.q, call.k, call.v, call.scale, call.bias), None
+                compiled = torch.compiler.is_compiling()  # then as a custom op: no buffers in the graph
+                blocked = gaussian_attention_op if compiled else gaussian_softmax_attention
+                return blocked(call.q, call.k, call.v, call.scale, call.bias), None
             if _fused_gaussian_training_applies(call):
                 assert isinstance(call.bias, GaussianBias)
                 return gaussian_softmax_attention_train(call.q, call.k, call.v, call.scale, call.bias), None
