@@ -1,4 +1,5 @@
-"""Suite ``models``: LocAtViT-Tiny vs timm ViT-Tiny, inference and train step, 224 and 448 px, CPU float32."""
+"""Suites ``models`` (LocAtViT-Tiny vs timm ViT-Tiny, inference and train step, 224 and 448 px, CPU float32)
+and ``compiled`` (the same inference under ``torch.compile``)."""
 
 from __future__ import annotations
 
@@ -70,3 +71,34 @@ def models_suite(quick: bool = False) -> SuiteResult:
         row = next(r for r in rows if r.impl == "locatvit_tiny" and r.case.startswith(f"{mode} {size}px"))
         result.goals.append(Goal(row.case, "locatvit_tiny", REFERENCE, goal))
     return result
+
+
+COMPILED_REFERENCE = "timm vit_tiny compiled"
+
+
+@register_suite(
+    "compiled",
+    "LocAtViT-Tiny vs timm ViT-Tiny under torch.compile (inductor): inference at 224 px (b16) and 448 px "
+    "(b2), CPU float32",
+    multiprocess=True,
+)
+def compiled_suite(quick: bool = False) -> SuiteResult:
+    """Both models compiled with inductor's default mode (its C++ CPU backend needs a compiler), next
+    to both eager; each model is compiled once per size, before the timed rounds."""
+    rows = []
+    for size, batch in CASES:
+        eager = _models(size)
+        impls = {}
+        x = torch.randn(batch, 3, size, size)
+        for name in (REFERENCE, "locatvit_tiny"):
+            model = eager[name].eval()
+            impls[name] = _step(model, x, train=False)
+            impls[f"{name} compiled"] = _step(torch.compile(model), x, train=False)
+        case = f"inference {size}px b{batch}"
+        rows += compare(case, impls, warmup=1 if quick else 2, repeat=3 if quick else 10)
+    return SuiteResult(
+        name="compiled",
+        title=f"torch.compile (inductor), inference, float32, CPU, ratio = ms / {COMPILED_REFERENCE}",
+        reference=COMPILED_REFERENCE,
+        rows=rows,
+    )
