@@ -4,7 +4,7 @@ and ``compiled`` (the same inference under ``torch.compile``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import timm
 import torch
@@ -93,7 +93,8 @@ def compiled_suite(quick: bool = False) -> SuiteResult:
         for name in (REFERENCE, "locatvit_tiny"):
             model = eager[name].eval()
             impls[name] = _step(model, x, train=False)
-            impls[f"{name} compiled"] = _step(torch.compile(model), x, train=False)
+            compiled = cast(nn.Module, torch.compile(model))  # an OptimizedModule wrapping it
+            impls[f"{name} compiled"] = _step(compiled, x, train=False)
         case = f"inference {size}px b{batch}"
         rows += compare(case, impls, warmup=1 if quick else 2, repeat=3 if quick else 10)
     return SuiteResult(
