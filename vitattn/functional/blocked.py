@@ -245,57 +245,80 @@ class _GaussianSoftmaxFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, ra_t, c_t, out, sums = ctx.saved_tensors
-        scale, bias, rows = ctx.scale, ctx.bias, ctx.rows
-        b, h, n, d = q.shape
-        # P = E / sums is never formed: dO and delta are divided by the sums instead (rows x Dv, not
-        # N x rows), so dSᵀ = Eᵀ * (v (dO / sums)ᵀ - delta / sums) = Pᵀ * (dPᵀ - delta) exactly
-        sums_bh = sums.transpose(0, 1).unsqueeze(-1)  # (B, H, N, 1)
-        go = grad_out.to(v.dtype)
-        go_s = go / sums_bh
-        delta_s = ((go * out).sum(-1, keepdim=True) / sums_bh).transpose(-1, -2)  # (B, H, 1, N)
-        # (H, B, N, D) memory order: each head's (B, N, D) slice is contiguous, which baddbmm_ needs
-        # to accumulate in one batched call (on a strided slice it falls back to an addmm_ per entry)
-        dq = torch.empty(h, b, n, d, dtype=q.dtype, device=q.device)
-        dk = torch.empty(h, b, n, d, dtype=k.dtype, device=k.device)  # the first block writes, others add
-        dvv = torch.empty(h, b, n, v.shape[-1], dtype=v.dtype, device=v.device)
-        # keys-first like the factors; every patch query's column is written by exactly one block
-        dra_t = torch.empty(ra_t.shape, dtype=ra_t.dtype, device=ra_t.device)
-        dc_t = torch.empty(c_t.shape, dtype=c_t.dtype, device=c_t.device)
-        numel = b * rows * n
-        prob_blocks = _blocks(_scratch_buffer(numel, q.dtype, q.device, slot=0), b, n, rows, bias)
-        grad_blocks = _blocks(_scratch_buffer(numel, q.dtype, q.device, slot=1), b, n, rows, bias)
-        prod_buf = _scratch_buffer(numel, q.dtype, q.device, slot=4)
-        alpha = scale * _LOG2E
-        for j in range(h):
-            q_j, k_j, v_j, go_j, delta_j = q[:, j], k[:, j], v[:, j], go_s[:, j], delta_s[:, j]
-            q_t, dk_j, dv_j, dq_j = q_j.transpose(1, 2), dk[j], dvv[j], dq[j]
-            ra_j, c_j = ra_t[:, j], c_t[:, j]
-            for pb, gb in zip(prob_blocks, grad_blocks, strict=True):
-                first_block = pb.start == 0
-                span = slice(pb.start, pb.stop)
-                # Eᵀ of the block, keys first, recomputed exactly as the forward computed it
-                e = _exp2_step(pb, q_t, k_j, (ra_j, c_j), alpha, ctx.shift)
-                go_b = go_j if pb.all_rows else go_j[:, span]  # (B, rows, Dv), divided by the sums
-                if first_block:
-                    torch.bmm(e, go_b, out=dv_j)
-                else:
-                    dv_j.baddbmm_(e, go_b)
-                ds = gb.out
-                torch.bmm(v_j, go_b.transpose(1, 2), out=ds)  # dPᵀ / sums
-                ds.sub_(delta_j if pb.all_rows else delta_j[..., span]).mul_(e)  # dSᵀ: d(scores)ᵀ
-                q_b = q_j if pb.all_rows else q_j[:, span]
-                # the scale inside the products (beta = 0: the first write reads nothing)
-                dq_b = dq_j if pb.all_rows else dq_j[:, span]
-                dq_b.baddbmm_(ds.transpose(1, 2), k_j, beta=0.0, alpha=scale)
-                dk_j.baddbmm_(ds, q_b, beta=0.0 if first_block else 1.0, alpha=scale)
-                if gb.patches is not None:  # dS on patch keys x patch queries: (B, gh, gw, rows')
-                    grads_j = (dra_t[:, j], dc_t[:, j])
-                    factor_grads_into(gb.patches, (ra_j, c_j), gb.lo, gb.hi, grads_j, prod_buf)
-        # the bias in log2 units is ra_t * c_t = log2(e) * bias, so each factor's gradient is
-        # 1 / log2(e) of the sums above
-        dra_t.mul_(1.0 / _LOG2E)
-        dc_t.mul_(1.0 / _LOG2E)
-        return dq.transpose(0, 1), dk.transpose(0, 1), dvv.transpose(0, 1), dra_t, dc_t, None, None, None
+        grads = _blocked_backward(
+            grad_out, q, k, v, (ra_t, c_t), out, sums, ctx.scale, ctx.bias, ctx.rows, ctx.shift
+        )
+        return *grads, None, None, None
+
+
+def _blocked_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    factors_t: tuple[torch.Tensor, torch.Tensor],
+    out: torch.Tensor,
+    sums: torch.Tensor,
+    scale: float,
+    bias: GaussianBias,
+    rows: int,
+    shift: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, d ra_t, d c_t)`` of :func:`_blocked_forward`'s output ``out`` with its row sums
+    ``sums: (H, B, N)`` and ``shift`` decision, from ``grad_out: (B, H, N, Dv)``; each block's
+    probabilities are recomputed by the forward's own step. ``dq, dk, dv`` are ``(B, H, N, ·)`` views of
+    ``(H, B, N, ·)`` tensors, the factor gradients have the factors' shapes."""
+    ra_t, c_t = factors_t
+    b, h, n, d = q.shape
+    # P = E / sums is never formed: dO and delta are divided by the sums instead (rows x Dv, not
+    # N x rows), so dSᵀ = Eᵀ * (v (dO / sums)ᵀ - delta / sums) = Pᵀ * (dPᵀ - delta) exactly
+    sums_bh = sums.transpose(0, 1).unsqueeze(-1)  # (B, H, N, 1)
+    go = grad_out.to(v.dtype)
+    go_s = go / sums_bh
+    delta_s = ((go * out).sum(-1, keepdim=True) / sums_bh).transpose(-1, -2)  # (B, H, 1, N)
+    # (H, B, N, D) memory order: each head's (B, N, D) slice is contiguous, which baddbmm_ needs
+    # to accumulate in one batched call (on a strided slice it falls back to an addmm_ per entry)
+    dq = torch.empty(h, b, n, d, dtype=q.dtype, device=q.device)
+    dk = torch.empty(h, b, n, d, dtype=k.dtype, device=k.device)  # the first block writes, others add
+    dvv = torch.empty(h, b, n, v.shape[-1], dtype=v.dtype, device=v.device)
+    # keys-first like the factors; every patch query's column is written by exactly one block
+    dra_t = torch.empty(ra_t.shape, dtype=ra_t.dtype, device=ra_t.device)
+    dc_t = torch.empty(c_t.shape, dtype=c_t.dtype, device=c_t.device)
+    numel = b * rows * n
+    prob_blocks = _blocks(_scratch_buffer(numel, q.dtype, q.device, slot=0), b, n, rows, bias)
+    grad_blocks = _blocks(_scratch_buffer(numel, q.dtype, q.device, slot=1), b, n, rows, bias)
+    prod_buf = _scratch_buffer(numel, q.dtype, q.device, slot=4)
+    alpha = scale * _LOG2E
+    for j in range(h):
+        q_j, k_j, v_j, go_j, delta_j = q[:, j], k[:, j], v[:, j], go_s[:, j], delta_s[:, j]
+        q_t, dk_j, dv_j, dq_j = q_j.transpose(1, 2), dk[j], dvv[j], dq[j]
+        ra_j, c_j = ra_t[:, j], c_t[:, j]
+        for pb, gb in zip(prob_blocks, grad_blocks, strict=True):
+            first_block = pb.start == 0
+            span = slice(pb.start, pb.stop)
+            # Eᵀ of the block, keys first, recomputed exactly as the forward computed it
+            e = _exp2_step(pb, q_t, k_j, (ra_j, c_j), alpha, shift)
+            go_b = go_j if pb.all_rows else go_j[:, span]  # (B, rows, Dv), divided by the sums
+            if first_block:
+                torch.bmm(e, go_b, out=dv_j)
+            else:
+                dv_j.baddbmm_(e, go_b)
+            ds = gb.out
+            torch.bmm(v_j, go_b.transpose(1, 2), out=ds)  # dPᵀ / sums
+            ds.sub_(delta_j if pb.all_rows else delta_j[..., span]).mul_(e)  # dSᵀ: d(scores)ᵀ
+            q_b = q_j if pb.all_rows else q_j[:, span]
+            # the scale inside the products (beta = 0: the first write reads nothing)
+            dq_b = dq_j if pb.all_rows else dq_j[:, span]
+            dq_b.baddbmm_(ds.transpose(1, 2), k_j, beta=0.0, alpha=scale)
+            dk_j.baddbmm_(ds, q_b, beta=0.0 if first_block else 1.0, alpha=scale)
+            if gb.patches is not None:  # dS on patch keys x patch queries: (B, gh, gw, rows')
+                grads_j = (dra_t[:, j], dc_t[:, j])
+                factor_grads_into(gb.patches, (ra_j, c_j), gb.lo, gb.hi, grads_j, prod_buf)
+    # the bias in log2 units is ra_t * c_t = log2(e) * bias, so each factor's gradient is
+    # 1 / log2(e) of the sums above
+    dra_t.mul_(1.0 / _LOG2E)
+    dc_t.mul_(1.0 / _LOG2E)
+    return dq.transpose(0, 1), dk.transpose(0, 1), dvv.transpose(0, 1), dra_t, dc_t
 
 
 def gaussian_softmax_attention_train(
