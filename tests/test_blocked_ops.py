@@ -1,4 +1,4 @@
-"""The row-blocked Gaussian attention as a custom op: its schema and fake, and torch.compile calling it."""
+"""The row-blocked Gaussian attention as custom ops: schemas, fakes, gradients, torch.compile calling them."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from hypothesis import strategies as st
 
 import vitattn  # noqa: F401  (registers the timm models)
 from vitattn.functional import GaussianBias
-from vitattn.functional.blocked import gaussian_softmax_attention
-from vitattn.functional.blocked_ops import gaussian_attention_op
+from vitattn.functional.blocked import _prepare, gaussian_softmax_attention, gaussian_softmax_attention_train
+from vitattn.functional.blocked_ops import gaussian_attention_op, gaussian_attention_train_op
 
 from .reference_formulas import naive_gaug_bias, plain_attention
 
 OP = torch.ops.vitattn.gaussian_attention_cpu.default
+TRAIN_OP = torch.ops.vitattn.gaussian_attention_cpu_train.default
 
 
 def _case(seed: int, grid=(3, 4), prefix=1, initial=(3, 4), heads=2, broadcast=False, dtype=torch.float32):
@@ -84,12 +85,60 @@ def test_compiled_locat_inference_calls_the_op_and_matches_eager():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_compiled_training_does_not_call_the_op():
-    """A call autograd records keeps the traceable (dense-bias) path: the op has no backward."""
+def _train_case(seed: int, prefix=1, grid=(3, 4), broadcast=False):
+    q, k, v, bias = _case(seed, grid, prefix, grid, heads=3, broadcast=broadcast, dtype=torch.float64)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, bias.sigma, bias.alpha)]
+    return leaves
+
+
+@pytest.mark.parametrize("prefix, broadcast", [(1, False), (0, True), (3, False)])
+def test_training_op_gradcheck(prefix, broadcast):
+    """float64 gradients of the op pair, to q, k, v and (through the traced factors) sigma and alpha."""
+    q, k, v, sigma, alpha = _train_case(1, prefix=prefix, broadcast=broadcast)
+
+    def f(q, k, v, sigma, alpha):
+        return gaussian_attention_train_op(q, k, v, 0.4, GaussianBias(sigma, alpha, (3, 4), prefix))
+
+    assert torch.autograd.gradcheck(f, (q, k, v, sigma, alpha))
+
+
+def test_training_op_matches_the_autograd_function():
+    q, k, v, sigma, alpha = _train_case(2)
+    grad = torch.randn(q.shape[0], q.shape[1], q.shape[2], v.shape[-1], dtype=q.dtype)  # B = 2, H = 3
+    results = []
+    for fn in (gaussian_attention_train_op, gaussian_softmax_attention_train):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sigma, alpha)]
+        out = fn(*leaves[:3], 0.4, GaussianBias(leaves[3], leaves[4], (3, 4), 1))
+        out.backward(grad)
+        results.append((out.detach(), *(t.grad for t in leaves)))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+def test_training_opcheck():
+    """torch.library's checks of the training op with inputs that need gradients (its autograd
+    registration included), on the operands _prepare gives it."""
+    q, k, v, sigma, alpha = _train_case(3)
+    qq, kk, vv, ra_t, c_t, rows = _prepare(q, k, v, GaussianBias(sigma, alpha, (3, 4), 1), None)
+    args = (qq, kk, vv, ra_t, c_t, 0.4, 3, 4, 1, rows)
+    torch.library.opcheck(TRAIN_OP, args)
+
+
+def test_compiled_training_calls_the_training_op_and_matches_eager():
     torch.manual_seed(0)
     model = timm.create_model("locatvit_tiny", img_size=32, patch_size=8, depth=1).train()
     x = torch.randn(2, 3, 32, 32)
     out, graphs = _compiled_graphs(model, x)
-    assert "vitattn.gaussian_attention_cpu" not in "\n".join(g.code for g in graphs)
+    code = "\n".join(g.code for g in graphs)
+    assert "vitattn.gaussian_attention_cpu_train" in code
+    assert "vitattn.gaussian_attention_cpu.default" not in code
     out.sum().backward()
-    assert model.blocks[0].attn.gaug.log_var.weight.grad is not None
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    want_out = model(x)
+    want_out.sum().backward()
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    assert got.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+    assert "blocks.0.attn.gaug.log_var.weight" in got
+    for name, g in got.items():
+        torch.testing.assert_close(g, model.get_parameter(name).grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -1,21 +1,30 @@
-"""The CPU row-blocked Gaussian attention as a ``torch.library`` custom op, for ``torch.compile``.
+"""The CPU row-blocked Gaussian attention as ``torch.library`` custom ops, for ``torch.compile``.
 
 Traced by dynamo, :func:`~vitattn.functional.blocked.gaussian_softmax_attention` would be inlined
 into the graph, and its per-thread block buffers do not belong in a graph; without this op a
 compiled model took the dense-bias path instead (compiled LocAtViT-Tiny at 448 px: 1.82-1.84x
 compiled timm ViT-Tiny, against 1.06-1.08x with the op; see docs/benchmarks.md). As an opaque op
-the compiled graph calls the same eager row-blocked code. Forward only: calls that autograd
-records keep their own paths.
+the compiled graph calls the same eager row-blocked code. Inference is one op; training is a
+forward op with a backward op registered as its autograd formula (the factors' own gradient to σ and
+α stays in the traced graph).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from .blocked import gaussian_softmax_attention
+from .blocked import _blocked_backward, _blocked_forward, _prepare, gaussian_softmax_attention
 from .gaussian import GaussianBias
 
-__all__ = ["gaussian_attention_cpu", "gaussian_attention_op"]
+__all__ = [
+    "gaussian_attention_cpu",
+    "gaussian_attention_cpu_train",
+    "gaussian_attention_cpu_train_bwd",
+    "gaussian_attention_op",
+    "gaussian_attention_train_op",
+]
 
 
 @torch.library.custom_op("vitattn::gaussian_attention_cpu", mutates_args=(), device_types="cpu")
@@ -56,3 +65,110 @@ def gaussian_attention_op(
     return gaussian_attention_cpu(
         q, k, v, bias.sigma, bias.alpha, float(scale), gh, gw, bias.num_prefix_tokens, ih, iw
     )
+
+
+def _layout(grid_h: int, grid_w: int, num_prefix_tokens: int, like: torch.Tensor) -> GaussianBias:
+    """A bias describing only the token layout (zero σ, α of one batch entry and head), which is all
+    the block views of :mod:`.blocked` read; the factors come separately."""
+    np_ = grid_h * grid_w
+    zeros = like.new_zeros(1, 1, np_, 3)
+    return GaussianBias(zeros[..., :2], zeros[..., 2:], (grid_h, grid_w), num_prefix_tokens)
+
+
+def _bhn_view(b: int, h: int, n: int, d: int, like: torch.Tensor) -> torch.Tensor:
+    """An empty ``(B, H, N, d)`` view of a ``(H, B, N, d)`` tensor, the backward's memory order."""
+    return like.new_empty(h, b, n, d).transpose(0, 1)
+
+
+@torch.library.custom_op("vitattn::gaussian_attention_cpu_train", mutates_args=(), device_types="cpu")
+def gaussian_attention_cpu_train(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ra_t: torch.Tensor,
+    c_t: torch.Tensor,
+    scale: float,
+    grid_h: int,
+    grid_w: int,
+    num_prefix_tokens: int,
+    rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The row-blocked forward for training, from :func:`~vitattn.functional.blocked._prepare`'s operands
+    (q, k, v with a unit last stride; the keys-first factors ``ra_t: (B, H, gh, Np)``,
+    ``c_t: (B, H, gw, Np)`` in log2 units; ``rows`` per block): ``(out: (B, H, N, Dv), row sums:
+    (H, B, N), whether the maxima were subtracted: a 0-d bool)``."""
+    bias = _layout(grid_h, grid_w, num_prefix_tokens, q)
+    out, sums, shift = _blocked_forward(q, k, v, (ra_t, c_t), scale, bias, rows)
+    return out, sums, torch.tensor(shift)
+
+
+@gaussian_attention_cpu_train.register_fake
+def _train_fake(q, k, v, ra_t, c_t, scale, grid_h, grid_w, num_prefix_tokens, rows):  # fmt: skip
+    b, h, n, _ = q.shape
+    out = q.new_empty(b, n, h, v.shape[-1], dtype=v.dtype).transpose(1, 2)
+    return out, q.new_empty(h, b, n), torch.empty((), dtype=torch.bool)
+
+
+@torch.library.custom_op("vitattn::gaussian_attention_cpu_train_bwd", mutates_args=(), device_types="cpu")
+def gaussian_attention_cpu_train_bwd(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ra_t: torch.Tensor,
+    c_t: torch.Tensor,
+    out: torch.Tensor,
+    sums: torch.Tensor,
+    shift: torch.Tensor,
+    scale: float,
+    grid_h: int,
+    grid_w: int,
+    num_prefix_tokens: int,
+    rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, d ra_t, d c_t)`` of :func:`gaussian_attention_cpu_train` (the blocked backward)."""
+    bias = _layout(grid_h, grid_w, num_prefix_tokens, q)
+    return _blocked_backward(grad_out, q, k, v, (ra_t, c_t), out, sums, scale, bias, rows, bool(shift))
+
+
+@gaussian_attention_cpu_train_bwd.register_fake
+def _train_bwd_fake(grad_out, q, k, v, ra_t, c_t, out, sums, shift, scale, grid_h, grid_w, num_prefix_tokens,
+                    rows):  # fmt: skip
+    b, h, n, d = q.shape
+    dv = _bhn_view(b, h, n, v.shape[-1], v)
+    return (
+        _bhn_view(b, h, n, d, q),
+        _bhn_view(b, h, n, d, k),
+        dv,
+        ra_t.new_empty(ra_t.shape),
+        c_t.new_empty(c_t.shape),
+    )
+
+
+def _train_setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    q, k, v, ra_t, c_t, scale, grid_h, grid_w, num_prefix_tokens, rows = inputs
+    out, sums, shift = output
+    ctx.save_for_backward(q, k, v, ra_t, c_t, out, sums, shift)
+    ctx.scalars = (scale, grid_h, grid_w, num_prefix_tokens, rows)
+    ctx.mark_non_differentiable(sums, shift)
+
+
+def _train_backward(ctx: Any, grad_out: torch.Tensor, _sums: Any, _shift: Any) -> tuple[Any, ...]:
+    q, k, v, ra_t, c_t, out, sums, shift = ctx.saved_tensors
+    grads = gaussian_attention_cpu_train_bwd(grad_out, q, k, v, ra_t, c_t, out, sums, shift, *ctx.scalars)
+    return *grads, None, None, None, None, None
+
+
+gaussian_attention_cpu_train.register_autograd(_train_backward, setup_context=_train_setup_context)
+
+
+def gaussian_attention_train_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: GaussianBias
+) -> torch.Tensor:
+    """:func:`~vitattn.functional.blocked.gaussian_softmax_attention_train` through the custom ops:
+    differentiable in q, k, v and (through the factors, traced) σ and α."""
+    q, k, v, ra_t, c_t, rows = _prepare(q, k, v, bias, None)
+    gh, gw = bias.grid_size
+    return gaussian_attention_cpu_train(
+        q, k, v, ra_t, c_t, float(scale), gh, gw, bias.num_prefix_tokens, rows
+    )[0]

@@ -2,11 +2,11 @@
 
 Softmax without returned weights goes through ``scaled_dot_product_attention`` (which computes the
 same thing, fused), except CPU calls with a :class:`GaussianBias` and no mask, which go through the
-row-blocked paths of :mod:`.blocked` (no dense bias): the forward-only one for inference (under
-``torch.compile`` through its custom op, :mod:`.blocked_ops`), the autograd function with a
-recomputing backward for training (eager). entmax-1.5 on the CPU without weights, mask or dropout
-(no bias, or a :class:`GaussianBias`) goes through the row-blocked path of :mod:`.blocked_entmax`
-(eager); everything else materializes the ``(B, H, Nq, Nk)`` scores.
+row-blocked paths of :mod:`.blocked` (no dense bias): the forward-only one for inference, the
+autograd function with a recomputing backward for training; under ``torch.compile`` both as custom
+ops (:mod:`.blocked_ops`). entmax-1.5 on the CPU without weights, mask or dropout (no bias, or a
+:class:`GaussianBias`) goes through the row-blocked path of :mod:`.blocked_entmax` (eager);
+everything else materializes the ``(B, H, Nq, Nk)`` scores.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .blocked import gaussian_softmax_attention, gaussian_softmax_attention_train
 from .blocked_entmax import entmax15_attention
-from .blocked_ops import gaussian_attention_op
+from .blocked_ops import gaussian_attention_op, gaussian_attention_train_op
 from .dispatch import AttentionCall, autocast_dtype, register_backend
 from .gaussian import GaussianBias
 from .normalize import normalize
@@ -55,9 +55,9 @@ def _blocked_gaussian_applies(call: AttentionCall) -> bool:
 
 
 def _fused_gaussian_training_applies(call: AttentionCall) -> bool:
-    """Like :func:`_blocked_gaussian_applies`, but for a call autograd records (training), in eager
-    mode (no per-thread buffers in a graph; compiled, the dense-bias SDPA path is traced)."""
-    return not torch.compiler.is_compiling() and _gaussian_rows_fit(call) and _needs_grad(call)
+    """Like :func:`_blocked_gaussian_applies`, but for a call autograd records (training; under
+    ``torch.compile`` as its custom ops)."""
+    return _gaussian_rows_fit(call) and _needs_grad(call)
 
 
 def _row_blocks_fit(call: AttentionCall) -> bool:
@@ -114,7 +114,9 @@ class TorchBackend:
                 return blocked(call.q, call.k, call.v, call.scale, call.bias), None
             if _fused_gaussian_training_applies(call):
                 assert isinstance(call.bias, GaussianBias)
-                return gaussian_softmax_attention_train(call.q, call.k, call.v, call.scale, call.bias), None
+                compiled = torch.compiler.is_compiling()
+                train = gaussian_attention_train_op if compiled else gaussian_softmax_attention_train
+                return train(call.q, call.k, call.v, call.scale, call.bias), None
             return self._sdpa(call), None
         if _blocked_entmax_applies(call):
             bias = call.bias if isinstance(call.bias, GaussianBias) else None
