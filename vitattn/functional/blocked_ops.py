@@ -1,13 +1,12 @@
 """The CPU row-blocked Gaussian attention as ``torch.library`` custom ops, for ``torch.compile``.
 
-Traced by dynamo, :func:`~vitattn.functional.blocked.gaussian_softmax_attention` would be inlined
-into the graph, and its per-thread block buffers do not belong in a graph; without this op a
-compiled model took the dense-bias path instead (compiled LocAtViT-Tiny at 448 px: inference
-1.82-1.84x compiled timm ViT-Tiny, against 1.06-1.08x with the op; a training step 1.22-1.23x against
-1.11-1.12x; see docs/benchmarks.md). As an opaque op
-the compiled graph calls the same eager row-blocked code. Inference is one op; training is a
-forward op with a backward op registered as its autograd formula (the factors' own gradient to σ and
-α stays in the traced graph).
+Traced by dynamo, the functions of :mod:`.blocked` would be inlined into the graph, and their
+per-thread block buffers do not belong in a graph; without these ops a compiled model took the
+dense-bias path instead (compiled LocAtViT-Tiny at 448 px: inference 1.82-1.84x compiled timm
+ViT-Tiny, against 1.06-1.08x with the op; a training step 1.22-1.23x against 1.11-1.12x; see
+docs/benchmarks.md). As opaque ops the compiled graph calls the same eager row-blocked code.
+Inference is one op; training is a forward op with a backward op registered as its autograd
+formula (the factors' own gradient to σ and α stays in the traced graph).
 """
 
 from __future__ import annotations
