@@ -11,7 +11,12 @@ from hypothesis import strategies as st
 import vitattn  # noqa: F401  (registers the timm models)
 from vitattn.functional import GaussianBias
 from vitattn.functional.blocked import _prepare, gaussian_softmax_attention, gaussian_softmax_attention_train
-from vitattn.functional.blocked_ops import gaussian_attention_op, gaussian_attention_train_op
+from vitattn.functional.blocked_entmax import entmax15_attention
+from vitattn.functional.blocked_ops import (
+    entmax15_attention_op,
+    gaussian_attention_op,
+    gaussian_attention_train_op,
+)
 
 from .reference_formulas import naive_gaug_bias, plain_attention
 
@@ -142,3 +147,45 @@ def test_compiled_training_calls_the_training_op_and_matches_eager():
     assert "blocks.0.attn.gaug.log_var.weight" in got
     for name, g in got.items():
         torch.testing.assert_close(g, model.get_parameter(name).grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# ---- entmax-1.5 (inference op) ---------------------------------------------------------------------------
+ENTMAX_OP = torch.ops.vitattn.entmax15_attention_cpu.default
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_entmax_op_is_the_blocked_function_and_the_package(with_bias):
+    q, k, v, bias = _case(4, prefix=1, dtype=torch.float64)
+    bias = bias if with_bias else None
+    got = entmax15_attention_op(q, k, v, 0.5, bias)
+    torch.testing.assert_close(got, entmax15_attention(q, k, v, 0.5, bias), atol=0, rtol=0)
+    dense = None if bias is None else naive_gaug_bias(bias.sigma, bias.alpha, (3, 4), 1, (3, 4))
+    ref, _ = plain_attention(q, k, v, "entmax15", scale=0.5, bias=dense)
+    torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-8)
+
+
+def test_entmax_op_keys_other_than_queries():
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g, dtype=torch.float64) for n in (5, 9, 9))
+    ref, _ = plain_attention(q, k, v, "entmax15", scale=0.7)
+    torch.testing.assert_close(entmax15_attention_op(q, k, v, 0.7, None), ref, atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_entmax_opcheck(with_bias):
+    q, k, v, bias = _case(6, heads=3)
+    sigma, alpha = (bias.sigma, bias.alpha) if with_bias else (None, None)
+    torch.library.opcheck(ENTMAX_OP, (q, k, v, sigma, alpha, 0.3, 3, 4, 1, 3, 4))
+
+
+def test_compiled_locat_entmax_inference_calls_the_op_training_does_not():
+    torch.manual_seed(0)
+    model = timm.create_model("locatvit_tiny", img_size=32, patch_size=8, depth=2, normalizer="entmax15")
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        got, graphs = _compiled_graphs(model.eval(), x)
+        want = model(x)
+    assert "\n".join(g.code for g in graphs).count("vitattn.entmax15_attention_cpu") == 2
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    _, graphs = _compiled_graphs(model.train(), x)
+    assert "vitattn.entmax15_attention_cpu" not in "\n".join(g.code for g in graphs)

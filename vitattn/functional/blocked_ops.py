@@ -6,7 +6,9 @@ dense-bias path instead (compiled LocAtViT-Tiny at 448 px: inference 1.82-1.84x 
 ViT-Tiny, against 1.06-1.08x with the op; a training step 1.22-1.23x against 1.11-1.12x; see
 docs/benchmarks.md). As opaque ops the compiled graph calls the same eager row-blocked code.
 Inference is one op; training is a forward op with a backward op registered as its autograd
-formula (the factors' own gradient to σ and α stays in the traced graph).
+formula (the factors' own gradient to σ and α stays in the traced graph). The row-blocked
+entmax-1.5 attention (with or without a Gaussian bias) is an op for inference only; compiled
+training keeps the traced materialized path.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from typing import Any
 import torch
 
 from .blocked import _blocked_backward, _blocked_forward, _prepare, gaussian_softmax_attention
+from .blocked_entmax import entmax15_attention
 from .gaussian import GaussianBias
 
 __all__ = [
+    "entmax15_attention_cpu",
+    "entmax15_attention_op",
     "gaussian_attention_cpu",
     "gaussian_attention_cpu_train",
     "gaussian_attention_cpu_train_bwd",
@@ -172,3 +177,47 @@ def gaussian_attention_train_op(
     return gaussian_attention_cpu_train(
         q, k, v, ra_t, c_t, float(scale), gh, gw, bias.num_prefix_tokens, rows
     )[0]
+
+
+@torch.library.custom_op("vitattn::entmax15_attention_cpu", mutates_args=(), device_types="cpu")
+def entmax15_attention_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sigma: torch.Tensor | None,
+    alpha: torch.Tensor | None,
+    scale: float,
+    grid_h: int,
+    grid_w: int,
+    num_prefix_tokens: int,
+    initial_grid_h: int,
+    initial_grid_w: int,
+) -> torch.Tensor:
+    """:func:`~vitattn.functional.blocked_entmax.entmax15_attention` forward: ``(B, H, Nq, Dv)``; the
+    Gaussian bias of ``sigma``, ``alpha`` (both given or both ``None``) on the given grids, as in
+    :func:`gaussian_attention_cpu`."""
+    bias = None
+    if sigma is not None and alpha is not None:
+        bias = GaussianBias(
+            sigma, alpha, (grid_h, grid_w), num_prefix_tokens, (initial_grid_h, initial_grid_w)
+        )
+    return entmax15_attention(q, k, v, scale, bias)
+
+
+@entmax15_attention_cpu.register_fake
+def _entmax15_attention_cpu_fake(
+    q, k, v, sigma, alpha, scale, grid_h, grid_w, num_prefix_tokens, initial_grid_h, initial_grid_w
+):  # fmt: skip
+    return q.new_empty(*q.shape[:3], v.shape[-1], dtype=v.dtype)
+
+
+def entmax15_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: GaussianBias | None
+) -> torch.Tensor:
+    """:func:`entmax15_attention_cpu` called with the fields of ``bias`` (or none)."""
+    if bias is None:
+        return entmax15_attention_cpu(q, k, v, None, None, float(scale), 0, 0, 0, 0, 0)
+    (gh, gw), (ih, iw) = bias.grid_size, bias.initial_grid_size  # type: ignore[misc]
+    return entmax15_attention_cpu(
+        q, k, v, bias.sigma, bias.alpha, float(scale), gh, gw, bias.num_prefix_tokens, ih, iw
+    )

@@ -5,8 +5,8 @@ same thing, fused), except CPU calls with a :class:`GaussianBias` and no mask, w
 row-blocked paths of :mod:`.blocked` (no dense bias): the forward-only one for inference, the
 autograd function with a recomputing backward for training; under ``torch.compile`` both as custom
 ops (:mod:`.blocked_ops`). entmax-1.5 on the CPU without weights, mask or dropout (no bias, or a
-:class:`GaussianBias`) goes through the row-blocked path of :mod:`.blocked_entmax` (eager);
-everything else materializes the ``(B, H, Nq, Nk)`` scores.
+:class:`GaussianBias`) goes through the row-blocked path of :mod:`.blocked_entmax` (compiled: its
+op, for inference only); everything else materializes the ``(B, H, Nq, Nk)`` scores.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .blocked import gaussian_softmax_attention, gaussian_softmax_attention_train
 from .blocked_entmax import entmax15_attention
-from .blocked_ops import gaussian_attention_op, gaussian_attention_train_op
+from .blocked_ops import entmax15_attention_op, gaussian_attention_op, gaussian_attention_train_op
 from .dispatch import AttentionCall, autocast_dtype, register_backend
 from .gaussian import GaussianBias
 from .normalize import normalize
@@ -42,9 +42,11 @@ def scores_of(call: AttentionCall) -> torch.Tensor:
 
 
 def _needs_grad(call: AttentionCall) -> bool:
-    """Whether autograd will record this call (grad mode on and an input that requires a gradient)."""
-    assert isinstance(call.bias, GaussianBias)
-    tensors = (call.q, call.k, call.v, call.bias.sigma, call.bias.alpha)
+    """Whether autograd will record this call (grad mode on and an input that requires a gradient);
+    the bias is none or a :class:`GaussianBias`."""
+    tensors = [call.q, call.k, call.v]
+    if isinstance(call.bias, GaussianBias):
+        tensors += [call.bias.sigma, call.bias.alpha]
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
@@ -78,10 +80,11 @@ def _gaussian_rows_fit(call: AttentionCall) -> bool:
 
 
 def _blocked_entmax_applies(call: AttentionCall) -> bool:
-    """:func:`_row_blocks_fit` for entmax-1.5 that returns no weights, in eager mode."""
-    if torch.compiler.is_compiling() or call.normalizer != "entmax15" or call.return_weights:
+    """:func:`_row_blocks_fit` for entmax-1.5 that returns no weights; under ``torch.compile`` only
+    for inference (its custom op has no backward)."""
+    if call.normalizer != "entmax15" or call.return_weights or not _row_blocks_fit(call):
         return False
-    return _row_blocks_fit(call)
+    return not (torch.compiler.is_compiling() and _needs_grad(call))
 
 
 class TorchBackend:
@@ -120,7 +123,8 @@ class TorchBackend:
             return self._sdpa(call), None
         if _blocked_entmax_applies(call):
             bias = call.bias if isinstance(call.bias, GaussianBias) else None
-            return entmax15_attention(call.q, call.k, call.v, call.scale, bias), None
+            blocked = entmax15_attention_op if torch.compiler.is_compiling() else entmax15_attention
+            return blocked(call.q, call.k, call.v, call.scale, bias), None
         scores = scores_of(call)
         probs = normalize(scores, call.normalizer, masked=call.mask is not None)
         weights = probs
