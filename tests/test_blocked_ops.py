@@ -12,15 +12,11 @@ import vitattn  # noqa: F401  (registers the timm models)
 from vitattn.functional import GaussianBias
 from vitattn.functional.blocked import _prepare, gaussian_softmax_attention, gaussian_softmax_attention_train
 from vitattn.functional.blocked_entmax import entmax15_attention
-from vitattn.functional.blocked_ops import (
-    entmax15_attention_op,
-    gaussian_attention_op,
-    gaussian_attention_train_op,
-)
+from vitattn.functional.blocked_ops import blocked_attention_op, gaussian_attention_train_op
 
 from .reference_formulas import naive_gaug_bias, plain_attention
 
-OP = torch.ops.vitattn.gaussian_attention_cpu.default
+OP = torch.ops.vitattn.blocked_attention_cpu.default
 TRAIN_OP = torch.ops.vitattn.gaussian_attention_cpu_train.default
 
 
@@ -47,7 +43,7 @@ def _case(seed: int, grid=(3, 4), prefix=1, initial=(3, 4), heads=2, broadcast=F
 def test_op_is_the_blocked_function_and_the_plain_formula(seed, grid, prefix, broadcast, resized):
     initial = (grid[0] + 2, grid[1] + 1) if resized else grid
     q, k, v, bias = _case(seed, grid, prefix, initial, broadcast=broadcast, dtype=torch.float64)
-    got = gaussian_attention_op(q, k, v, 0.35, bias)
+    got = blocked_attention_op(q, k, v, 0.35, bias, entmax=False)
     torch.testing.assert_close(got, gaussian_softmax_attention(q, k, v, 0.35, bias), atol=0, rtol=0)
     dense = naive_gaug_bias(bias.sigma, bias.alpha, grid, prefix, initial)
     ref, _ = plain_attention(q, k, v, "softmax", scale=0.35, bias=dense)
@@ -60,7 +56,7 @@ def test_opcheck(broadcast):
     """torch.library's own checks: schema, fake tensor (shape and strides), dispatch through AOT."""
     q, k, v, bias = _case(0, broadcast=broadcast)
     (gh, gw), (ih, iw) = bias.grid_size, bias.initial_grid_size
-    args = (q, k, v, bias.sigma, bias.alpha, 0.3, gh, gw, bias.num_prefix_tokens, ih, iw)
+    args = (q, k, v, bias.sigma, bias.alpha, 0.3, gh, gw, bias.num_prefix_tokens, ih, iw, False)
     torch.library.opcheck(OP, args)
 
 
@@ -86,7 +82,7 @@ def test_compiled_locat_inference_calls_the_op_and_matches_eager():
         got, graphs = _compiled_graphs(model, x)
         want = model(x)
     code = "\n".join(g.code for g in graphs)
-    assert code.count("vitattn.gaussian_attention_cpu") == 2  # one call per block
+    assert code.count("vitattn.blocked_attention_cpu") == 2  # one call per block
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -136,7 +132,7 @@ def test_compiled_training_calls_the_training_op_and_matches_eager():
     out, graphs = _compiled_graphs(model, x)
     code = "\n".join(g.code for g in graphs)
     assert "vitattn.gaussian_attention_cpu_train" in code
-    assert "vitattn.gaussian_attention_cpu.default" not in code
+    assert "vitattn.blocked_attention_cpu" not in code
     out.sum().backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
@@ -150,14 +146,13 @@ def test_compiled_training_calls_the_training_op_and_matches_eager():
 
 
 # ---- entmax-1.5 (inference op) ---------------------------------------------------------------------------
-ENTMAX_OP = torch.ops.vitattn.entmax15_attention_cpu.default
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_entmax_op_is_the_blocked_function_and_the_package(with_bias):
     q, k, v, bias = _case(4, prefix=1, dtype=torch.float64)
     bias = bias if with_bias else None
-    got = entmax15_attention_op(q, k, v, 0.5, bias)
+    got = blocked_attention_op(q, k, v, 0.5, bias, entmax=True)
     torch.testing.assert_close(got, entmax15_attention(q, k, v, 0.5, bias), atol=0, rtol=0)
     dense = None if bias is None else naive_gaug_bias(bias.sigma, bias.alpha, (3, 4), 1, (3, 4))
     ref, _ = plain_attention(q, k, v, "entmax15", scale=0.5, bias=dense)
@@ -168,14 +163,16 @@ def test_entmax_op_keys_other_than_queries():
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 3, n, 8, generator=g, dtype=torch.float64) for n in (5, 9, 9))
     ref, _ = plain_attention(q, k, v, "entmax15", scale=0.7)
-    torch.testing.assert_close(entmax15_attention_op(q, k, v, 0.7, None), ref, atol=1e-10, rtol=1e-8)
+    torch.testing.assert_close(
+        blocked_attention_op(q, k, v, 0.7, None, entmax=True), ref, atol=1e-10, rtol=1e-8
+    )
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_entmax_opcheck(with_bias):
     q, k, v, bias = _case(6, heads=3)
     sigma, alpha = (bias.sigma, bias.alpha) if with_bias else (None, None)
-    torch.library.opcheck(ENTMAX_OP, (q, k, v, sigma, alpha, 0.3, 3, 4, 1, 3, 4))
+    torch.library.opcheck(OP, (q, k, v, sigma, alpha, 0.3, 3, 4, 1, 3, 4, True))
 
 
 def test_compiled_locat_entmax_inference_calls_the_op_training_does_not():
@@ -185,7 +182,13 @@ def test_compiled_locat_entmax_inference_calls_the_op_training_does_not():
     with torch.no_grad():
         got, graphs = _compiled_graphs(model.eval(), x)
         want = model(x)
-    assert "\n".join(g.code for g in graphs).count("vitattn.entmax15_attention_cpu") == 2
+    assert "\n".join(g.code for g in graphs).count("vitattn.blocked_attention_cpu") == 2
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     _, graphs = _compiled_graphs(model.train(), x)
-    assert "vitattn.entmax15_attention_cpu" not in "\n".join(g.code for g in graphs)
+    assert "vitattn.blocked_attention_cpu" not in "\n".join(g.code for g in graphs)
+
+
+def test_softmax_without_a_bias_is_refused():
+    q, k, v, _ = _case(7)
+    with pytest.raises(ValueError, match="softmax needs sigma and alpha"):
+        blocked_attention_op(q, k, v, 0.3, None, entmax=False)

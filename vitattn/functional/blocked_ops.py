@@ -5,10 +5,10 @@ per-thread block buffers do not belong in a graph; without these ops a compiled 
 dense-bias path instead (compiled LocAtViT-Tiny at 448 px: inference 1.82-1.84x compiled timm
 ViT-Tiny, against 1.06-1.08x with the op; a training step 1.22-1.23x against 1.11-1.12x; see
 docs/benchmarks.md). As opaque ops the compiled graph calls the same eager row-blocked code.
-Inference is one op; training is a forward op with a backward op registered as its autograd
-formula (the factors' own gradient to σ and α stays in the traced graph). The row-blocked
-entmax-1.5 attention (with or without a Gaussian bias) is an op for inference only; compiled
-training keeps the traced materialized path.
+Inference is one op for both normalizers (Gaussian-biased softmax; entmax-1.5 with or without the
+bias); LocAt training is a forward op with a backward op registered as its autograd formula (the
+factors' own gradient to σ and α stays in the traced graph). Compiled entmax-1.5 training keeps the
+traced materialized path.
 """
 
 from __future__ import annotations
@@ -22,54 +22,12 @@ from .blocked_entmax import entmax15_attention
 from .gaussian import GaussianBias
 
 __all__ = [
-    "entmax15_attention_cpu",
-    "entmax15_attention_op",
-    "gaussian_attention_cpu",
+    "blocked_attention_cpu",
+    "blocked_attention_op",
     "gaussian_attention_cpu_train",
     "gaussian_attention_cpu_train_bwd",
-    "gaussian_attention_op",
     "gaussian_attention_train_op",
 ]
-
-
-@torch.library.custom_op("vitattn::gaussian_attention_cpu", mutates_args=(), device_types="cpu")
-def gaussian_attention_cpu(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    sigma: torch.Tensor,
-    alpha: torch.Tensor,
-    scale: float,
-    grid_h: int,
-    grid_w: int,
-    num_prefix_tokens: int,
-    initial_grid_h: int,
-    initial_grid_w: int,
-) -> torch.Tensor:
-    """``softmax(q kᵀ · scale + S) v`` with ``S`` the Gaussian bias of ``sigma: (B|1, H|1, Np, 2)`` and
-    ``alpha: (B|1, H|1, Np, 1)`` on a ``(grid_h, grid_w)`` grid after ``num_prefix_tokens`` tokens
-    (:class:`~vitattn.functional.GaussianBias`); ``q, k: (B, H, N, D)``, ``v: (B, H, N, Dv)``, one
-    dtype, float32 or float64. Returns ``(B, H, N, Dv)``, a view of a ``(B, N, H, Dv)`` tensor."""
-    bias = GaussianBias(sigma, alpha, (grid_h, grid_w), num_prefix_tokens, (initial_grid_h, initial_grid_w))
-    return gaussian_softmax_attention(q, k, v, scale, bias)
-
-
-@gaussian_attention_cpu.register_fake
-def _gaussian_attention_cpu_fake(
-    q, k, v, sigma, alpha, scale, grid_h, grid_w, num_prefix_tokens, initial_grid_h, initial_grid_w
-):  # fmt: skip
-    b, h, n, _ = q.shape
-    return q.new_empty(b, n, h, v.shape[-1], dtype=v.dtype).transpose(1, 2)
-
-
-def gaussian_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: GaussianBias
-) -> torch.Tensor:
-    """:func:`gaussian_attention_cpu` called with the fields of ``bias``."""
-    (gh, gw), (ih, iw) = bias.grid_size, bias.initial_grid_size  # type: ignore[misc]
-    return gaussian_attention_cpu(
-        q, k, v, bias.sigma, bias.alpha, float(scale), gh, gw, bias.num_prefix_tokens, ih, iw
-    )
 
 
 def _layout(grid_h: int, grid_w: int, num_prefix_tokens: int, like: torch.Tensor) -> GaussianBias:
@@ -179,8 +137,8 @@ def gaussian_attention_train_op(
     )[0]
 
 
-@torch.library.custom_op("vitattn::entmax15_attention_cpu", mutates_args=(), device_types="cpu")
-def entmax15_attention_cpu(
+@torch.library.custom_op("vitattn::blocked_attention_cpu", mutates_args=(), device_types="cpu")
+def blocked_attention_cpu(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -192,32 +150,43 @@ def entmax15_attention_cpu(
     num_prefix_tokens: int,
     initial_grid_h: int,
     initial_grid_w: int,
+    entmax: bool,
 ) -> torch.Tensor:
-    """:func:`~vitattn.functional.blocked_entmax.entmax15_attention` forward: ``(B, H, Nq, Dv)``; the
-    Gaussian bias of ``sigma``, ``alpha`` (both given or both ``None``) on the given grids, as in
-    :func:`gaussian_attention_cpu`."""
+    """The row-blocked inference path: ``normalize(q kᵀ · scale + S) v`` with softmax
+    (:func:`~vitattn.functional.blocked.gaussian_softmax_attention`, which needs the bias) or, with
+    ``entmax``, entmax-1.5 (:func:`~vitattn.functional.blocked_entmax.entmax15_attention`, bias
+    optional). ``S`` is the Gaussian bias of ``sigma: (B|1, H|1, Np, 2)`` and ``alpha: (B|1, H|1, Np,
+    1)`` (both given or both ``None``) on a ``(grid_h, grid_w)`` grid after ``num_prefix_tokens``
+    tokens (:class:`~vitattn.functional.GaussianBias`). ``q: (B, H, Nq, D)``, ``k: (B, H, Nk, D)``,
+    ``v: (B, H, Nk, Dv)``, one dtype, float32 or float64. Returns ``(B, H, Nq, Dv)``: contiguous for
+    entmax-1.5, a view of a ``(B, N, H, Dv)`` tensor for softmax."""
     bias = None
     if sigma is not None and alpha is not None:
-        bias = GaussianBias(
-            sigma, alpha, (grid_h, grid_w), num_prefix_tokens, (initial_grid_h, initial_grid_w)
-        )
-    return entmax15_attention(q, k, v, scale, bias)
-
-
-@entmax15_attention_cpu.register_fake
-def _entmax15_attention_cpu_fake(
-    q, k, v, sigma, alpha, scale, grid_h, grid_w, num_prefix_tokens, initial_grid_h, initial_grid_w
-):  # fmt: skip
-    return q.new_empty(*q.shape[:3], v.shape[-1], dtype=v.dtype)
-
-
-def entmax15_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: GaussianBias | None
-) -> torch.Tensor:
-    """:func:`entmax15_attention_cpu` called with the fields of ``bias`` (or none)."""
+        grids = (grid_h, grid_w), (initial_grid_h, initial_grid_w)
+        bias = GaussianBias(sigma, alpha, grids[0], num_prefix_tokens, grids[1])
+    if entmax:
+        return entmax15_attention(q, k, v, scale, bias)
     if bias is None:
-        return entmax15_attention_cpu(q, k, v, None, None, float(scale), 0, 0, 0, 0, 0)
+        raise ValueError("vitattn::blocked_attention_cpu: softmax needs sigma and alpha (a Gaussian bias)")
+    return gaussian_softmax_attention(q, k, v, scale, bias)
+
+
+@blocked_attention_cpu.register_fake
+def _blocked_attention_cpu_fake(
+    q, k, v, sigma, alpha, scale, grid_h, grid_w, num_prefix_tokens, initial_grid_h, initial_grid_w, entmax
+):  # fmt: skip
+    b, h, n, _ = q.shape
+    if entmax:
+        return q.new_empty(b, h, n, v.shape[-1], dtype=v.dtype)
+    return q.new_empty(b, n, h, v.shape[-1], dtype=v.dtype).transpose(1, 2)
+
+
+def blocked_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: GaussianBias | None, entmax: bool
+) -> torch.Tensor:
+    """:func:`blocked_attention_cpu` called with the fields of ``bias`` (or none)."""
+    if bias is None:
+        return blocked_attention_cpu(q, k, v, None, None, float(scale), 0, 0, 0, 0, 0, entmax)
     (gh, gw), (ih, iw) = bias.grid_size, bias.initial_grid_size  # type: ignore[misc]
-    return entmax15_attention_cpu(
-        q, k, v, bias.sigma, bias.alpha, float(scale), gh, gw, bias.num_prefix_tokens, ih, iw
-    )
+    p = bias.num_prefix_tokens
+    return blocked_attention_cpu(q, k, v, bias.sigma, bias.alpha, float(scale), gh, gw, p, ih, iw, entmax)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .blocked import gaussian_softmax_attention, gaussian_softmax_attention_train
 from .blocked_entmax import entmax15_attention
-from .blocked_ops import entmax15_attention_op, gaussian_attention_op, gaussian_attention_train_op
+from .blocked_ops import blocked_attention_op, gaussian_attention_train_op
 from .dispatch import AttentionCall, autocast_dtype, register_backend
 from .gaussian import GaussianBias
 from .normalize import normalize
@@ -112,9 +112,9 @@ class TorchBackend:
         if call.normalizer == "softmax" and not call.return_weights:
             if _blocked_gaussian_applies(call):
                 assert isinstance(call.bias, GaussianBias)
-                compiled = torch.compiler.is_compiling()  # then as a custom op: no buffers in the graph
-                blocked = gaussian_attention_op if compiled else gaussian_softmax_attention
-                return blocked(call.q, call.k, call.v, call.scale, call.bias), None
+                if torch.compiler.is_compiling():  # as a custom op: no per-thread buffers in the graph
+                    return blocked_attention_op(call.q, call.k, call.v, call.scale, call.bias, False), None
+                return gaussian_softmax_attention(call.q, call.k, call.v, call.scale, call.bias), None
             if _fused_gaussian_training_applies(call):
                 assert isinstance(call.bias, GaussianBias)
                 compiled = torch.compiler.is_compiling()
@@ -123,8 +123,9 @@ class TorchBackend:
             return self._sdpa(call), None
         if _blocked_entmax_applies(call):
             bias = call.bias if isinstance(call.bias, GaussianBias) else None
-            blocked = entmax15_attention_op if torch.compiler.is_compiling() else entmax15_attention
-            return blocked(call.q, call.k, call.v, call.scale, bias), None
+            if torch.compiler.is_compiling():
+                return blocked_attention_op(call.q, call.k, call.v, call.scale, bias, True), None
+            return entmax15_attention(call.q, call.k, call.v, call.scale, bias), None
         scores = scores_of(call)
         probs = normalize(scores, call.normalizer, masked=call.mask is not None)
         weights = probs
