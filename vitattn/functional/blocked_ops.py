@@ -1,6 +1,7 @@
-"""The CPU row-blocked Gaussian attention as ``torch.library`` custom ops, for ``torch.compile``.
+"""The CPU row-blocked attention paths (:mod:`.blocked`, :mod:`.blocked_entmax`) as ``torch.library``
+custom ops, for ``torch.compile``.
 
-Traced by dynamo, the functions of :mod:`.blocked` would be inlined into the graph, and their
+Traced by dynamo, those functions would be inlined into the graph, and their
 per-thread block buffers do not belong in a graph; without these ops a compiled model took the
 dense-bias path instead (compiled LocAtViT-Tiny at 448 px: inference 1.82-1.84x compiled timm
 ViT-Tiny, against 1.06-1.08x with the op; a training step 1.22-1.23x against 1.11-1.12x; see
@@ -32,7 +33,8 @@ __all__ = [
 
 def _layout(grid_h: int, grid_w: int, num_prefix_tokens: int, like: torch.Tensor) -> GaussianBias:
     """A bias describing only the token layout (zero σ, α of one batch entry and head), which is all
-    the block views of :mod:`.blocked` read; the factors come separately."""
+    the block views of :mod:`.blocked` read; the training ops get the factors instead of σ and α, so
+    that their gradient to σ and α stays in the traced graph."""
     np_ = grid_h * grid_w
     zeros = like.new_zeros(1, 1, np_, 3)
     return GaussianBias(zeros[..., :2], zeros[..., 2:], (grid_h, grid_w), num_prefix_tokens)
