@@ -8,9 +8,9 @@ matplotlib, progress bars tqdm and the digits data scikit-learn (the ``study`` e
 loaded from a checkpoint.
 """
 
+from ..models.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
 from .checkpoint import load_checkpoint, read_state_dict
 from .data import InputSpec, digits_images, image_folder_batches, input_spec
-from .layout import model_grid_size, model_num_prefix_tokens, resolve_layout
 from .maps import attention_maps, record_attention, resolve_layers, timm_attention_probs
 from .metrics import attention_entropy, grid_diagonal, grid_distances, mean_attention_distance
 from .model import build_model

@@ -80,11 +80,11 @@ def run_analyze(args: argparse.Namespace) -> int:
     import torch
 
     from ..analysis.data import digits_images, image_folder_batches, input_spec
-    from ..analysis.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
     from ..analysis.maps import attention_maps
     from ..analysis.model import build_model
     from ..analysis.plots import plot_locality_plane, plot_mad_per_layer, plot_query_attention
     from ..analysis.report import LocalityReport, locality_report
+    from ..models.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
