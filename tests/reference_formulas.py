@@ -40,8 +40,9 @@ def plain_attention(q, k, v, normalizer, scale=None, mask=None, bias=None):
         p = entmax_pkg.entmax15(s, dim=-1)
     elif normalizer == "sparsemax":
         p = entmax_pkg.sparsemax(s, dim=-1)
-    else:
-        p = entmax_pkg.entmax_bisect(s, alpha=float(normalizer), dim=-1, n_iter=200)
+    else:  # a float alpha, or a tensor of them broadcastable to (B, H, Nq, 1)
+        alpha = normalizer.double() if isinstance(normalizer, torch.Tensor) else float(normalizer)
+        p = entmax_pkg.entmax_bisect(s, alpha=alpha, dim=-1, n_iter=200)
     return p @ v, p
 
 
@@ -72,3 +73,30 @@ def naive_rotary(x, rope, half=False):
     else:
         turned = torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).reshape(x.shape)
     return x * cos + turned * sin
+
+
+def naive_window_keep(grid, window, dilation, prefix):
+    """The (N, N) bool keep-mask of neighbourhood attention, straight from its definition: per axis, a
+    query's window is, among the runs of ``k`` consecutive positions of its own dilated sub-grid (the
+    whole sub-grid when it is shorter), the one containing the query whose centre position
+    (``start + k // 2``) is nearest to the query. Prefix rows and columns are all True."""
+
+    def axis_window(size, k, d, i):
+        sub = list(range(i % d, size, d))  # the query's sub-grid
+        runs = [sub[s : s + k] for s in range(max(len(sub) - k, 0) + 1)]
+        runs = [run for run in runs if i in run]
+        return min(runs, key=lambda run: abs(sub.index(run[0]) + k // 2 - sub.index(i)))
+
+    gh, gw = grid
+    n = prefix + gh * gw
+    keep = torch.ones(n, n, dtype=torch.bool)
+    for qi in range(gh):
+        for qj in range(gw):
+            rows = axis_window(gh, window[0], dilation[0], qi)
+            cols = axis_window(gw, window[1], dilation[1], qj)
+            row = torch.zeros(gh, gw, dtype=torch.bool)
+            for a in rows:
+                for b in cols:
+                    row[a, b] = True
+            keep[prefix + qi * gw + qj, prefix:] = row.flatten()
+    return keep

@@ -1,7 +1,8 @@
 """Every pure-PyTorch backend against the ``reference`` backend, and the reference against the plain formula
-with the `entmax` package's normalizers: drawn shapes, masks, biases and normalizers in float64, values
-and gradients; then edge inputs: empty batch, heads or sequence, NaN / inf in some rows, non-contiguous
-and expanded (stride-0) operands, broadcast σ / α.
+with the `entmax` package's normalizers: drawn shapes, masks (windows included), biases and normalizers
+(a tensor of per-head alphas included) in float64, values and gradients; then edge inputs: empty batch,
+heads or sequence, NaN / inf in some rows, non-contiguous and expanded (stride-0) operands, broadcast
+σ / α.
 
 (The Triton backend is tested against the reference in tests/test_kernels*.py, in the interpreter.)
 """
@@ -13,12 +14,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vitattn.functional import GaussianBias, attention, explain
+from vitattn.functional import GaussianBias, WindowMask, attention, explain
 
-from .reference_formulas import naive_gaug_bias, plain_attention
+from .reference_formulas import naive_gaug_bias, naive_window_keep, plain_attention
 
 TORCH_BACKENDS = ("cpu_blocked", "sdpa", "reference")
 NORMALIZERS = ("softmax", "entmax15", "sparsemax", 1.3)
+ALPHA_TENSOR = "alpha tensor"  # drawn as a tensor of per-head alphas
 
 
 def _leaves(call: dict) -> list[torch.Tensor]:
@@ -29,8 +31,11 @@ def _leaves(call: dict) -> list[torch.Tensor]:
         out += [bias.sigma, bias.alpha]
     elif bias is not None:
         out.append(bias)
-    if call.get("mask") is not None and call["mask"].is_floating_point():
-        out.append(call["mask"])
+    mask = call.get("mask")
+    if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+        out.append(mask)
+    if isinstance(call.get("normalizer"), torch.Tensor):
+        out.append(call["normalizer"])
     return out
 
 
@@ -49,8 +54,11 @@ def _fresh(call: dict) -> dict:
         )
     elif bias is not None:
         out["bias"] = leaf(bias)
-    if call.get("mask") is not None:
-        out["mask"] = leaf(call["mask"]) if call["mask"].is_floating_point() else call["mask"]
+    mask = call.get("mask")
+    if isinstance(mask, torch.Tensor):
+        out["mask"] = leaf(mask) if mask.is_floating_point() else mask
+    if isinstance(call.get("normalizer"), torch.Tensor):
+        out["normalizer"] = leaf(call["normalizer"])
     return out
 
 
@@ -68,15 +76,17 @@ def _run(call: dict, backend: str, grad_seed: int = 0) -> tuple[torch.Tensor, li
 
 
 @st.composite
-def calls(draw, normalizers=NORMALIZERS):
-    """A drawn float64 attention call: shapes (with Nq != Nk where no Gaussian bias), a normalizer, no
-    mask / a bool keep-mask / an additive mask (broadcast shapes, never a fully masked row), no bias /
-    a dense bias / a Gaussian bias (σ, α broadcast over B or H, a resolution change)."""
+def calls(draw, normalizers=NORMALIZERS + (ALPHA_TENSOR,)):
+    """A drawn float64 attention call: shapes (with Nq != Nk where no grid layout), a normalizer (or a
+    tensor of per-head alphas), no mask / a bool keep-mask / an additive mask (broadcast shapes, never a
+    fully masked row) / a window, no bias / a dense bias / a Gaussian bias (σ, α broadcast over B or H,
+    a resolution change)."""
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     b, h = draw(st.integers(1, 2)), draw(st.integers(1, 3))
     d, dv = draw(st.sampled_from([1, 4, 8])), draw(st.sampled_from([1, 5]))
     bias_kind = draw(st.sampled_from(["none", "dense", "gaussian"]))
-    if bias_kind == "gaussian":
+    mask_kind = draw(st.sampled_from(["none", "none", "bool", "float", "window"]))
+    if bias_kind == "gaussian" or mask_kind == "window":  # a token layout: prefix + grid
         gh, gw, prefix = draw(st.integers(1, 4)), draw(st.integers(1, 4)), draw(st.sampled_from([0, 1, 3]))
         nq = nk = prefix + gh * gw
     else:
@@ -84,7 +94,11 @@ def calls(draw, normalizers=NORMALIZERS):
     mag = draw(st.sampled_from([0.5, 2.0]))
     q, k = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64) * mag for n in (nq, nk))
     v = torch.randn(b, h, nk, dv, generator=g, dtype=torch.float64)
-    call: dict = {"q": q, "k": k, "v": v, "normalizer": draw(st.sampled_from(normalizers))}
+    normalizer = draw(st.sampled_from(normalizers))
+    if normalizer == ALPHA_TENSOR:  # one alpha per head, (H,) or (1, H, 1, 1)
+        shape = draw(st.sampled_from([(h,), (1, h, 1, 1)]))
+        normalizer = 1.1 + 0.8 * torch.rand(shape, generator=g, dtype=torch.float64)
+    call: dict = {"q": q, "k": k, "v": v, "normalizer": normalizer}
     call["scale"] = draw(st.sampled_from([None, 0.3]))
     if bias_kind == "dense":
         shape = draw(st.sampled_from([(b, h, nq, nk), (1, 1, nq, nk), (h, 1, nk), (nq, nk)]))
@@ -95,8 +109,10 @@ def calls(draw, normalizers=NORMALIZERS):
         alpha = torch.rand(sb, sh, gh * gw, 1, generator=g, dtype=torch.float64) * 3
         initial = draw(st.sampled_from([(gh, gw), (gh + 2, gw + 1)]))
         call["bias"] = GaussianBias(sigma, alpha, (gh, gw), prefix, initial)
-    mask_kind = draw(st.sampled_from(["none", "none", "bool", "float"]))
-    if mask_kind != "none":
+    if mask_kind == "window":
+        window = (draw(st.integers(1, 4)), draw(st.integers(1, 4)))
+        call["mask"] = WindowMask((gh, gw), window, prefix, draw(st.sampled_from([1, 2])))
+    elif mask_kind != "none":
         shape = draw(st.sampled_from([(b, h, nq, nk), (b, 1, 1, nk), (nq, nk)]))
         keep = torch.rand(shape, generator=g) > 0.4
         keep[..., 0] = True  # no fully masked row here (tests below cover those)
@@ -114,9 +130,13 @@ def _formula(call: dict) -> torch.Tensor:
         bias = naive_gaug_bias(
             bias.sigma, bias.alpha, bias.grid_size, bias.num_prefix_tokens, bias.initial_grid_size
         )
-    out, _ = plain_attention(
-        call["q"], call["k"], call["v"], call["normalizer"], call.get("scale"), call.get("mask"), bias
-    )
+    mask = call.get("mask")
+    if isinstance(mask, WindowMask):
+        mask = naive_window_keep(mask.grid_size, mask.window, mask.dilation, mask.num_prefix_tokens)
+    normalizer = call["normalizer"]
+    if isinstance(normalizer, torch.Tensor) and normalizer.dim() == 1:
+        normalizer = normalizer.view(1, -1, 1, 1)
+    out, _ = plain_attention(call["q"], call["k"], call["v"], normalizer, call.get("scale"), mask, bias)
     return out
 
 
@@ -125,7 +145,8 @@ def _formula(call: dict) -> torch.Tensor:
 def test_reference_is_the_plain_formula(call):
     got = attention(**call, backend="reference")
     want = _formula(call)
-    atol = 2e-7 if call["normalizer"] == 1.3 else 1e-10  # the package bisects alpha-entmax to ~1e-8
+    bisected = isinstance(call["normalizer"], torch.Tensor) or call["normalizer"] == 1.3
+    atol = 2e-7 if bisected else 1e-10  # the package bisects alpha-entmax to ~1e-8
     torch.testing.assert_close(got, want, atol=atol, rtol=0)
 
 
@@ -157,6 +178,11 @@ def test_each_backend_takes_the_calls_it_is_for():
     assert explain(q, q, q).chosen == "sdpa"
     assert explain(q, q, q, bias=gb, mask=torch.ones(17, 17, dtype=torch.bool)).chosen == "sdpa"
     assert explain(q, q, q, normalizer="sparsemax").chosen == "reference"
+    window = WindowMask((4, 4), 3, 1)
+    assert explain(q, q, q, bias=gb, mask=window).chosen == "cpu_blocked"
+    assert explain(q, q, q, normalizer="entmax15", mask=window).chosen == "cpu_blocked"
+    assert explain(q, q, q, mask=window).chosen == "sdpa"
+    assert explain(q, q, q, normalizer=torch.full((3,), 1.5)).chosen == "reference"
 
 
 # ---- edge inputs --------------------------------------------------------------------------------------

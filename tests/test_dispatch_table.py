@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from vitattn.functional import GaussianBias, explain, make_call
+from vitattn.functional import GaussianBias, WindowMask, explain, make_call
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "functional.md"
 HEADING = "#### Which backend runs a call"
@@ -56,15 +56,21 @@ def _call(row: dict[str, str], grad: bool, compiling: bool):
         sigma = torch.rand(b, 3, 9, 2, device=device, requires_grad=grad)
         alpha = torch.rand(b, 3, 9, 1, device=device, requires_grad=grad)
         bias = GaussianBias(sigma, alpha, grid, prefix)
-    mask = None
+    mask: torch.Tensor | WindowMask | None = None
     if row["mask"] == "bool":
         mask = torch.ones(b, 1, 1, n, dtype=torch.bool, device=device)
     elif row["mask"] == "float":
         mask = torch.zeros(n, n, device=device, dtype=dtype)
-    normalizer = row["normalizer"]
+    elif row["mask"] == "window":
+        mask = WindowMask(grid, 2, prefix)
+    normalizer: object = row["normalizer"]
+    if normalizer == "alpha tensor":  # one learnable alpha per head
+        normalizer = torch.full((3,), 1.3, device=device, requires_grad=grad)
+    elif normalizer[0].isdigit():  # type: ignore[index]
+        normalizer = float(normalizer)  # type: ignore[arg-type]
     call = make_call(
         q, k, v,
-        normalizer=float(normalizer) if normalizer[0].isdigit() else normalizer,  # type: ignore[arg-type]
+        normalizer=normalizer,  # type: ignore[arg-type]
         mask=mask, bias=bias, return_weights=other == "weights", dropout_p=0.1 if other == "dropout" else 0.0,
     )  # fmt: skip
     assert call.needs_grad == grad

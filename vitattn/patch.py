@@ -7,13 +7,13 @@ each ``attention=`` name becomes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 from torch import nn
 
-from .functional.normalize import Normalizer, resolve_normalizer
-from .layers import PRR, Attention, EntmaxAttention, LocAtAttention
+from .layers import PRR, Attention, EntmaxAttention, LocAtAttention, NeighborhoodAttention
+from .layers.adaptive import LayerNormalizer, resolve_layer_normalizer
 from .layers.prr import PRRPool, PRRPoolNHWC  # re-exported: their home was here
 from .models._grid import attach_grid_sync
 from .models._locat_common import EVA, SWIN, VIT, Family, prr_heads
@@ -28,8 +28,10 @@ _LAYERS: dict[str, type[Attention]] = {
     "softmax": Attention,
     "entmax15": EntmaxAttention,
     "locat": LocAtAttention,
+    "window": NeighborhoodAttention,
 }
-_DEFAULT_NORMALIZER = {"softmax": "softmax", "entmax15": "entmax15", "locat": "softmax"}
+_DEFAULT_NORMALIZER = {"softmax": "softmax", "entmax15": "entmax15", "locat": "softmax", "window": "softmax"}
+_DEFAULT_WINDOW = 7
 # The rotary family comes first: vitattn's rotary layers are Attention subclasses too.
 _FAMILIES = (EVA, VIT)
 
@@ -85,10 +87,10 @@ def _attention_name(attention: object) -> str:
     return attention
 
 
-def _layer_normalizer(attention: str, normalizer: Normalizer | None) -> str | float:
+def _layer_normalizer(attention: str, normalizer: LayerNormalizer | None) -> str | float:
     if normalizer is None:
         return _DEFAULT_NORMALIZER[attention]
-    resolved = resolve_normalizer(normalizer)
+    resolved = resolve_layer_normalizer(normalizer)
     if attention == "entmax15" and resolved != "entmax15":
         raise ValueError(
             f"attention='entmax15' is entmax-1.5 attention, so normalizer={normalizer!r} contradicts it; "
@@ -154,12 +156,28 @@ def _add_prr_swin(model: nn.Module, slots: list[tuple[str, nn.Module]]) -> None:
     head.global_pool = PRRPoolNHWC(layer, pool)  # type: ignore[union-attr]
 
 
+def _window_options(name: str, window: object, dilation: object, swin: bool) -> dict[str, object]:
+    """The layers' ``window`` / ``dilation`` arguments: ``attention="window"`` (default window 7) or
+    ``"locat"`` with a window; ``ValueError`` for a window elsewhere (other layers, a Swin)."""
+    if window is None and name != "window":
+        if dilation != 1:
+            raise ValueError(f"dilation={dilation!r} needs a window (attention='window', or window=...)")
+        return {}
+    if name not in ("window", "locat") or swin:
+        where = "a Swin (its attention is already windowed)" if swin else f"attention={name!r}"
+        raise ValueError(f"window={window!r} is for attention='window' or 'locat' (ViT, Eva), not {where}")
+    return {"window": _DEFAULT_WINDOW if window is None else window, "dilation": dilation}
+
+
 def patch(
     model: nn.Module,
-    attention: Literal["softmax", "entmax15", "locat"] | type[Attention] = "softmax",
+    attention: Literal["softmax", "entmax15", "locat", "window"] | type[Attention] = "softmax",
     prr: bool = False,
     blocks: int | Iterable[int] | None = None,
-    normalizer: Normalizer | None = None,
+    normalizer: LayerNormalizer | None = None,
+    *,
+    window: int | Sequence[int] | None = None,
+    dilation: int | Sequence[int] = 1,
 ) -> nn.Module:
     """Swap the attention of a timm ``VisionTransformer``, ``Eva`` or ``SwinTransformer`` in place; return it.
 
@@ -172,16 +190,23 @@ def patch(
             ``gaug`` heads initialised as in a fresh LocAt model). In an Eva, GAug reads q before the
             rotary embedding and biases the scores of the rotated q, k; in a Swin, the bias is per
             window (grid = window, no prefix tokens), added to the relative-position bias and shift mask.
+            ``"window"``: neighbourhood attention (:class:`NeighborhoodAttention`, ViT only): each patch
+            query sees a ``window x window`` neighbourhood of patches, class / register tokens stay
+            global.
         prr: also refine the final tokens with PRR before the model's pooling and head (in a Swin:
             all positions of the last stage's NHWC output, before the head's pooling).
         blocks: indices of the blocks to patch (negative ones count from the end); all by default.
             A Swin's blocks are numbered stage by stage (``layers[0].blocks[0]`` is 0).
         normalizer: the attention normalizer of the patched blocks (``"softmax"``, ``"entmax15"``,
-            ``"sparsemax"`` or a float alpha > 1). ``None`` (default) keeps each attention's own:
-            softmax for ``"softmax"`` and ``"locat"``, entmax-1.5 for ``"entmax15"``. So
+            ``"sparsemax"``, a float alpha > 1, or ``"adaptive"``: one learnable alpha per head, from
+            1.5). ``None`` (default) keeps each attention's own: softmax for ``"softmax"``,
+            ``"locat"`` and ``"window"``, entmax-1.5 for ``"entmax15"``. So
             ``attention="locat", normalizer="entmax15"`` is GAug-biased entmax-1.5 attention, as in
             ``LocAtViT(normalizer="entmax15")``, and ``attention="softmax", normalizer=1.25`` is
             unbiased 1.25-entmax.
+        window: the neighbourhood in patches (int or (rows, columns)) of ``attention="window"``
+            (default 7), or a hard window around LocAt's Gaussian bias with ``attention="locat"``.
+        dilation: the window's dilation (int or (rows, columns), default 1).
 
     qkv / proj / norm weights (and a Swin's relative-position tables) are kept: the same parameters
     move into the new layers. Class and register tokens and ``dynamic_img_size`` are handled: the
@@ -197,6 +222,7 @@ def patch(
     slots, swin = _attention_slots(model)
     name = _attention_name(attention)
     layer_normalizer = _layer_normalizer(name, normalizer)
+    windowed = _window_options(name, window, dilation, swin)
     all_blocks = [block for _, block in slots]
     indices = _block_indices(blocks, len(all_blocks))
     families = {}
@@ -204,12 +230,15 @@ def patch(
         family = _family(getattr(all_blocks[i], "attn", None), swin)
         if family is None:
             raise _unsupported_attention(slots[i][0], getattr(all_blocks[i], "attn", None))
+        if name not in family.layers:
+            raise ValueError(f"attention={name!r} is not available for {family.name} ({slots[i][0]})")
         families[i] = family
-    extra: dict[str, object] = {"normalizer": layer_normalizer}
-    if name == "locat" and not swin:  # a Swin's GAug grid is each layer's window
+    extra: dict[str, object] = {"normalizer": layer_normalizer, **windowed}
+    grid_layers = name in ("locat", "window") and not swin
+    if grid_layers:  # a Swin's GAug grid is each layer's window
         patch_drop = getattr(model, "patch_drop", None)
         if getattr(patch_drop, "prob", 0.0):
-            raise ValueError("attention='locat' needs every patch token: this model uses patch dropout")
+            raise ValueError(f"attention={name!r} needs every patch token: this model uses patch dropout")
         grid = tuple(int(g) for g in model.patch_embed.grid_size)  # type: ignore[union-attr]
         extra.update(grid_size=grid, num_prefix_tokens=int(getattr(model, "num_prefix_tokens", 0)))
     for i in indices:
@@ -218,7 +247,7 @@ def patch(
         if name == "locat" and isinstance(old, LocAtAttention) and old.initial_grid_size is not None:
             new.set_grid(extra["grid_size"], initial_grid_size=old.initial_grid_size)  # type: ignore[operator]
         all_blocks[i].attn = new
-    if name == "locat" and not swin:
+    if grid_layers:
         attach_grid_sync(model)
     if prr:
         _add_prr_swin(model, slots) if swin else _add_prr(model)

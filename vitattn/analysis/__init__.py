@@ -14,8 +14,8 @@ from .data import InputSpec, digits_images, image_folder_batches, input_spec
 from .maps import attention_maps, record_attention, resolve_layers, timm_attention_probs
 from .metrics import attention_entropy, grid_diagonal, grid_distances, mean_attention_distance
 from .model import build_model
-from .plots import plot_locality_plane, plot_mad_per_layer, plot_query_attention
-from .report import LocalityReport, ReportDiff, locality_report
+from .plots import plot_alpha_per_layer, plot_locality_plane, plot_mad_per_layer, plot_query_attention
+from .report import LocalityReport, ReportDiff, head_alphas, locality_report
 
 __all__ = [
     "InputSpec",
@@ -27,6 +27,7 @@ __all__ = [
     "digits_images",
     "grid_diagonal",
     "grid_distances",
+    "head_alphas",
     "image_folder_batches",
     "input_spec",
     "load_checkpoint",
@@ -34,6 +35,7 @@ __all__ = [
     "mean_attention_distance",
     "model_grid_size",
     "model_num_prefix_tokens",
+    "plot_alpha_per_layer",
     "plot_locality_plane",
     "plot_mad_per_layer",
     "plot_query_attention",

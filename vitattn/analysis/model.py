@@ -18,11 +18,11 @@ __all__ = ["build_model"]
 def build_model(
     name: str,
     model_args: dict[str, Any] | None = None,
-    attention: Literal["softmax", "entmax15", "locat"] | None = None,
+    attention: Literal["softmax", "entmax15", "locat", "window"] | None = None,
     checkpoint: str | Path | None = None,
 ) -> nn.Module:
     """A timm model (vitattn's ``locatvit_*`` included) with random init, optionally patched with
-    vitattn attention (``attention``: softmax / entmax15 / locat) and loaded from ``checkpoint``,
+    vitattn attention (``attention``: softmax / entmax15 / locat / window) and loaded from ``checkpoint``,
     in eval mode.
 
     ``model_args`` go to ``timm.create_model``. Raises ``ValueError`` for a name timm does not know.

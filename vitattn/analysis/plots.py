@@ -3,6 +3,7 @@
 - :func:`plot_locality_plane`: one point per head in the (MAD, entropy) plane, coloured by depth.
 - :func:`plot_mad_per_layer`: MAD (and entropy) per layer, mean over heads with the head spread.
 - :func:`plot_query_attention`: where one query patch looks, per head, over the input image.
+- :func:`plot_alpha_per_layer`: the alpha-entmax alpha each head learned, per layer.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .report import LocalityReport
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["plot_locality_plane", "plot_mad_per_layer", "plot_query_attention"]
+__all__ = ["plot_alpha_per_layer", "plot_locality_plane", "plot_mad_per_layer", "plot_query_attention"]
 
 _MARKERS = "o^sDvP*X"
 Reports = LocalityReport | Mapping[str, LocalityReport] | Sequence[LocalityReport]
@@ -174,6 +175,49 @@ def plot_mad_per_layer(
     axes[0].legend(fontsize=8)
     fig.suptitle(title or "Locality per layer (line: mean over heads, band: min–max)")
     return save_figure(fig, path)
+
+
+def plot_alpha_per_layer(
+    reports: Reports, path: str | Path | None = None, title: str | None = None
+) -> Figure:
+    """The alpha of every head per layer (dots, heads side by side) and its mean over heads (line), for
+    the reports that hold alphas (:attr:`LocalityReport.alpha`, learned with ``normalizer="adaptive"``);
+    dashed lines mark softmax (1), entmax-1.5 (1.5) and sparsemax (2).
+
+    Raises ``ValueError`` when no report holds alphas.
+    """
+    from matplotlib.ticker import MaxNLocator
+
+    named = {name: rep for name, rep in _named(reports).items() if rep.alpha}
+    if not named:
+        raise ValueError("no report holds alphas (no reported layer learns them: normalizer='adaptive')")
+    fig = new_figure(figsize=(5.6, 4.0))
+    ax = fig.subplots()
+    for alpha, label in ((1.0, "softmax"), (1.5, "entmax-1.5"), (2.0, "sparsemax")):
+        ax.axhline(alpha, color="0.6", ls="--", lw=0.8)
+        ax.text(
+            0.995, alpha, label, transform=ax.get_yaxis_transform(), va="bottom", ha="right", fontsize=7
+        )
+    for k, (name, rep) in enumerate(named.items()):
+        color = f"C{k}"
+        means = [_nan_mean(row) for row in rep.alpha]
+        ax.plot(rep.layers, means, marker=_MARKERS[k % len(_MARKERS)], color=color, label=name)
+        for layer, row in zip(rep.layers, rep.alpha, strict=True):
+            spread = [0.25 * (h - (len(row) - 1) / 2) / max(len(row), 1) for h in range(len(row))]
+            ax.scatter([layer + d for d in spread], row, s=12, color=color, alpha=0.7, zorder=3)
+    ax.set_ylim(0.95, 2.05)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("layer (block index)")
+    ax.set_ylabel("alpha-entmax alpha")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(title or "Learned alpha per head (line: mean over heads)")
+    return save_figure(fig, path)
+
+
+def _nan_mean(values: Sequence[float]) -> float:
+    ok = [v for v in values if not math.isnan(v)]
+    return sum(ok) / len(ok) if ok else math.nan
 
 
 def _query_index(

@@ -1,4 +1,5 @@
-"""Locality report: per layer and head MAD and entropy of a ViT, averaged over images."""
+"""Locality report: per layer and head MAD and entropy of a ViT, averaged over images (and the alpha-entmax
+alpha of each head, when some layer learns it)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..models.blocks import model_blocks
 from ..models.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
 from .maps import evaluating, record_attention
 from .metrics import attention_entropy, grid_diagonal, mean_attention_distance
 
-__all__ = ["LocalityReport", "ReportDiff", "iter_image_batches", "locality_report"]
+__all__ = ["LocalityReport", "ReportDiff", "head_alphas", "iter_image_batches", "locality_report"]
 
 
 def _nan_stats(values: Sequence[float]) -> tuple[float, float, float]:
@@ -53,8 +55,10 @@ class LocalityReport:
     entropy over ``log(patches)``, both in ``[0, 1]`` (NaN for a head that never put mass on a
     patch). ``sparsity[l][h]`` is the fraction of exact zeros in the head's whole attention matrix
     (every query and key, prefix tokens included): 0 for softmax, large for entmax-1.5; empty when
-    the report was read from a file that predates it. ``grid_size`` is None when the images came in
-    several sizes.
+    the report was read from a file that predates it. ``alpha[l][h]`` is the head's alpha-entmax alpha
+    (learned by an ``"adaptive"`` layer; softmax 1, entmax-1.5 1.5, sparsemax 2 for the others; NaN
+    where a layer's normalizer is unknown), given when at least one reported layer learns its alphas,
+    else empty. ``grid_size`` is None when the images came in several sizes.
     """
 
     layers: list[int]
@@ -66,6 +70,7 @@ class LocalityReport:
     model: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     sparsity: list[list[float]] = field(default_factory=list)
+    alpha: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not (len(self.layers) == len(self.mad) == len(self.entropy)):
@@ -78,6 +83,8 @@ class LocalityReport:
                 raise ValueError(f"layer {layer}: {len(m)} MAD values but {len(e)} entropy values")
         if self.sparsity and [len(s) for s in self.sparsity] != [len(m) for m in self.mad]:
             raise ValueError("sparsity must have one value per head of every layer, or be empty")
+        if self.alpha and [len(a) for a in self.alpha] != [len(m) for m in self.mad]:
+            raise ValueError("alpha must have one value per head of every layer, or be empty")
 
     def layer_summary(self) -> list[dict[str, float]]:
         """One dict per layer: heads, MAD mean/min/max and entropy mean/min/max over heads."""
@@ -128,6 +135,10 @@ class LocalityReport:
                 f"{_fmt(r['mad_max'])} {_fmt(r['entropy_mean'])}"
             )
         lines.append("MAD: mean attention distance / grid diagonal; entropy: mean over heads, / log(patches)")
+        if self.alpha:
+            lines.append("alpha-entmax alpha per head (1 = softmax, 1.5 = entmax-1.5, 2 = sparsemax):")
+            for layer, row in zip(self.layers, self.alpha, strict=True):
+                lines.append(f"{layer:>5} " + " ".join(_fmt(a, width=6) for a in row))
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -142,6 +153,7 @@ class LocalityReport:
             num_images=self.num_images,
             meta=dict(self.meta),
             sparsity=_plain(self.sparsity),
+            alpha=_plain(self.alpha),
             summary=[
                 {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
                 for r in self.layer_summary()
@@ -162,6 +174,7 @@ class LocalityReport:
             model=str(d.get("model", "")),
             meta=dict(d.get("meta") or {}),
             sparsity=_floats(d.get("sparsity") or []),
+            alpha=_floats(d.get("alpha") or []),
         )
 
     def to_json(self, path: str | Path | None = None, indent: int = 2) -> str:
@@ -312,6 +325,28 @@ class _LayerStats:
     sparsity: _HeadMean = field(default_factory=_HeadMean)
 
 
+def head_alphas(attn: nn.Module) -> tuple[list[float], bool]:
+    """``(alpha per head, whether they are learned)`` of an attention module: a vitattn layer's
+    ``head_alphas()`` (learned with ``normalizer="adaptive"``), 1 for each head of another layer with
+    ``num_heads`` (timm's softmax), else ``([], False)``."""
+    read = getattr(attn, "head_alphas", None)
+    if callable(read):
+        return [float(a) for a in read()], getattr(attn, "adaptive_alpha", None) is not None
+    heads = getattr(attn, "num_heads", None)
+    return ([1.0] * int(heads) if isinstance(heads, int) else []), False
+
+
+def _report_alphas(model: nn.Module, layers: Sequence[int], heads: Sequence[int]) -> list[list[float]]:
+    """The alphas of ``layers`` (their ``heads`` counts) when one of them learns its alphas, else ``[]``."""
+    blocks = model_blocks(model)
+    rows, learned = [], False
+    for i, count in zip(layers, heads, strict=True):
+        alphas, adaptive = head_alphas(getattr(blocks[i], "attn", nn.Identity()))
+        learned = learned or adaptive
+        rows.append(alphas if len(alphas) == count else [math.nan] * count)
+    return rows if learned else []
+
+
 def _progress(total: int | None, enabled: bool) -> Any:
     try:
         from tqdm.auto import tqdm
@@ -346,7 +381,9 @@ def locality_report(
         name: the model's name in the report (default: its class name).
 
     Images are weighted equally: per image and head, the mean over query patches, then the mean
-    over images (NaN values, heads with no patch mass in an image, are skipped).
+    over images (NaN values, heads with no patch mass in an image, are skipped). When a reported
+    block learns its alpha-entmax alphas (``normalizer="adaptive"``), the report also holds every
+    reported block's alpha per head (:attr:`LocalityReport.alpha`).
     """
     if max_images is not None and max_images < 1:
         raise ValueError(f"max_images must be >= 1 or None, got {max_images}")
@@ -394,13 +431,15 @@ def locality_report(
     if missing:
         raise RuntimeError(f"blocks {missing} did not run their attention in the model's forward")
 
+    mad = [stats[i].mad.means() for i in chosen]
     return LocalityReport(
         layers=list(chosen),
-        mad=[stats[i].mad.means() for i in chosen],
+        mad=mad,
         entropy=[stats[i].entropy.means() for i in chosen],
         sparsity=[stats[i].sparsity.means() for i in chosen],
         grid_size=next(iter(grids)) if len(grids) == 1 else None,
         num_prefix_tokens=next(iter(prefixes)) if len(prefixes) == 1 else -1,
         num_images=seen,
         model=name or type(model).__name__,
+        alpha=_report_alphas(model, chosen, [len(row) for row in mad]),
     )

@@ -24,7 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``vitattn analyze``."""
     p.add_argument("model", help="timm model name, e.g. vit_tiny_patch16_224 or locatvit_tiny")
     p.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="builder kwarg (repeatable)")
-    p.add_argument("--attention", choices=("softmax", "entmax15", "locat"), help="vitattn.patch the model")
+    p.add_argument(
+        "--attention", choices=("softmax", "entmax15", "locat", "window"), help="vitattn.patch the model"
+    )
     p.add_argument("--checkpoint", metavar="PATH", help=".safetensors or weights-only torch state dict")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--images", metavar="DIR", help="image folder (ImageFolder layout or flat)")
@@ -82,7 +84,12 @@ def run_analyze(args: argparse.Namespace) -> int:
     from ..analysis.data import digits_images, image_folder_batches, input_spec
     from ..analysis.maps import attention_maps
     from ..analysis.model import build_model
-    from ..analysis.plots import plot_locality_plane, plot_mad_per_layer, plot_query_attention
+    from ..analysis.plots import (
+        plot_alpha_per_layer,
+        plot_locality_plane,
+        plot_mad_per_layer,
+        plot_query_attention,
+    )
     from ..analysis.report import LocalityReport, locality_report
     from ..models.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
 
@@ -127,6 +134,9 @@ def run_analyze(args: argparse.Namespace) -> int:
     report.to_json(written[0])
     plot_locality_plane(reports, written[1], title=f"Attention locality per head: {args.model}")
     plot_mad_per_layer(reports, written[2])
+    if report.alpha:  # the model learns its alpha-entmax alphas
+        written.append(out / "alpha_per_layer.png")
+        plot_alpha_per_layer(reports, written[-1], title=f"Learned alpha per head: {args.model}")
     image = _first_image(args, model).to(device)
     layer = report.layers[-1] if args.map_layer is None else args.map_layer
     maps = attention_maps(model, image[None].to(next(model.parameters()).dtype), [layer])

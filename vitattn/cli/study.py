@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=ATTENTIONS,
         metavar="KIND",
-        help="softmax, entmax15 and/or locat (default: the preset's; quick: all three); several "
+        help="softmax, entmax15, locat, adaptive (alpha-entmax, one learnable alpha per head) and/or "
+        "window (5x5 neighbourhood softmax) (default: the preset's; quick: the first three); several "
         "give one run each",
     )
     p.add_argument("--prr", action="store_true", help="add PRR before the head")

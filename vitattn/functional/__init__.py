@@ -18,12 +18,14 @@ from .gaussian import GaussianBias, gaussian_clamp, gaussian_eps, gaussian_expon
 from .normalize import Normalizer, normalize
 from .prr import prr
 from .scoring import apply_mask, scores
+from .window import WindowMask, window_starts
 
 __all__ = [
     "AttentionCall",
     "Explanation",
     "GaussianBias",
     "Normalizer",
+    "WindowMask",
     "apply_mask",
     "attention",
     "available_backends",
@@ -45,4 +47,5 @@ __all__ = [
     "scores",
     "set_default_backend",
     "sparsemax",
+    "window_starts",
 ]

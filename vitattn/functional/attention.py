@@ -20,10 +20,11 @@ from .dispatch import (
     select_backend,
 )
 from .gaussian import GaussianBias
-from .normalize import Normalizer, resolve_normalizer
+from .normalize import AttentionNormalizer, alpha_tensor, resolve_normalizer
 from .reference import ReferenceBackend
 from .scoring import check_mask_and_bias
 from .sdpa import SdpaBackend
+from .window import WindowMask
 
 # The pure-PyTorch backends in "auto" order (the Triton backend is registered ahead of them by
 # vitattn.kernels), and their group name.
@@ -38,9 +39,9 @@ if TYPE_CHECKING:
 class _ScoreOptions(TypedDict, total=False):
     """The keyword arguments of :func:`attention` but ``return_weights`` and ``backend`` (its overloads)."""
 
-    normalizer: Normalizer
+    normalizer: AttentionNormalizer
     scale: float | None
-    mask: torch.Tensor | None
+    mask: torch.Tensor | WindowMask | None
     bias: torch.Tensor | GaussianBias | None
     dropout_p: float
 
@@ -55,7 +56,7 @@ def _validate(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor | None,
+    mask: torch.Tensor | WindowMask | None,
     bias: torch.Tensor | GaussianBias | None,
     dropout_p: float,
 ) -> None:
@@ -94,9 +95,9 @@ def attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    normalizer: Normalizer = "softmax",
+    normalizer: AttentionNormalizer = "softmax",
     scale: float | None = None,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | WindowMask | None = None,
     bias: torch.Tensor | GaussianBias | None = None,
     return_weights: bool = False,
     dropout_p: float = 0.0,
@@ -110,10 +111,13 @@ def attention(
         v: ``(B, H, Nk, Dv)`` values. q, k, v may have different floating dtypes: every backend casts
             them to one dtype (:func:`~vitattn.functional.dispatch.operand_dtype`): the autocast dtype
             under autocast, else their promoted dtype.
-        normalizer: ``"softmax"``, ``"entmax15"``, ``"sparsemax"`` or a float alpha > 1 (alpha-entmax).
+        normalizer: ``"softmax"``, ``"entmax15"``, ``"sparsemax"``, a float alpha > 1 (alpha-entmax),
+            or a tensor of alphas > 1 (alpha-entmax per head, differentiable in them): ``()``, ``(H,)``
+            or 4-D broadcastable to ``(B, H, Nq, 1)``.
         scale: score scale, ``D ** -0.5`` by default.
         mask: boolean keep-mask (``True`` = attend) or additive float mask, broadcastable to
-            ``(B, H, Nq, Nk)``. A query whose keys are all masked gets zero weights and a zero output.
+            ``(B, H, Nq, Nk)``, or a :class:`WindowMask` (neighbourhood attention on the patch grid).
+            A query whose keys are all masked gets zero weights and a zero output.
         bias: additive float tensor broadcastable to ``(B, H, Nq, Nk)``, or a :class:`GaussianBias`.
         return_weights: also return the ``(B, H, Nq, Nk)`` probabilities (before dropout; float32
             for half-precision inputs).
@@ -158,18 +162,26 @@ def make_call(
     mask, bias, scale = options.get("mask"), options.get("bias"), options.get("scale")
     dropout_p = float(options.get("dropout_p", 0.0))
     _validate(q, k, v, mask, bias, dropout_p)
+    window = mask if isinstance(mask, WindowMask) else None
+    tensor_mask = None if isinstance(mask, WindowMask) else mask
+    normalizer = options.get("normalizer", "softmax")
+    if isinstance(normalizer, torch.Tensor):
+        normalizer = alpha_tensor(normalizer, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+    else:
+        normalizer = resolve_normalizer(normalizer)
     return AttentionCall(
         q=q,
         k=k,
         v=v,
-        normalizer=resolve_normalizer(options.get("normalizer", "softmax")),
+        normalizer=normalizer,
         scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
-        mask=mask,
+        mask=tensor_mask,
         bias=bias,
         return_weights=bool(options.get("return_weights", False)) or bool(active_callbacks()),
         dropout_p=dropout_p,
-        needs_grad=_needs_grad(q, k, v, mask, bias),
+        needs_grad=_needs_grad(q, k, v, tensor_mask, bias, normalizer),
         compiling=torch.compiler.is_compiling(),
+        window=window,
     )
 
 
@@ -179,12 +191,13 @@ def _needs_grad(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     bias: torch.Tensor | GaussianBias | None,
+    normalizer: AttentionNormalizer,
 ) -> bool:
-    """Whether autograd records a call: grad mode on and an input (σ, α of a Gaussian bias included)
-    that requires a gradient."""
+    """Whether autograd records a call: grad mode on and an input (σ, α of a Gaussian bias and a tensor
+    normalizer included) that requires a gradient."""
     if not torch.is_grad_enabled():
         return False
-    tensors = [q, k, v, mask]
+    tensors = [q, k, v, mask, normalizer if isinstance(normalizer, torch.Tensor) else None]
     tensors += [bias.sigma, bias.alpha] if isinstance(bias, GaussianBias) else [bias]
     return any(t is not None and t.requires_grad for t in tensors)
 
@@ -195,6 +208,11 @@ def _describe(name: str, t: object) -> str:
             f"{name}: GaussianBias(grid_size={t.grid_size}, num_prefix_tokens={t.num_prefix_tokens}, "
             f"initial_grid_size={t.initial_grid_size}, sigma {shape_str(t.sigma)} {t.sigma.dtype}, "
             f"alpha {shape_str(t.alpha)} {t.alpha.dtype})"
+        )
+    if isinstance(t, WindowMask):
+        return (
+            f"{name}: WindowMask(grid_size={t.grid_size}, window={t.window}, "
+            f"num_prefix_tokens={t.num_prefix_tokens}, dilation={t.dilation})"
         )
     if isinstance(t, torch.Tensor):
         grad = ", requires_grad" if t.requires_grad else ""
@@ -281,9 +299,15 @@ def explain(
         _describe("q", call.q),
         _describe("k", call.k),
         _describe("v", call.v),
-        _describe("mask", call.mask),
+        _describe("mask", call.mask if call.window is None else call.window),
         _describe("bias", call.bias),
-        f"normalizer={call.normalizer!r}, scale={call.scale:g}, return_weights={call.return_weights}, "
-        f"dropout_p={call.dropout_p:g}, needs_grad={call.needs_grad}, compiling={call.compiling}",
     ]
+    normalizer: object = call.normalizer
+    if isinstance(normalizer, torch.Tensor):
+        out.inputs.append(_describe("normalizer (alpha)", normalizer))
+        normalizer = "alpha tensor"
+    out.inputs.append(
+        f"normalizer={normalizer!r}, scale={call.scale:g}, return_weights={call.return_weights}, "
+        f"dropout_p={call.dropout_p:g}, needs_grad={call.needs_grad}, compiling={call.compiling}"
+    )
     return out

@@ -21,6 +21,11 @@ Which backend ``"auto"`` means (first match wins):
 4. the automatic choice above.
 
 A default from 2 or 3 is treated like a named backend: a call it cannot run raises, with its reason.
+
+Optional call features (:data:`FEATURES`: a tensor of alphas as the normalizer, a
+:class:`~vitattn.functional.WindowMask`) reach only the backends that list them in their ``features``
+attribute; the dispatcher declines them for every other backend, with the feature's reason, before
+asking the backend itself. A backend written before a feature existed thus never sees it.
 Whether a call is being compiled (``torch.compile``) and whether autograd records it are decided once,
 when the call is made (:attr:`AttentionCall.compiling`, :attr:`AttentionCall.needs_grad`); backends read
 those fields instead of asking again.
@@ -38,16 +43,19 @@ from typing import Protocol, TypeVar
 import torch
 
 from .gaussian import GaussianBias
-from .normalize import Normalizer
+from .normalize import AttentionNormalizer
+from .window import WindowMask
 
 __all__ = [
     "ENV_VAR",
+    "FEATURES",
     "AttentionBackend",
     "AttentionCall",
     "autocast_dtype",
     "available_backends",
     "backend_reasons",
     "check_backend_name",
+    "declines",
     "get_default_backend",
     "operand_dtype",
     "register_backend",
@@ -92,7 +100,7 @@ class AttentionCall:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    normalizer: Normalizer  # canonical, see resolve_normalizer
+    normalizer: AttentionNormalizer  # canonical (resolve_normalizer), or a 4-D tensor of alphas
     scale: float
     mask: torch.Tensor | None  # bool keep-mask or additive float, broadcastable to (B, H, Nq, Nk)
     bias: torch.Tensor | GaussianBias | None
@@ -100,6 +108,17 @@ class AttentionCall:
     dropout_p: float
     needs_grad: bool = False
     compiling: bool = False
+    window: WindowMask | None = None  # a neighbourhood keep-mask besides ``mask``
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The optional features (:data:`FEATURES`) this call uses."""
+        out = set()
+        if isinstance(self.normalizer, torch.Tensor):
+            out.add("alpha_tensor")
+        if self.window is not None:
+            out.add("window")
+        return frozenset(out)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -125,7 +144,18 @@ def run_in_call_dtype(call: AttentionCall, fn: Callable[[AttentionCall], _R]) ->
         return fn(call)
 
 
+# The optional call features, each with the reason a backend that does not list it declines.
+FEATURES: dict[str, str] = {
+    "alpha_tensor": "a tensor normalizer (alpha-entmax with a tensor of alphas, e.g. one learnable alpha "
+    "per head): this backend computes fixed normalizers only (the reference backend runs it)",
+    "window": "a WindowMask (neighbourhood attention): this backend does not apply windows",
+}
+
+
 class AttentionBackend(Protocol):
+    """A backend. It may also list the optional call features it implements in a ``features``
+    attribute (a ``frozenset`` of :data:`FEATURES` keys; none if absent)."""
+
     name: str
 
     def unsupported(self, call: AttentionCall, explicit: bool = False) -> str | None:
@@ -214,16 +244,25 @@ def resolve_backend(backend: str) -> str:
     return get_default_backend() if backend == "auto" else backend
 
 
+def declines(backend: AttentionBackend, call: AttentionCall, explicit: bool = False) -> str | None:
+    """``None`` if ``backend`` can run ``call``, else why not: first the optional features of the call
+    the backend does not list (:data:`FEATURES`), then the backend's own ``unsupported``."""
+    missing = sorted(call.features - getattr(backend, "features", frozenset()))
+    if missing:
+        return "; ".join(FEATURES[f] for f in missing)
+    return backend.unsupported(call, explicit=explicit)
+
+
 def backend_reasons(call: AttentionCall, explicit: bool = False) -> dict[str, str | None]:
     """For each backend in ``"auto"`` order, ``None`` if it can run ``call``, or why not."""
-    return {name: _REGISTRY[name].unsupported(call, explicit=explicit) for name in _AUTO_ORDER}
+    return {name: declines(_REGISTRY[name], call, explicit) for name in _AUTO_ORDER}
 
 
 def _first_of(names: Sequence[str], call: AttentionCall, label: str) -> AttentionBackend:
     for name in names:
-        if _REGISTRY[name].unsupported(call, explicit=False) is None:
+        if declines(_REGISTRY[name], call) is None:
             return _REGISTRY[name]
-    reasons = "; ".join(f"{n}: {_REGISTRY[n].unsupported(call)}" for n in names)
+    reasons = "; ".join(f"{n}: {declines(_REGISTRY[n], call)}" for n in names)
     raise ValueError(f"no attention backend of {label} supports this call ({reasons})")
 
 
@@ -238,7 +277,7 @@ def select_backend(call: AttentionCall, backend: str) -> AttentionBackend:
         members = _GROUPS[backend]
         return _first_of([n for n in _AUTO_ORDER if n in members], call, f"the group {backend!r}")
     chosen = _REGISTRY[backend]
-    reason = chosen.unsupported(call, explicit=True)
+    reason = declines(chosen, call, explicit=True)
     if reason is not None:
         via = "" if requested == backend else f" (the default backend, see {ENV_VAR} / set_default_backend)"
         raise ValueError(f"backend={backend!r}{via} cannot run this call: {reason}")

@@ -13,6 +13,7 @@ import torch
 from ._checks import check_broadcastable, check_floating, check_rank, shape_str
 from .dtypes import compute_dtype
 from .gaussian import GaussianBias
+from .window import WindowMask
 
 __all__ = ["apply_mask", "check_qk", "check_mask_and_bias", "is_keep_mask", "scores"]
 
@@ -23,15 +24,18 @@ def is_keep_mask(mask: torch.Tensor | None) -> bool:
 
 
 def apply_mask(
-    scores: torch.Tensor | None, mask: torch.Tensor | None, dtype: torch.dtype | None = None
+    scores: torch.Tensor | None, mask: torch.Tensor | WindowMask | None, dtype: torch.dtype | None = None
 ) -> torch.Tensor | None:
     """``scores`` with ``mask`` applied: a bool keep-mask puts dropped keys at ``-inf``, a float one is added.
 
     With ``scores=None`` the result is the mask as an additive tensor in ``dtype`` (0 / ``-inf`` for a
-    bool mask), or None when there is no mask either. The result broadcasts both shapes.
+    bool mask), or None when there is no mask either. The result broadcasts both shapes. A
+    :class:`WindowMask` is its dense ``(N, N)`` bool keep-mask (on the scores' device).
     """
     if mask is None:
         return scores
+    if isinstance(mask, WindowMask):
+        mask = mask.dense(None if scores is None else scores.device)
     if scores is None:
         if dtype is None:
             raise TypeError("apply_mask needs dtype when scores is None")
@@ -66,11 +70,21 @@ def check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
 
 
 def check_mask_and_bias(
-    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | GaussianBias | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | WindowMask | None,
+    bias: torch.Tensor | GaussianBias | None,
 ) -> None:
     """``mask`` and ``bias`` fit the ``(B, H, Nq, Nk)`` scores of ``q`` and ``k`` (errors name the shapes)."""
     target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    if mask is not None:
+    if isinstance(mask, WindowMask):
+        n = mask.num_tokens
+        if q.shape[2] != n or k.shape[2] != n:
+            raise ValueError(
+                f"WindowMask describes N = {mask.num_prefix_tokens} prefix + {mask.grid_size[0]}x"
+                f"{mask.grid_size[1]} patches = {n} tokens, but q is {shape_str(q)} and k is {shape_str(k)}"
+            )
+    elif mask is not None:
         if not isinstance(mask, torch.Tensor):
             raise TypeError(f"mask must be a tensor or None, got {type(mask).__name__}")
         if mask.dtype != torch.bool and not mask.is_floating_point():
@@ -96,7 +110,7 @@ def check_mask_and_bias(
 
 
 def additive_terms(
-    bias: torch.Tensor | GaussianBias | None, mask: torch.Tensor | None, dtype: torch.dtype
+    bias: torch.Tensor | GaussianBias | None, mask: torch.Tensor | WindowMask | None, dtype: torch.dtype
 ) -> torch.Tensor | None:
     """Bias and mask folded into one additive tensor in ``dtype`` (``-inf`` where the mask drops a key)."""
     return apply_mask(dense_bias(bias, dtype), mask, dtype)
@@ -118,13 +132,18 @@ def scores_unchecked(
     k: torch.Tensor,
     scale: float,
     bias: torch.Tensor | GaussianBias | None = None,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | WindowMask | None = None,
+    window: WindowMask | None = None,
 ) -> torch.Tensor:
-    """:func:`scores` without the argument checks (for callers that validated already)."""
+    """:func:`scores` without the argument checks (for callers that validated already); ``window`` is
+    applied after ``mask`` (both keep what both keep)."""
     work = compute_dtype(q, k)
     out = scaled_products(q.to(work), k.to(work), scale)
+    if isinstance(mask, WindowMask):
+        mask = mask.dense(q.device)
     add = additive_terms(bias, mask, work)
-    return out if add is None else out + add
+    out = out if add is None else out + add
+    return out if window is None else apply_mask(out, window)  # type: ignore[return-value]
 
 
 def scores(
@@ -133,7 +152,7 @@ def scores(
     *,
     scale: float | None = None,
     bias: torch.Tensor | GaussianBias | None = None,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | WindowMask | None = None,
 ) -> torch.Tensor:
     """Attention scores ``q kᵀ · scale + bias``, with ``mask`` applied.
 
@@ -144,7 +163,8 @@ def scores(
         bias: additive float tensor broadcastable to ``(B, H, Nq, Nk)``, or a :class:`GaussianBias`
             (then ``Nq = Nk = N`` of its token layout).
         mask: boolean keep-mask (``True`` = attend; dropped keys get ``-inf``) or additive float
-            mask, broadcastable to ``(B, H, Nq, Nk)``.
+            mask, broadcastable to ``(B, H, Nq, Nk)``, or a :class:`WindowMask` (then ``Nq = Nk = N``
+            of its token layout).
 
     Returns:
         ``(B, H, Nq, Nk)`` scores in :func:`~vitattn.functional.compute_dtype` of the inputs: float32

@@ -1,6 +1,7 @@
 """The ``"sdpa"`` backend: ``torch.nn.functional.scaled_dot_product_attention`` for the calls where it
 computes what the reference computes: softmax, no returned weights, any mask or bias (a
-:class:`~vitattn.functional.GaussianBias` made dense first), dropout."""
+:class:`~vitattn.functional.GaussianBias` made dense first), a :class:`~vitattn.functional.WindowMask`
+(as its ``(N, N)`` boolean keep-mask, folded into the mask), dropout."""
 
 from __future__ import annotations
 
@@ -8,17 +9,19 @@ import torch
 import torch.nn.functional as F
 
 from .dispatch import AttentionCall, run_in_call_dtype
-from .scoring import additive_terms, is_keep_mask
+from .scoring import additive_terms, apply_mask, is_keep_mask
 
 __all__ = ["SdpaBackend"]
 
 
 def _sdpa(call: AttentionCall) -> torch.Tensor:
     mask = call.mask
+    window = None if call.window is None else call.window.dense(call.q.device)
     if call.bias is None and (mask is None or is_keep_mask(mask)):
-        attn_mask = mask  # SDPA gives a row whose keys are all dropped zeros, as the reference does
+        # SDPA gives a row whose keys are all dropped zeros, as the reference does
+        attn_mask = mask if window is None else window if mask is None else mask & window
     else:
-        attn_mask = additive_terms(call.bias, mask, call.q.dtype)
+        attn_mask = apply_mask(additive_terms(call.bias, mask, call.q.dtype), window, call.q.dtype)
     return F.scaled_dot_product_attention(
         call.q, call.k, call.v, attn_mask=attn_mask, dropout_p=call.dropout_p, scale=call.scale
     )
@@ -28,6 +31,7 @@ class SdpaBackend:
     """PyTorch's fused softmax attention (flash / memory-efficient / math kernels)."""
 
     name = "sdpa"
+    features = frozenset({"window"})
 
     def unsupported(self, call: AttentionCall, explicit: bool = False) -> str | None:
         if call.normalizer != "softmax":
@@ -39,9 +43,14 @@ class SdpaBackend:
         return None
 
     def path(self, call: AttentionCall) -> str:
+        window = call.window is not None
         if call.bias is None:
+            if window:
+                both = " and the mask" if call.mask is not None else ""
+                return f"scaled_dot_product_attention with the window as an (N, N) boolean mask{both}"
             return "scaled_dot_product_attention" + (" with the mask" if call.mask is not None else "")
-        return "scaled_dot_product_attention with the bias (and mask) as one dense additive mask"
+        fold = "bias, mask and window" if window else "bias (and mask)"
+        return f"scaled_dot_product_attention with the {fold} as one dense additive mask"
 
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         return run_in_call_dtype(call, _sdpa), None

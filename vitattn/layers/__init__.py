@@ -1,8 +1,10 @@
-"""nn.Modules, drop-ins for timm's attention: Attention, EntmaxAttention, LocAtAttention, PRR, and the
-rotary (Eva) and window (Swin) layers."""
+"""nn.Modules, drop-ins for timm's attention: Attention, EntmaxAttention, LocAtAttention, PRR, the
+neighbourhood layer, and the rotary (Eva) and window (Swin) layers."""
 
+from .adaptive import AdaptiveAlpha
 from .attention import Attention, EntmaxAttention
 from .convert import convert_attention, convertible_attention
+from .grid import GridAttention
 from .locat import GaussianAugment, LocAtAttention
 from .locat_rope import LocAtRopeAttention, RopeAttention, convert_rope_attention, convertible_rope_attention
 from .locat_window import (
@@ -11,18 +13,22 @@ from .locat_window import (
     convert_window_attention,
     convertible_window_attention,
 )
+from .neighborhood import NeighborhoodAttention
 from .prr import PRR, PRRPool, PRRPoolNHWC
 
 __all__ = [
     "PRR",
     "PRRPool",
     "PRRPoolNHWC",
+    "AdaptiveAlpha",
     "Attention",
     "EntmaxAttention",
     "GaussianAugment",
+    "GridAttention",
     "LocAtAttention",
     "LocAtRopeAttention",
     "LocAtWindowAttention",
+    "NeighborhoodAttention",
     "RopeAttention",
     "WindowAttention",
     "convert_attention",

@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from timm.layers import register_notrace_function
 from torch import nn
 
-from ..functional import GaussianBias, attention
+from ..functional import GaussianBias, WindowMask, attention
 from ..functional.dispatch import check_backend_name
-from ..functional.normalize import Normalizer, resolve_normalizer
+from ..functional.normalize import AttentionNormalizer
+from .adaptive import AdaptiveAlpha, LayerNormalizer, normalizer_alphas, resolve_layer_normalizer
 
 __all__ = ["Attention", "EntmaxAttention", "attend", "project_qkv", "resolve_attn_mask"]
 
@@ -89,12 +90,16 @@ def attend(
     attn_mask: torch.Tensor | None,
     is_causal: bool,
     bias: torch.Tensor | GaussianBias | None,
-    normalizer: Normalizer,
+    normalizer: AttentionNormalizer,
     scale: float,
     dropout_p: float,
     backend: str = "auto",
+    window: WindowMask | None = None,
 ) -> torch.Tensor:
     """The layers' attention call: timm's mask semantics, then :func:`vitattn.functional.attention`.
+
+    ``window`` (a neighbourhood layer's :class:`WindowMask`) is the call's mask; with an
+    ``attn_mask`` (or ``is_causal``) too, both are folded into one dense mask that keeps what both keep.
 
     One leaf for FX: ``torch.fx`` (timm's feature extraction, torchvision's) records it as a single
     call, since the argument checks and backend dispatch inside branch on shapes and flags. On the
@@ -103,17 +108,29 @@ def attend(
     """
     if q.device.type == "meta":
         return q.new_empty(*q.shape[:-1], v.shape[-1], dtype=v.dtype)
+    dense = resolve_attn_mask(q.shape[2], attn_mask, is_causal, q.device)
+    mask: torch.Tensor | WindowMask | None = dense
+    if window is not None:
+        mask = window if dense is None else _with_window(dense, window)
     return attention(
         q,
         k,
         v,
         normalizer=normalizer,
         scale=scale,
-        mask=resolve_attn_mask(q.shape[2], attn_mask, is_causal, q.device),
+        mask=mask,
         bias=bias,
         dropout_p=dropout_p,
         backend=backend,
     )
+
+
+def _with_window(mask: torch.Tensor, window: WindowMask) -> torch.Tensor:
+    """``mask`` (bool keep-mask or additive) and ``window`` as one dense mask of ``mask``'s kind."""
+    keep = window.dense(mask.device)
+    if mask.dtype == torch.bool:
+        return mask & keep
+    return mask.masked_fill(~keep, float("-inf"))
 
 
 torch.fx.wrap("attend")  # also a leaf for plain torch.fx / torchvision tracers without timm's registry
@@ -124,7 +141,9 @@ class Attention(nn.Module):
 
     Same constructor arguments, submodules and state-dict keys (``qkv``, ``q_norm``, ``k_norm``,
     ``norm``, ``gate``, ``proj``) as ``timm.layers.Attention``, plus ``normalizer`` (``"softmax"``,
-    ``"entmax15"``, ``"sparsemax"`` or a float alpha > 1) and ``backend`` (``"auto"`` or a name from
+    ``"entmax15"``, ``"sparsemax"``, a float alpha > 1, or ``"adaptive"``: alpha-entmax with one
+    learnable alpha per head, :class:`~vitattn.layers.adaptive.AdaptiveAlpha` in ``adaptive_alpha``,
+    starting at 1.5) and ``backend`` (``"auto"`` or a name from
     :func:`vitattn.functional.available_backends`). The attention itself is
     :func:`vitattn.functional.attention`; a layer with ``backend="auto"`` follows the global default
     (:func:`vitattn.set_default_backend`, else the ``VITATTN_BACKEND`` environment variable, else the
@@ -145,7 +164,7 @@ class Attention(nn.Module):
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
         norm_layer: Callable[..., nn.Module] | None = None,
-        normalizer: Normalizer = "softmax",
+        normalizer: LayerNormalizer = "softmax",
         backend: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -165,8 +184,9 @@ class Attention(nn.Module):
         self.head_dim = attn_head_dim
         self.attn_dim = num_heads * attn_head_dim
         self.scale = attn_head_dim**-0.5
-        self.normalizer = resolve_normalizer(normalizer)
+        self.normalizer = resolve_layer_normalizer(normalizer)
         self.backend = check_backend_name(backend)
+        self.adaptive_alpha = AdaptiveAlpha(num_heads, **dd) if self.normalizer == "adaptive" else None
 
         self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias, **dd)
         self.q_norm = make_norm(attn_head_dim, **dd) if qk_norm else nn.Identity()
@@ -181,8 +201,27 @@ class Attention(nn.Module):
         out = f"num_heads={self.num_heads}, head_dim={self.head_dim}, normalizer={self.normalizer!r}"
         return out if self.backend == "auto" else f"{out}, backend={self.backend!r}"
 
+    def attention_normalizer(self) -> AttentionNormalizer:
+        """The normalizer this layer's attention calls take: ``self.normalizer``, or for ``"adaptive"``
+        the current alphas as a ``(1, H, 1, 1)`` tensor (differentiable in the layer's parameter)."""
+        if self.adaptive_alpha is not None:
+            return self.adaptive_alpha.normalizer()
+        assert self.normalizer != "adaptive"
+        return self.normalizer
+
+    def head_alphas(self) -> list[float]:
+        """The alpha-entmax alpha of each head: learned for ``"adaptive"``; softmax 1, entmax-1.5 1.5,
+        sparsemax 2, a float alpha itself."""
+        if self.adaptive_alpha is not None:
+            return [float(a) for a in self.adaptive_alpha().detach().double()]
+        return normalizer_alphas(self.normalizer, self.num_heads)
+
     def attention_bias(self, q: torch.Tensor) -> torch.Tensor | GaussianBias | None:
         """Additive score bias from the normalized queries ``q: (B, H, N, d)``; none here."""
+        return None
+
+    def attention_window(self) -> WindowMask | None:
+        """The neighbourhood window of the layer's calls; none here."""
         return None
 
     def forward(
@@ -194,8 +233,9 @@ class Attention(nn.Module):
         dropout_p = self.attn_drop.p if self.training else 0.0
         bias = self.attention_bias(q)
         out = attend(
-            q, k, v, attn_mask, is_causal, bias, self.normalizer, self.scale, dropout_p, self.backend
-        )
+            q, k, v, attn_mask, is_causal, bias, self.attention_normalizer(), self.scale, dropout_p,
+            self.backend, self.attention_window(),
+        )  # fmt: skip
         return self.project_out(out, gate)
 
     def project_out(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
@@ -212,6 +252,6 @@ class EntmaxAttention(Attention):
     """:class:`Attention` with entmax-1.5 in place of softmax (sparse attention, no new parameters)."""
 
     def __init__(
-        self, dim: int, num_heads: int = 8, *, normalizer: Normalizer = "entmax15", **kwargs: Any
+        self, dim: int, num_heads: int = 8, *, normalizer: LayerNormalizer = "entmax15", **kwargs: Any
     ) -> None:
         super().__init__(dim, num_heads, normalizer=normalizer, **kwargs)

@@ -39,8 +39,9 @@ def new_like(old: nn.Module, cls: type[M], dim: int, **kwargs: Any) -> M:
 
 
 def finish_conversion(new: M, old: nn.Module, weight: torch.Tensor, converter: str) -> M:
-    """The last step of every converter: ``new``'s GAug heads (if it has them) kept from ``old`` when it
-    has the same kind, else fresh on ``weight``'s device and dtype; ``old``'s train / eval mode.
+    """The last step of every converter: ``new``'s GAug heads and adaptive alphas (if it has them) kept
+    from ``old`` when it has the same kind (and head count), else fresh on ``weight``'s device and dtype;
+    ``old``'s train / eval mode.
 
     Raises ``TypeError`` (naming ``converter``) when a parameter or buffer of ``new`` is still a meta
     placeholder while ``weight`` is not on the meta device.
@@ -51,6 +52,12 @@ def finish_conversion(new: M, old: nn.Module, weight: torch.Tensor, converter: s
         if not isinstance(old_gaug, type(gaug)):
             old_gaug = type(gaug)(new.head_dim, device=weight.device, dtype=weight.dtype)
         new.gaug = old_gaug
+    adaptive: nn.Module | None = getattr(new, "adaptive_alpha", None)
+    if adaptive is not None:  # alpha = 1.5 per head in a new layer; learned ones carry over
+        old_adaptive = getattr(old, "adaptive_alpha", None)
+        if not isinstance(old_adaptive, type(adaptive)) or old_adaptive.num_heads != new.num_heads:
+            old_adaptive = type(adaptive)(new.num_heads, device=weight.device, dtype=weight.dtype)
+        new.adaptive_alpha = old_adaptive
     if weight.device.type != "meta" and any(t.is_meta for t in (*new.parameters(), *new.buffers())):
         raise TypeError(f"{converter} cannot create the extra parameters of {type(new).__name__}")
     new.train(old.training)

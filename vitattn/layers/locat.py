@@ -14,8 +14,8 @@ from torch import nn
 
 from ..functional import GaussianBias, compute_dtype
 from ..functional._checks import grid_pair  # re-exported: its home was here
-from ..functional.normalize import Normalizer
-from .attention import Attention
+from .adaptive import LayerNormalizer
+from .grid import GridAttention
 
 __all__ = ["GaussianAugment", "LocAtAttention", "gaussian_bias_from_queries", "grid_pair"]
 
@@ -115,14 +115,15 @@ register_notrace_function(_check_tokens)
 torch.fx.wrap("_check_tokens")
 
 
-class LocAtAttention(Attention):
+class LocAtAttention(GridAttention):
     """:class:`Attention` whose scores get GAug's Gaussian locality bias (LocAtViT).
 
     Takes every :class:`Attention` argument (so ``normalizer="entmax15"`` gives Gaussian-biased
-    entmax) plus the token layout: ``grid_size`` (patch rows, columns), ``num_prefix_tokens``
-    (class + register tokens before the patches) and ``initial_grid_size`` (the grid the model was
-    built for, which fixes c, eps and the clamp). A model sets them with :meth:`set_grid`, and
-    again whenever the input resolution changes.
+    entmax) plus the token layout of :class:`~vitattn.layers.grid.GridAttention`: ``grid_size``
+    (patch rows, columns), ``num_prefix_tokens`` (class + register tokens before the patches) and
+    ``initial_grid_size`` (the grid the model was built for, which fixes c, eps and the clamp), and
+    optionally a neighbourhood ``window`` (with ``dilation``): the Gaussian bias inside a hard window.
+    A model sets the layout with :meth:`set_grid`, and again whenever the input resolution changes.
     """
 
     def __init__(
@@ -133,50 +134,25 @@ class LocAtAttention(Attention):
         grid_size: int | Sequence[int] | None = None,
         num_prefix_tokens: int = 1,
         initial_grid_size: int | Sequence[int] | None = None,
-        normalizer: Normalizer = "softmax",
+        normalizer: LayerNormalizer = "softmax",
         **kwargs: Any,
     ) -> None:
-        super().__init__(dim, num_heads, normalizer=normalizer, **kwargs)
-        self.gaug = GaussianAugment(self.head_dim, device=self.qkv.weight.device, dtype=self.qkv.weight.dtype)
-        self.grid_size: tuple[int, int] | None = None
-        self.initial_grid_size: tuple[int, int] | None = None
-        self.num_prefix_tokens = int(num_prefix_tokens)
-        if grid_size is not None:
-            self.set_grid(grid_size, num_prefix_tokens, initial_grid_size)
-
-    def set_grid(
-        self,
-        grid_size: int | Sequence[int],
-        num_prefix_tokens: int | None = None,
-        initial_grid_size: int | Sequence[int] | None = None,
-    ) -> None:
-        """Set the current patch grid (and optionally the prefix count and the initial grid).
-
-        The initial grid defaults to the first grid ever set and then stays fixed.
-        """
-        self.grid_size = grid_pair("grid_size", grid_size)
-        if num_prefix_tokens is not None:
-            if int(num_prefix_tokens) < 0:
-                raise ValueError(f"num_prefix_tokens must be >= 0, got {num_prefix_tokens}")
-            self.num_prefix_tokens = int(num_prefix_tokens)
-        if initial_grid_size is not None:
-            self.initial_grid_size = grid_pair("initial_grid_size", initial_grid_size)
-        elif self.initial_grid_size is None:
-            self.initial_grid_size = self.grid_size
-
-    def extra_repr(self) -> str:
-        return (
-            f"{super().extra_repr()}, grid_size={self.grid_size}, "
-            f"num_prefix_tokens={self.num_prefix_tokens}, initial_grid_size={self.initial_grid_size}"
+        super().__init__(
+            dim,
+            num_heads,
+            grid_size=grid_size,
+            num_prefix_tokens=num_prefix_tokens,
+            initial_grid_size=initial_grid_size,
+            normalizer=normalizer,
+            **kwargs,
         )
+        self.gaug = GaussianAugment(self.head_dim, device=self.qkv.weight.device, dtype=self.qkv.weight.dtype)
 
     def attention_bias(self, q: torch.Tensor) -> GaussianBias:
         """GAug bias from ``q: (B, H, N, d)``, ``N = num_prefix_tokens + gh * gw``."""
-        if self.grid_size is None or self.initial_grid_size is None:
-            raise RuntimeError(
-                "LocAtAttention has no patch grid: call set_grid(grid_size, num_prefix_tokens) or build it "
-                "through vitattn.models.LocAtViT / vitattn.patch"
-            )
+        grid = self.require_grid()
+        if self.initial_grid_size is None:
+            raise RuntimeError("LocAtAttention has no initial grid: call set_grid(grid_size)")
         p = self.num_prefix_tokens
-        q = _check_tokens(q, self.grid_size, p)
-        return self.gaug(q[:, :, p:], self.grid_size, p, self.initial_grid_size)
+        q = _check_tokens(q, grid, p)
+        return self.gaug(q[:, :, p:], grid, p, self.initial_grid_size)

@@ -144,8 +144,9 @@ class _Rotary(Attention):
             v = v.repeat_interleave(self.num_kv_groups, dim=1)
         dropout_p = self.attn_drop.p if self.training else 0.0
         out = attend(
-            q, k, v, attn_mask, is_causal, bias, self.normalizer, self.scale, dropout_p, self.backend
-        )
+            q, k, v, attn_mask, is_causal, bias, self.attention_normalizer(), self.scale, dropout_p,
+            self.backend, self.attention_window(),
+        )  # fmt: skip
         return self.project_out(out, gate)
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..functional import grid_pair
-from ..layers.locat import LocAtAttention
+from ..layers.grid import GridAttention
 from .blocks import module_items
 
 __all__ = ["GridSync", "attach_grid_sync", "feat_size"]
@@ -33,7 +33,8 @@ def feat_size(patch_embed: nn.Module, img_size: Sequence[int] | None = None) -> 
 
 
 class GridSync:
-    """Forward pre-hook on ``patch_embed``: sets the grid of every LocAt layer in ``blocks``.
+    """Forward pre-hook on ``patch_embed``: sets the grid of every grid-aware layer in ``blocks`` (LocAt,
+    neighbourhood: :class:`~vitattn.layers.grid.GridAttention`).
 
     Computed from the static input shape, so the same compiled graph serves one resolution and a
     new resolution (``dynamic_img_size=True``) gets its own grid before any block runs.
@@ -51,7 +52,7 @@ class GridSync:
             raise TypeError(f"{type(module).__name__} has neither dynamic_feat_size nor grid_size")
         for block in module_items(self.blocks):
             attn = getattr(block, "attn", None)
-            if isinstance(attn, LocAtAttention) and attn.grid_size != grid:
+            if isinstance(attn, GridAttention) and attn.grid_size != grid:
                 attn.set_grid(grid)
 
 

@@ -14,8 +14,16 @@ import torch
 from timm.models import build_model_with_cfg, register_model, resolve_pretrained_cfg
 from torch import nn
 
-from ..functional.normalize import Normalizer, resolve_normalizer
-from ..layers import PRR, Attention, EntmaxAttention, LocAtAttention, convert_attention, convertible_attention
+from ..layers import (
+    PRR,
+    Attention,
+    EntmaxAttention,
+    LocAtAttention,
+    NeighborhoodAttention,
+    convert_attention,
+    convertible_attention,
+)
+from ..layers.adaptive import LayerNormalizer, resolve_layer_normalizer
 from ..layers.convert import _timm_attention_classes
 from ..layers.locat_rope import (
     LocAtRopeAttention,
@@ -53,7 +61,8 @@ M = TypeVar("M", bound=nn.Module)
 @dataclass(frozen=True)
 class Family:
     """One timm attention family: which modules it takes, how to convert one and which vitattn layer
-    each ``attention=`` name (``"softmax"``, ``"entmax15"``, ``"locat"``) becomes."""
+    each ``attention=`` name (``"softmax"``, ``"entmax15"``, ``"locat"``, ``"window"`` where the family
+    has it) becomes."""
 
     name: str
     accepts: Callable[[nn.Module], bool]
@@ -72,8 +81,13 @@ VIT = Family(
     "ViT",
     convertible_attention,
     convert_attention,
-    {"softmax": Attention, "entmax15": EntmaxAttention, "locat": LocAtAttention},
-    lambda: (*_timm_attention_classes(), EntmaxAttention, LocAtAttention),
+    {
+        "softmax": Attention,
+        "entmax15": EntmaxAttention,
+        "locat": LocAtAttention,
+        "window": NeighborhoodAttention,
+    },
+    lambda: (*_timm_attention_classes(), EntmaxAttention, LocAtAttention, NeighborhoodAttention),
 )
 EVA = Family(
     "Eva / RoPE ViT",
@@ -116,7 +130,8 @@ class LocAtModelMixin:
     Args:
         gaug: GAug (LocAt) attention in every block (``*.attn.gaug.*`` params).
         prr: parameter-free patch representation refinement before the model's pooling and head.
-        normalizer: the attention normalizer of every block (``"softmax"``, ``"entmax15"``, ...).
+        normalizer: the attention normalizer of every block (``"softmax"``, ``"entmax15"``, ...;
+            ``"adaptive"``: one learnable alpha-entmax alpha per head and block, from 1.5).
 
     A subclass names its ``family`` and what it ``needs`` at each block (for the ``TypeError``);
     ``patch_grid`` (ViT, Eva) gives GAug the model's patch grid and prefix tokens and keeps them in
@@ -135,13 +150,13 @@ class LocAtModelMixin:
         *args: Any,
         gaug: bool = True,
         prr: bool = True,
-        normalizer: Normalizer = "softmax",
+        normalizer: LayerNormalizer = "softmax",
         **kwargs: Any,
     ) -> None:
         if prr and kwargs.get("global_pool") == "prr":
             raise ValueError("global_pool='prr' already applies PRR: pass prr=False with it, or another pool")
         reject_patch_drop(gaug, kwargs)
-        resolved = resolve_normalizer(normalizer)
+        resolved = resolve_layer_normalizer(normalizer)
         super().__init__(*args, **kwargs)
         self.use_gaug = bool(gaug)
         self.normalizer = resolved

@@ -20,7 +20,8 @@ class LocAtViT(PRRHeadMixin, VisionTransformer):
         gaug: Gaussian-augmented (LocAt) attention in every block (``blocks.N.attn.gaug.*`` params).
         prr: parameter-free patch representation refinement after ``forward_features`` (after the
             final norm), before the model's own pooling and head.
-        normalizer: the attention normalizer of every block (``"softmax"``, ``"entmax15"``, ...).
+        normalizer: the attention normalizer of every block (``"softmax"``, ``"entmax15"``, ...;
+            ``"adaptive"``: one learnable alpha per head, see :class:`vitattn.layers.AdaptiveAlpha`).
 
     ``forward_features`` returns ``(B, N, C)`` before PRR, as the official release does. The patch
     grid the model is built for fixes GAug's constants; with ``dynamic_img_size=True`` the grid of

@@ -12,7 +12,9 @@ from .protocols import PROTOCOLS, Protocol, resolve_protocols
 
 __all__ = ["ATTENTIONS", "PRESETS", "RUNTIME_KEYS", "StudyConfig", "config_diff", "make_config"]
 
-ATTENTIONS = ("softmax", "entmax15", "locat")
+# softmax, entmax-1.5, LocAt (GAug), adaptive (alpha-entmax, one learnable alpha per head from 1.5) and
+# window (softmax inside a STUDY_WINDOW x STUDY_WINDOW neighbourhood, see vitattn.study.model)
+ATTENTIONS = ("softmax", "entmax15", "locat", "adaptive", "window")
 
 # what each preset sets; everything else comes from StudyConfig's defaults. ``quick`` is the main
 # job: a narrower, shallower ViT on the scenes, trained long enough to learn, comparing attentions

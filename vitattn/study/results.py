@@ -13,6 +13,7 @@ Schema (``schema_version`` 1; extra keys may be added, none removed)::
                "mean_entropy": [per layer], "mean_mad": [per layer],
                "sparsity": [per layer],           # mean over heads of the fraction of exact zeros
                "mean_sparsity": float,            # over layers and heads (0 for softmax)
+               "alpha": [[per head], ...],        # only for --attention adaptive: learned alpha per layer
                "probe": null | {                  # dense probe (datasets with masks: scenes)
                    "linear_miou": float, "knn_miou": float,          # in [0, 1]
                    "linear_pixel_acc": float, "knn_pixel_acc": float,
@@ -22,7 +23,7 @@ Schema (``schema_version`` 1; extra keys may be added, none removed)::
                "history": [{"epoch", "train_loss", "lr", "seconds"}], "checkpoint": str}, ...]}
 
 MAD is normalized by the grid diagonal and entropy by log(patches): both in [0, 1]. ``sparsity``,
-``mean_sparsity`` and ``probe`` were added in schema version 1 without a version change (files
+``mean_sparsity``, ``probe`` and ``alpha`` were added in schema version 1 without a version change (files
 without them still load; ``probe`` is null where a run has no probe).
 """
 
@@ -81,7 +82,7 @@ def run_record(result: RunResult, first_layers: list[int], epochs: int, root: Pa
     ]
     first = [v for row in layers if row["layer"] in first_layers for v in row["mad"] if not math.isnan(v)]
     spec = result.spec
-    return {
+    run = {
         "name": spec.name,
         "protocol": spec.protocol.name,
         "components": spec.protocol.components(),
@@ -105,6 +106,9 @@ def run_record(result: RunResult, first_layers: list[int], epochs: int, root: Pa
         "history": result.history,
         "checkpoint": os.path.relpath(result.checkpoint, root),
     }
+    if rep.alpha:  # the model learns its alpha-entmax alphas (--attention adaptive)
+        run["alpha"] = rep.alpha
+    return run
 
 
 def validate_results(data: dict[str, Any]) -> None:

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..functional.normalize import Normalizer
+from ..functional.normalize import AttentionNormalizer
 from ..models.blocks import block_indices
 from .intercept import (
     blocks_of,
@@ -38,7 +38,7 @@ class TeacherLayer:
     """One teacher layer as recorded on an input: its score pieces (detached) and its normalizer."""
 
     scores: ScoreInputs
-    normalizer: Normalizer
+    normalizer: AttentionNormalizer
 
 
 def select_layers(layers: int | Iterable[int] | None, depth: int, default: Iterable[int]) -> tuple[int, ...]:

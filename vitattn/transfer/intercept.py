@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..functional import attention
-from ..functional.normalize import Normalizer
+from ..functional.normalize import AttentionNormalizer
 from ..layers import Attention, convertible_attention
 from ..layers.attention import TimmStyleAttention, project_qkv
 from ..models.blocks import model_blocks
@@ -54,12 +54,18 @@ def layer_attention(model: nn.Module, index: int, name: str) -> nn.Module:
             f"{name}.blocks[{index}].attn is {type(attn).__name__}; attention transfer supports timm's "
             "Attention and vitattn's Attention / EntmaxAttention / LocAtAttention"
         )
+    if getattr(attn, "window", None) is not None:
+        raise TypeError(
+            f"{name}.blocks[{index}].attn has a neighbourhood window ({type(attn).__name__}); attention "
+            "transfer does not carry windows (its scores and rules are those of the full attention)"
+        )
     return attn
 
 
-def layer_normalizer(attn: nn.Module) -> Normalizer:
-    """The row normalizer of an attention layer (timm's is softmax)."""
-    return attn.normalizer if isinstance(attn, Attention) else "softmax"
+def layer_normalizer(attn: nn.Module) -> AttentionNormalizer:
+    """The row normalizer of an attention layer (timm's is softmax; an adaptive layer's is its current
+    alphas as a ``(1, H, 1, 1)`` tensor)."""
+    return attn.attention_normalizer() if isinstance(attn, Attention) else "softmax"
 
 
 def layer_scores(attn: nn.Module, q: torch.Tensor, k: torch.Tensor) -> ScoreInputs:

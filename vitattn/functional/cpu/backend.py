@@ -1,5 +1,6 @@
 """The ``"cpu_blocked"`` backend: the row-blocked CPU paths (Gaussian-biased softmax and entmax-1.5,
-eager or as custom ops under ``torch.compile``, for inference and for training)."""
+with or without a :class:`~vitattn.functional.WindowMask`, eager or as custom ops under
+``torch.compile``, for inference and for training)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class CpuBlockedBackend:
     :class:`GaussianBias` (the LocAt path) and entmax-1.5 with or without one."""
 
     name = "cpu_blocked"
+    features = frozenset({"window"})  # written block by block (.window_blocks)
 
     def unsupported(self, call: AttentionCall, explicit: bool = False) -> str | None:
         q = call.q
@@ -37,7 +39,8 @@ class CpuBlockedBackend:
             return "a dense bias tensor (only a GaussianBias is written block by block)"
         if call.normalizer == "softmax":
             if call.bias is None:
-                return "softmax without a Gaussian bias (SDPA computes that fused)"
+                window = " (a window: as a boolean mask)" if call.window is not None else ""
+                return f"softmax without a Gaussian bias (SDPA computes that fused{window})"
         elif call.normalizer != "entmax15":
             return f"normalizer {call.normalizer!r} (the row-blocked paths compute softmax and entmax15)"
         if min(*q.shape[:3], call.k.shape[2]) == 0:
@@ -49,6 +52,8 @@ class CpuBlockedBackend:
         kind = "Gaussian softmax" if call.normalizer == "softmax" else "entmax-1.5"
         if call.normalizer == "entmax15" and call.bias is not None:
             kind += " + Gaussian bias"
+        if call.window is not None:
+            kind += " + window"
         mode = "training" if call.needs_grad else "inference"
         if call.compiling:
             op = "vitattn::blocked_attention_cpu"
@@ -70,18 +75,19 @@ class CpuBlockedBackend:
     def _run(call: AttentionCall) -> torch.Tensor:
         q, k, v, scale = call.q, call.k, call.v, call.scale
         bias = call.bias if isinstance(call.bias, GaussianBias) else None
+        window = call.window
         is_softmax = call.normalizer == "softmax"
         if call.compiling:  # the eager code as opaque ops: no per-thread buffers in the graph
             if not call.needs_grad:
-                return ops.inference_op(q, k, v, scale, bias, entmax=not is_softmax)
+                return ops.inference_op(q, k, v, scale, bias, entmax=not is_softmax, window=window)
             if is_softmax:
                 assert bias is not None
-                return ops.gaussian_softmax_train_op(q, k, v, scale, bias)
-            return ops.entmax15_train_op(q, k, v, scale, bias)
+                return ops.gaussian_softmax_train_op(q, k, v, scale, bias, window)
+            return ops.entmax15_train_op(q, k, v, scale, bias, window)
         if is_softmax:
             assert bias is not None
             if call.needs_grad:
-                return softmax.gaussian_softmax_attention_train(q, k, v, scale, bias)
-            return softmax.gaussian_softmax_attention(q, k, v, scale, bias)
-        return entmax.entmax15_attention(q, k, v, scale, bias)
+                return softmax.gaussian_softmax_attention_train(q, k, v, scale, bias, window=window)
+            return softmax.gaussian_softmax_attention(q, k, v, scale, bias, window=window)
+        return entmax.entmax15_attention(q, k, v, scale, bias, window=window)
 

@@ -2,7 +2,8 @@
 
 The materialized path writes the scores, ``sqrt(p)`` and ``p`` as three ``(B, H, Nq, Nk)`` tensors (and
 the backward two more); here each block's scores go into a reused buffer (the scale inside the matrix
-product, a Gaussian bias written first by :func:`~.bias_blocks.write_rows`), the exact threshold search
+product, a Gaussian bias written first by :func:`~.bias_blocks.write_rows`, a window's dropped scores
+set to ``-inf`` after by :mod:`.window_blocks`), the exact threshold search
 of :mod:`vitattn.functional.entmax15` runs on it while it is in cache, and ``p = sqrt(p)^2`` overwrites
 it before the product with ``v``. Only ``sqrt(p)`` is kept for the backward, which recomputes ``p``
 block by block; the gradient of the scores never exists beyond one block either. Same operations as
@@ -17,10 +18,12 @@ from .._checks import check_rank, shape_str
 from .._entmax_common import support_vjp
 from ..entmax15 import shifted_rows, sqrt_entmax_rows
 from ..gaussian import GaussianBias
+from ..window import WindowMask
 from .bias_blocks import numerator_table, write_rows
 from .grads import accumulate_qkv_grads, factor_grads_into
 from .plan import Block, plan_blocks
 from .scratch import Slot, scratch
+from .window_blocks import WindowRows, window_rows
 
 __all__ = ["entmax15_attention", "flat_factors"]
 
@@ -58,10 +61,14 @@ def blocked_forward(
     sqrt_p: torch.Tensor | None,
     bias: tuple[GaussianBias, Factors] | None = None,
     limit: int | None = None,
+    *,
+    window: WindowMask | None = None,
 ) -> torch.Tensor:
     """``entmax15(scale q kᵀ + bias) v: (BH, Nq, Dv)`` from ``(BH, N, D)`` operands; ``sqrt_p:
     (BH, Nq, Nk)`` receives ``sqrt(p)`` when given (for the backward), else a scratch block does;
-    ``bias`` is a Gaussian bias with its :func:`flat_factors`, written into each block first."""
+    ``bias`` is a Gaussian bias with its :func:`flat_factors`, written into each block first;
+    ``window``: each block's scores outside the window set to ``-inf`` (so ``sqrt(p)`` is 0 there
+    and the backward needs nothing more)."""
     bh, nq, _ = q3.shape
     nk = k3.shape[1]
     out = q3.new_empty(bh, nq, v3.shape[-1])
@@ -69,6 +76,7 @@ def blocked_forward(
     numel = _numel(blocks, nk) if blocks else 0
     slots = (Slot.SCORES, Slot.SHIFTED, Slot.WORK)
     bufs = {slot: scratch(slot, numel, q3.dtype, q3.device) for slot in slots}
+    windows: dict[tuple[int, int], WindowRows] = {}  # per row range: blocks of other heads reuse it
     for h0, h1, r0, r1 in blocks:
         shape = (h1 - h0, r1 - r0, nk)
         n = shape[0] * shape[1] * nk
@@ -79,6 +87,11 @@ def blocked_forward(
             gaussian, (ra, c) = bias
             write_rows(gaussian, z, r0, (ra[h0:h1], c[h0:h1]))
             z.baddbmm_(q3[h0:h1, r0:r1], k3[h0:h1].transpose(1, 2), alpha=scale)
+        if window is not None:
+            rows = windows.get((r0, r1))
+            if rows is None:
+                rows = windows[(r0, r1)] = window_rows(window, r0, r1, z.device)
+            rows.fill_rows(z)
         if sqrt_p is None:
             g = scratch(Slot.PROBS, numel, q3.dtype, q3.device)[:n].view(shape)
         else:
@@ -175,11 +188,12 @@ class _Entmax15Attention(torch.autograd.Function):
         scale: float,
         bias: GaussianBias | None,
         limit: int | None,
+        window: WindowMask | None,
     ) -> torch.Tensor:
         q3, k3, v3 = _flat(q), _flat(k), _flat(v)
         sqrt_p = q3.new_empty(q3.shape[0], q3.shape[1], k3.shape[1])
         written = None if bias is None or ra is None or c is None else (bias, (ra, c))
-        out = blocked_forward(q3, k3, v3, scale, sqrt_p, written, limit)
+        out = blocked_forward(q3, k3, v3, scale, sqrt_p, written, limit, window=window)
         ctx.save_for_backward(q3, k3, v3, sqrt_p, ra, c)
         ctx.scale, ctx.bias, ctx.limit, ctx.shapes = scale, bias, limit, (q.shape, k.shape, v.shape)
         return out.view(*q.shape[:3], v.shape[-1])
@@ -193,13 +207,19 @@ class _Entmax15Attention(torch.autograd.Function):
         grads = blocked_backward(go3, q3, k3, v3, sqrt_p, ctx.scale, ctx.bias, factors, ctx.limit)
         dq, dk, dv, dra, dc = grads
         q_shape, k_shape, v_shape = ctx.shapes
-        return dq.view(q_shape), dk.view(k_shape), dv.view(v_shape), dra, dc, None, None, None
+        return dq.view(q_shape), dk.view(k_shape), dv.view(v_shape), dra, dc, None, None, None, None
 
 
-def check_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: GaussianBias | None) -> None:
+def check_operands(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: GaussianBias | None,
+    window: WindowMask | None = None,
+) -> None:
     """``TypeError`` / ``ValueError`` naming the operands unless q, k, v are ``(B, H, N, D)`` tensors of
     one dtype, float32 or float64, with k, v sharing ``(B, H, Nk)``, q, k sharing ``(B, H)`` and D, and
-    ``Nq = Nk`` = the bias' token count when there is a bias."""
+    ``Nq = Nk`` = the bias' (and the window's) token count when there is one."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_rank(name, t, 4, "(B, H, N, D)")
     if q.dtype not in (torch.float32, torch.float64) or not q.dtype == k.dtype == v.dtype:
@@ -211,10 +231,12 @@ def check_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Gaus
             f"q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)} must be (B, H, Nq, D), (B, H, Nk, D) "
             "and (B, H, Nk, Dv)"
         )
-    if bias is not None and (q.shape[2] != bias.num_tokens or k.shape[2] != bias.num_tokens):
-        raise ValueError(
-            f"bias describes N = {bias.num_tokens} tokens, but q is {shape_str(q)} and k is {shape_str(k)}"
-        )
+    for name, layout in (("bias", bias), ("window", window)):
+        if layout is not None and (q.shape[2] != layout.num_tokens or k.shape[2] != layout.num_tokens):
+            raise ValueError(
+                f"{name} describes N = {layout.num_tokens} tokens, but q is {shape_str(q)} and k is "
+                f"{shape_str(k)}"
+            )
 
 
 def entmax15_attention(
@@ -225,6 +247,7 @@ def entmax15_attention(
     bias: GaussianBias | None = None,
     *,
     block_elements: int | None = None,
+    window: WindowMask | None = None,
 ) -> torch.Tensor:
     """``entmax15(scale q kᵀ + bias) v`` for ``q: (B, H, Nq, D)``, ``k: (B, H, Nk, D)``,
     ``v: (B, H, Nk, Dv)`` (one floating dtype, float32 or float64 on the CPU): the row-blocked path,
@@ -233,15 +256,18 @@ def entmax15_attention(
 
     ``bias``, a :class:`GaussianBias` for ``Nq = Nk = N`` tokens, is written block by block (no
     dense bias); with autograd its gradient reaches σ and α through the separable factors, from each
-    block's score gradient. ``block_elements``: scores per block (default :data:`~.plan.BLOCK_ELEMENTS`).
+    block's score gradient. ``window``, a :class:`WindowMask` for ``N`` tokens, drops the scores
+    outside each query's window, block by block. ``block_elements``: scores per block (default
+    :data:`~.plan.BLOCK_ELEMENTS`).
     """
-    check_operands(q, k, v, bias)
+    check_operands(q, k, v, bias, window)
     tensors = [q, k, v] + ([] if bias is None else [bias.sigma, bias.alpha])
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     factors = None if bias is None else flat_factors(bias, q.shape[0], q.shape[1], q.dtype)
     if grad:
         ra, c = (None, None) if factors is None else factors
-        return _Entmax15Attention.apply(q, k, v, ra, c, float(scale), bias, block_elements)
+        return _Entmax15Attention.apply(q, k, v, ra, c, float(scale), bias, block_elements, window)
     written = None if bias is None or factors is None else (bias, factors)
-    out = blocked_forward(_flat(q), _flat(k), _flat(v), float(scale), None, written, block_elements)
+    q3, k3, v3 = _flat(q), _flat(k), _flat(v)
+    out = blocked_forward(q3, k3, v3, float(scale), None, written, block_elements, window=window)
     return out.view(*q.shape[:3], v.shape[-1])

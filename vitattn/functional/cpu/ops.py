@@ -5,7 +5,8 @@ block buffers do not belong in a graph. As opaque ops the compiled graph calls t
 row-blocked code. Inference is one op for both normalizers (Gaussian-biased softmax; entmax-1.5 with
 or without the bias). Training is a forward op with a backward op registered as its autograd formula,
 one pair per normalizer; the bias factors are computed outside the ops, in the traced graph, so that
-their own gradient to σ and α stays there.
+their own gradient to σ and α stays there. A :class:`~vitattn.functional.WindowMask` goes in as its
+plain ints (``window``: :meth:`~vitattn.functional.WindowMask.to_ints`; ``None``, the default, for none).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from ..gaussian import GaussianBias
+from ..window import WindowMask
 from . import entmax as _entmax
 from . import softmax as _softmax
 
@@ -26,6 +28,15 @@ def _layout(grid_h: int, grid_w: int, num_prefix_tokens: int, like: torch.Tensor
     the block writers and the factor gradients read; the training ops get the factors themselves."""
     zeros = like.new_zeros(1, 1, grid_h * grid_w, 3)
     return GaussianBias(zeros[..., :2], zeros[..., 2:], (grid_h, grid_w), num_prefix_tokens)
+
+
+def _window(values: list[int] | None) -> WindowMask | None:
+    """The window of an op's ``window`` operand (``None`` or empty: none)."""
+    return WindowMask.from_ints(values) if values else None
+
+
+def _ints(window: WindowMask | None) -> list[int] | None:
+    return None if window is None else window.to_ints()
 
 
 def _bhn_view(b: int, h: int, n: int, d: int, like: torch.Tensor) -> torch.Tensor:
@@ -50,28 +61,31 @@ def blocked_attention_cpu(
     initial_grid_h: int,
     initial_grid_w: int,
     entmax: bool,
+    window: list[int] | None = None,
 ) -> torch.Tensor:
     """The row-blocked inference path: ``normalize(q kᵀ · scale + S) v`` with softmax
     (:func:`~.softmax.gaussian_softmax_attention`, which needs the bias) or, with ``entmax``,
     entmax-1.5 (:func:`~.entmax.entmax15_attention`, bias optional). ``S`` is the Gaussian bias of
     ``sigma: (B|1, H|1, Np, 2)`` and ``alpha: (B|1, H|1, Np, 1)`` (both given or both ``None``) on a
     ``(grid_h, grid_w)`` grid after ``num_prefix_tokens`` tokens. ``q: (B, H, Nq, D)``, ``k: (B, H,
-    Nk, D)``, ``v: (B, H, Nk, Dv)``, one dtype, float32 or float64. Returns ``(B, H, Nq, Dv)``:
-    contiguous for entmax-1.5, a view of a ``(B, N, H, Dv)`` tensor for softmax."""
+    Nk, D)``, ``v: (B, H, Nk, Dv)``, one dtype, float32 or float64; ``window``: a window's ints, or
+    empty. Returns ``(B, H, Nq, Dv)``: contiguous for entmax-1.5, a view of a ``(B, N, H, Dv)`` tensor
+    for softmax."""
     bias = None
     if sigma is not None and alpha is not None:
         grids = (grid_h, grid_w), (initial_grid_h, initial_grid_w)
         bias = GaussianBias(sigma, alpha, grids[0], num_prefix_tokens, grids[1])
     if entmax:
-        return _entmax.entmax15_attention(q, k, v, scale, bias)
+        return _entmax.entmax15_attention(q, k, v, scale, bias, window=_window(window))
     if bias is None:
         raise ValueError("vitattn::blocked_attention_cpu: softmax needs sigma and alpha (a Gaussian bias)")
-    return _softmax.gaussian_softmax_attention(q, k, v, scale, bias)
+    return _softmax.gaussian_softmax_attention(q, k, v, scale, bias, window=_window(window))
 
 
 @blocked_attention_cpu.register_fake
 def _blocked_attention_cpu_fake(
-    q, k, v, sigma, alpha, scale, grid_h, grid_w, num_prefix_tokens, initial_grid_h, initial_grid_w, entmax
+    q, k, v, sigma, alpha, scale, grid_h, grid_w, num_prefix_tokens, initial_grid_h, initial_grid_w, entmax,
+    window=None,
 ):  # fmt: skip
     b, h, n, _ = q.shape
     if entmax:
@@ -80,14 +94,22 @@ def _blocked_attention_cpu_fake(
 
 
 def inference_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: GaussianBias | None, entmax: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    bias: GaussianBias | None,
+    entmax: bool,
+    window: WindowMask | None = None,
 ) -> torch.Tensor:
-    """:func:`blocked_attention_cpu` called with the fields of ``bias`` (or none)."""
+    """:func:`blocked_attention_cpu` called with the fields of ``bias`` (or none) and of ``window``."""
+    ints = _ints(window)
     if bias is None:
-        return blocked_attention_cpu(q, k, v, None, None, float(scale), 0, 0, 0, 0, 0, entmax)
+        return blocked_attention_cpu(q, k, v, None, None, float(scale), 0, 0, 0, 0, 0, entmax, ints)
     (gh, gw), (ih, iw) = bias.grid_size, bias.initial_grid_size  # type: ignore[misc]
     p = bias.num_prefix_tokens
-    return blocked_attention_cpu(q, k, v, bias.sigma, bias.alpha, float(scale), gh, gw, p, ih, iw, entmax)
+    sigma, alpha = bias.sigma, bias.alpha
+    return blocked_attention_cpu(q, k, v, sigma, alpha, float(scale), gh, gw, p, ih, iw, entmax, ints)
 
 
 # ---- training: Gaussian-biased softmax ----------------------------------------------------------------
@@ -104,18 +126,19 @@ def gaussian_attention_cpu_train(
     grid_h: int,
     grid_w: int,
     num_prefix_tokens: int,
+    window: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The softmax path's forward for training, from :func:`~.softmax.prepare`'s operands (q, k, v with a
     unit last stride; the keys-first factors ``ra_t: (B, H, gh, Np)``, ``c_t: (B, H, gw, Np)`` in log2
     units): ``(out: (B, H, N, Dv), row sums: (H, B, N), whether the maxima were subtracted: a 0-d
     bool)``."""
     bias = _layout(grid_h, grid_w, num_prefix_tokens, q)
-    out, sums, shift = _softmax.blocked_forward(q, k, v, (ra_t, c_t), scale, bias)
+    out, sums, shift = _softmax.blocked_forward(q, k, v, (ra_t, c_t), scale, bias, window=_window(window))
     return out, sums, torch.tensor(shift)
 
 
 @gaussian_attention_cpu_train.register_fake
-def _train_fake(q, k, v, ra_t, c_t, scale, grid_h, grid_w, num_prefix_tokens):  # fmt: skip
+def _train_fake(q, k, v, ra_t, c_t, scale, grid_h, grid_w, num_prefix_tokens, window=None):  # fmt: skip
     b, h, n, _ = q.shape
     out = q.new_empty(b, n, h, v.shape[-1], dtype=v.dtype).transpose(1, 2)
     return out, q.new_empty(h, b, n), torch.empty((), dtype=torch.bool)
@@ -136,15 +159,18 @@ def gaussian_attention_cpu_train_bwd(
     grid_h: int,
     grid_w: int,
     num_prefix_tokens: int,
+    window: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, d ra_t, d c_t)`` of :func:`gaussian_attention_cpu_train` (the blocked backward)."""
     bias = _layout(grid_h, grid_w, num_prefix_tokens, q)
-    return _softmax.blocked_backward(grad_out, q, k, v, (ra_t, c_t), out, sums, scale, bias, bool(shift))
+    return _softmax.blocked_backward(
+        grad_out, q, k, v, (ra_t, c_t), out, sums, scale, bias, bool(shift), window=_window(window)
+    )
 
 
 @gaussian_attention_cpu_train_bwd.register_fake
 def _train_bwd_fake(grad_out, q, k, v, ra_t, c_t, out, sums, shift, scale, grid_h, grid_w,
-                    num_prefix_tokens):  # fmt: skip
+                    num_prefix_tokens, window=None):  # fmt: skip
     b, h, n, d = q.shape
     dv = _bhn_view(b, h, n, v.shape[-1], v)
     dq, dk = _bhn_view(b, h, n, d, q), _bhn_view(b, h, n, d, k)
@@ -152,30 +178,36 @@ def _train_bwd_fake(grad_out, q, k, v, ra_t, c_t, out, sums, shift, scale, grid_
 
 
 def _softmax_setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    q, k, v, ra_t, c_t, scale, grid_h, grid_w, num_prefix_tokens = inputs
+    q, k, v, ra_t, c_t, scale, grid_h, grid_w, num_prefix_tokens, *window = inputs
     out, sums, shift = output
     ctx.save_for_backward(q, k, v, ra_t, c_t, out, sums, shift)
-    ctx.scalars = (scale, grid_h, grid_w, num_prefix_tokens)
+    ctx.scalars = (scale, grid_h, grid_w, num_prefix_tokens, window[0] if window else None)
     ctx.mark_non_differentiable(sums, shift)
 
 
 def _softmax_backward(ctx: Any, grad_out: torch.Tensor, _sums: Any, _shift: Any) -> tuple[Any, ...]:
     q, k, v, ra_t, c_t, out, sums, shift = ctx.saved_tensors
     grads = gaussian_attention_cpu_train_bwd(grad_out, q, k, v, ra_t, c_t, out, sums, shift, *ctx.scalars)
-    return *grads, None, None, None, None
+    return *grads, None, None, None, None, None
 
 
 gaussian_attention_cpu_train.register_autograd(_softmax_backward, setup_context=_softmax_setup_context)
 
 
 def gaussian_softmax_train_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: GaussianBias
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    bias: GaussianBias,
+    window: WindowMask | None = None,
 ) -> torch.Tensor:
     """:func:`~.softmax.gaussian_softmax_attention_train` through the custom ops: differentiable in
     q, k, v and (through the factors, traced) σ and α."""
     q, k, v, ra_t, c_t = _softmax.prepare(q, k, v, bias, eager=False)
     gh, gw = bias.grid_size
-    return gaussian_attention_cpu_train(q, k, v, ra_t, c_t, float(scale), gh, gw, bias.num_prefix_tokens)[0]
+    p, ints = bias.num_prefix_tokens, _ints(window)
+    return gaussian_attention_cpu_train(q, k, v, ra_t, c_t, float(scale), gh, gw, p, ints)[0]
 
 
 # ---- training: entmax-1.5 (plain or Gaussian-biased) --------------------------------------------------
@@ -192,21 +224,23 @@ def entmax15_attention_cpu_train(
     grid_h: int,
     grid_w: int,
     num_prefix_tokens: int,
+    window: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The entmax-1.5 path's forward for training: ``(out: (B, H, Nq, Dv), sqrt(p): (B*H, Nq, Nk))``, from
     q, k, v and, with a Gaussian bias, its :func:`~.entmax.flat_factors` ``ra: (B*H, Np, gh)``,
-    ``c: (B*H, Np, gw)`` (both ``None`` without)."""
+    ``c: (B*H, Np, gw)`` (both ``None`` without). The backward needs no window: ``sqrt(p)`` is 0
+    outside it."""
     q3, k3, v3 = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
     sqrt_p = q3.new_empty(q3.shape[0], q3.shape[1], k3.shape[1])
     bias = None
     if ra is not None and c is not None:
         bias = (_layout(grid_h, grid_w, num_prefix_tokens, q), (ra, c))
-    out = _entmax.blocked_forward(q3, k3, v3, scale, sqrt_p, bias)
+    out = _entmax.blocked_forward(q3, k3, v3, scale, sqrt_p, bias, window=_window(window))
     return out.view(*q.shape[:3], v.shape[-1]), sqrt_p
 
 
 @entmax15_attention_cpu_train.register_fake
-def _entmax_train_fake(q, k, v, ra, c, scale, grid_h, grid_w, num_prefix_tokens):  # fmt: skip
+def _entmax_train_fake(q, k, v, ra, c, scale, grid_h, grid_w, num_prefix_tokens, window=None):  # fmt: skip
     b, h, nq, _ = q.shape
     return q.new_empty(b, h, nq, v.shape[-1]), q.new_empty(b * h, nq, k.shape[2])
 
@@ -251,7 +285,7 @@ def _entmax_train_bwd_fake(grad_out, q, k, v, sqrt_p, ra, c, scale, grid_h, grid
 
 
 def _entmax_setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    q, k, v, ra, c, scale, grid_h, grid_w, num_prefix_tokens = inputs
+    q, k, v, ra, c, scale, grid_h, grid_w, num_prefix_tokens, *_window = inputs
     _, sqrt_p = output
     ctx.save_for_backward(q, k, v, sqrt_p, ra, c)
     ctx.scalars = (scale, grid_h, grid_w, num_prefix_tokens)
@@ -261,19 +295,26 @@ def _entmax_setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch
 def _entmax_backward(ctx: Any, grad_out: torch.Tensor, _sqrt_p: Any) -> tuple[Any, ...]:
     q, k, v, sqrt_p, ra, c = ctx.saved_tensors
     dq, dk, dv, dra, dc = entmax15_attention_cpu_train_bwd(grad_out, q, k, v, sqrt_p, ra, c, *ctx.scalars)
-    return dq, dk, dv, None if ra is None else dra, None if c is None else dc, None, None, None, None
+    return dq, dk, dv, None if ra is None else dra, None if c is None else dc, None, None, None, None, None
 
 
 entmax15_attention_cpu_train.register_autograd(_entmax_backward, setup_context=_entmax_setup_context)
 
 
 def entmax15_train_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: GaussianBias | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    bias: GaussianBias | None,
+    window: WindowMask | None = None,
 ) -> torch.Tensor:
     """:func:`~.entmax.entmax15_attention` with autograd through the custom ops: differentiable in q, k,
     v and (through the factors, traced) σ and α."""
+    ints = _ints(window)
     if bias is None:
-        return entmax15_attention_cpu_train(q, k, v, None, None, float(scale), 0, 0, 0)[0]
+        return entmax15_attention_cpu_train(q, k, v, None, None, float(scale), 0, 0, 0, ints)[0]
     ra, c = _entmax.flat_factors(bias, q.shape[0], q.shape[1], q.dtype, eager=False)
     gh, gw = bias.grid_size
-    return entmax15_attention_cpu_train(q, k, v, ra, c, float(scale), gh, gw, bias.num_prefix_tokens)[0]
+    p = bias.num_prefix_tokens
+    return entmax15_attention_cpu_train(q, k, v, ra, c, float(scale), gh, gw, p, ints)[0]

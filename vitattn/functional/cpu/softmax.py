@@ -20,19 +20,23 @@ import math
 import torch
 
 from ..gaussian import LOG2E, GaussianBias
+from ..window import WindowMask
 from .bias_blocks import ColumnBlock, column_block, numerator_table
 from .grads import accumulate_qkv_grads, factor_grads_into
 from .plan import plan_blocks
 from .scratch import Slot, scratch
+from .window_blocks import WindowRows, window_rows
 
 __all__ = ["gaussian_softmax_attention", "gaussian_softmax_attention_train", "prepare"]
 
 _MIN_ROW_SUM = 2.0**-64  # unshifted row sums at least this are exact, see _sums_in_range
 
 
-def check_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: GaussianBias) -> None:
+def check_operands(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: GaussianBias, window: WindowMask | None = None
+) -> None:
     """``TypeError`` / ``ValueError`` naming the operands unless q, k, v are ``(B, H, N, ·)`` tensors of
-    one dtype, float32 or float64, with ``N`` the bias' token count."""
+    one dtype, float32 or float64, with ``N`` the bias' (and the window's) token count."""
     if q.dtype not in (torch.float32, torch.float64) or not (q.dtype == k.dtype == v.dtype):
         raise TypeError(
             f"q, k, v must share one dtype, float32 or float64; got {q.dtype}, {k.dtype}, {v.dtype}"
@@ -45,6 +49,8 @@ def check_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Gaus
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be (B, H, N, D) with one "
             f"N = bias.num_tokens = {bias.num_tokens}"
         )
+    if window is not None and window.num_tokens != n:
+        raise ValueError(f"window describes N = {window.num_tokens} tokens, but q is {tuple(q.shape)}")
 
 
 def prepare(
@@ -66,6 +72,13 @@ def prepare(
     return q, k, v, ra_t.expand(b, h, *ra_t.shape[2:]), c_t.expand(b, h, *c_t.shape[2:])
 
 
+def _window_rows(blocks: list[ColumnBlock], window: WindowMask | None) -> list[WindowRows | None]:
+    """Each block's rows of ``window`` (or ``None`` per block without one)."""
+    if window is None:
+        return [None] * len(blocks)
+    return [window_rows(window, blk.start, blk.stop, blk.out.device) for blk in blocks]
+
+
 def _blocks(buf: torch.Tensor, b: int, n: int, bias: GaussianBias, limit: int | None) -> list[ColumnBlock]:
     """The query-row blocks of one head (:func:`~.plan.plan_blocks`), each a keys-first ``(B, N, rows)``
     view of ``buf`` with its bias views made once (every head reuses them)."""
@@ -85,17 +98,21 @@ def _exp2_step(
     k_j: torch.Tensor,
     factors_j: tuple[torch.Tensor, torch.Tensor],
     alpha: float,
+    window: WindowRows | None,
     shift: bool,
 ) -> torch.Tensor:
     """Unnormalized probabilities of one head's query rows ``block.start:block.stop``, keys first:
     ``E[:, t, s] = 2 ** (log2(e) (score + bias)[start + s, t] - m_s)`` written into ``block.out:
-    (B, N, rows)`` and returned, with ``m_s`` the row maximum if ``shift``, else 0.
+    (B, N, rows)`` and returned, with ``m_s`` the row maximum if ``shift``, else 0; ``E = 0`` where
+    ``window`` (the block's rows of a window) drops the key.
 
     ``q_t: (B, D, N)`` (q transposed), ``k_j: (B, N, D)``, ``factors_j``: one head of the keys-first
     factors, ``alpha = scale * log2(e)``.
     """
     e = block.write(factors_j)
     e.baddbmm_(k_j, q_t if block.all_rows else q_t[..., block.start : block.stop], alpha=alpha)
+    if window is not None:
+        window.fill_columns(e)
     if shift:
         e.sub_(e.amax(dim=1, keepdim=True))
     return e.exp2_()
@@ -120,10 +137,13 @@ def blocked_forward(
     scale: float,
     bias: GaussianBias,
     limit: int | None = None,
+    *,
+    window: WindowMask | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """The row-blocked forward of both entry points, one head and row block at a time:
     ``(output: (B, H, N, Dv), a view of (B, N, H, Dv); row sums: (H, B, N); whether the maxima
-    were subtracted)``. ``bias`` gives the token layout; its values come from ``factors_t``.
+    were subtracted)``. ``bias`` gives the token layout; its values come from ``factors_t``;
+    ``window`` drops the scores outside each query's window.
 
     First without subtracting the row maxima (two passes fewer per block), checked once for the
     whole call (:func:`_sums_in_range`); the rare call that fails it is recomputed shifted. Each
@@ -138,13 +158,14 @@ def blocked_forward(
     blocks = _blocks(scratch(Slot.SCORES, _block_numel(b, n, limit), q.dtype, q.device), b, n, bias, limit)
     out_buf = scratch(Slot.OUTPUTS, b * max(blk.rows for blk in blocks) * dv, v.dtype, v.device)
     out_blocks = [out_buf[: b * blk.rows * dv].view(b, blk.rows, dv) for blk in blocks]
+    windows = _window_rows(blocks, window)
     alpha = scale * LOG2E
     for shift in (False, True):
         for j in range(h):  # one head at a time, batched over B: q, k, v are read in place
             q_t, k_j, v_j, out_j = q[:, j].transpose(1, 2), k[:, j], v[:, j], out[:, :, j]
             factors_j = (factors_t[0][:, j], factors_t[1][:, j])
-            for block, o in zip(blocks, out_blocks, strict=True):
-                e = _exp2_step(block, q_t, k_j, factors_j, alpha, shift)
+            for block, o, rows in zip(blocks, out_blocks, windows, strict=True):
+                e = _exp2_step(block, q_t, k_j, factors_j, alpha, rows, shift)
                 span = slice(block.start, block.stop)
                 sums_b = torch.sum(e, dim=1, out=sums[j, :, span])
                 torch.bmm(e.transpose(1, 2), v_j, out=o)
@@ -166,6 +187,8 @@ def blocked_backward(
     bias: GaussianBias,
     shift: bool,
     limit: int | None = None,
+    *,
+    window: WindowMask | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, d ra_t, d c_t)`` of :func:`blocked_forward`'s output ``out`` with its row sums
     ``sums: (H, B, N)`` and ``shift`` decision, from ``grad_out: (B, H, N, Dv)``; each block's
@@ -191,15 +214,16 @@ def blocked_backward(
     prob_blocks = _blocks(scratch(Slot.SCORES, numel, q.dtype, q.device), b, n, bias, limit)
     grad_blocks = _blocks(scratch(Slot.GRADS, numel, q.dtype, q.device), b, n, bias, limit)
     prod_buf = scratch(Slot.PRODUCTS, numel, q.dtype, q.device)
+    windows = _window_rows(prob_blocks, window)
     alpha = scale * LOG2E
     for j in range(h):
         q_j, k_j, v_j, go_j, delta_j = q[:, j], k[:, j], v[:, j], go_s[:, j], delta_s[:, j]
         q_t, dq_j = q_j.transpose(1, 2), dq[j]
         ra_j, c_j = ra_t[:, j], c_t[:, j]
-        for pb, gb in zip(prob_blocks, grad_blocks, strict=True):
+        for pb, gb, rows in zip(prob_blocks, grad_blocks, windows, strict=True):
             span = slice(pb.start, pb.stop)
             # Eᵀ of the block, keys first, recomputed exactly as the forward computed it
-            e = _exp2_step(pb, q_t, k_j, (ra_j, c_j), alpha, shift)
+            e = _exp2_step(pb, q_t, k_j, (ra_j, c_j), alpha, rows, shift)
             go_b = go_j if pb.all_rows else go_j[:, span]  # (B, rows, Dv), divided by the sums
             ds = gb.out
             torch.bmm(v_j, go_b.transpose(1, 2), out=ds)  # dPᵀ / sums
@@ -228,6 +252,7 @@ def gaussian_softmax_attention(
     bias: GaussianBias,
     *,
     block_elements: int | None = None,
+    window: WindowMask | None = None,
 ) -> torch.Tensor:
     """``softmax(q kᵀ * scale + bias) v`` without an ``N x N`` tensor; no autograd.
 
@@ -236,14 +261,16 @@ def gaussian_softmax_attention(
             strides with a unit last stride are read in place.
         bias: describes the ``(B, H, N, N)`` Gaussian bias (``sigma``/``alpha`` may broadcast over B, H).
         block_elements: scores per block (default :data:`~.plan.BLOCK_ELEMENTS`).
+        window: a :class:`WindowMask` on the bias' token layout: scores outside each query's window
+            are dropped block by block.
 
     Returns:
         ``(B, H, N, Dv)`` in ``v``'s dtype: a view of a ``(B, N, H, Dv)`` contiguous tensor.
     """
-    check_operands(q, k, v, bias)
+    check_operands(q, k, v, bias, window)
     with torch.no_grad():
         q, k, v, ra_t, c_t = prepare(q, k, v, bias)
-        return blocked_forward(q, k, v, (ra_t, c_t), scale, bias, block_elements)[0]
+        return blocked_forward(q, k, v, (ra_t, c_t), scale, bias, block_elements, window=window)[0]
 
 
 class _GaussianSoftmaxFunction(torch.autograd.Function):
@@ -261,10 +288,11 @@ class _GaussianSoftmaxFunction(torch.autograd.Function):
         scale: float,
         bias: GaussianBias,
         limit: int | None,
+        window: WindowMask | None,
     ) -> torch.Tensor:
-        out, sums, shift = blocked_forward(q, k, v, (ra_t, c_t), scale, bias, limit)
+        out, sums, shift = blocked_forward(q, k, v, (ra_t, c_t), scale, bias, limit, window=window)
         ctx.save_for_backward(q, k, v, ra_t, c_t, out, sums)
-        ctx.scale, ctx.bias, ctx.limit, ctx.shift = scale, bias, limit, shift
+        ctx.scale, ctx.bias, ctx.limit, ctx.shift, ctx.window = scale, bias, limit, shift, window
         return out
 
     @staticmethod
@@ -272,9 +300,10 @@ class _GaussianSoftmaxFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, ra_t, c_t, out, sums = ctx.saved_tensors
         grads = blocked_backward(
-            grad_out, q, k, v, (ra_t, c_t), out, sums, ctx.scale, ctx.bias, ctx.shift, ctx.limit
-        )
-        return *grads, None, None, None
+            grad_out, q, k, v, (ra_t, c_t), out, sums, ctx.scale, ctx.bias, ctx.shift, ctx.limit,
+            window=ctx.window,
+        )  # fmt: skip
+        return *grads, None, None, None, None
 
 
 def gaussian_softmax_attention_train(
@@ -285,9 +314,10 @@ def gaussian_softmax_attention_train(
     bias: GaussianBias,
     *,
     block_elements: int | None = None,
+    window: WindowMask | None = None,
 ) -> torch.Tensor:
     """``softmax(q kᵀ * scale + bias) v`` with autograd to q, k, v, ``bias.sigma`` and ``bias.alpha``,
-    never building an ``N x N`` tensor.
+    never building an ``N x N`` tensor (``window``: scores outside each query's window dropped).
 
     The forward works in row blocks like :func:`gaussian_softmax_attention` and saves its inputs,
     its output and the row sums ``(H, B, N)`` (a block always holds whole rows, so the backward
@@ -306,6 +336,6 @@ def gaussian_softmax_attention_train(
     Returns:
         ``(B, H, N, Dv)``: a view of a ``(B, N, H, Dv)`` contiguous tensor.
     """
-    check_operands(q, k, v, bias)
+    check_operands(q, k, v, bias, window)
     q, k, v, ra_t, c_t = prepare(q, k, v, bias)
-    return _GaussianSoftmaxFunction.apply(q, k, v, ra_t, c_t, float(scale), bias, block_elements)
+    return _GaussianSoftmaxFunction.apply(q, k, v, ra_t, c_t, float(scale), bias, block_elements, window)

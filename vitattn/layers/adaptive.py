@@ -1,0 +1,84 @@
+"""Adaptively sparse attention: one learnable alpha-entmax alpha per head (``normalizer="adaptive"``).
+
+``alpha_h = 1 + max(sigmoid(a_h), 0.01)`` with one parameter ``a_h`` per head, initialised at 0
+(alpha = 1.5, entmax-1.5). The map covers ``[1.01, 2)``: from nearly softmax to nearly sparsemax. The
+floor keeps alpha away from 1, where alpha-entmax turns into softmax and its threshold search loses
+precision (``1 + sigmoid(a)`` rounds to exactly 1 in float32 once ``a < -16.6``); below it ``a`` gets
+no gradient. The attention is exact alpha-entmax (:func:`vitattn.functional.entmax`), differentiable
+in the scores and in alpha.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from ..functional import compute_dtype
+from ..functional.normalize import AttentionNormalizer, Normalizer, resolve_normalizer
+
+__all__ = ["ALPHA_FLOOR", "AdaptiveAlpha", "LayerNormalizer", "normalizer_alphas", "resolve_layer_normalizer"]
+
+ALPHA_FLOOR = 1.01  # the smallest alpha a head can learn
+LayerNormalizer = Normalizer | Literal["adaptive"]  # what the layers take: a normalizer, or "adaptive"
+
+
+def resolve_layer_normalizer(normalizer: LayerNormalizer) -> Normalizer | Literal["adaptive"]:
+    """``"adaptive"``, or the canonical form of a fixed normalizer (``ValueError`` for unknown names)."""
+    if normalizer == "adaptive":
+        return "adaptive"
+    try:
+        return resolve_normalizer(normalizer)
+    except ValueError as err:
+        raise ValueError(f"{err} (or 'adaptive': one learnable alpha per head)") from None
+
+
+class AdaptiveAlpha(nn.Module):
+    """One learnable alpha per head: ``alpha = 1 + max(sigmoid(logit), ALPHA_FLOOR - 1)``.
+
+    ``logit: (H,)`` starts at 0 (alpha = 1.5). ``forward()`` gives ``alpha: (H,)`` in float32 (float64
+    stays); :meth:`normalizer` the ``(1, H, 1, 1)`` view that :func:`vitattn.functional.attention`
+    and :func:`vitattn.functional.normalize` take as a tensor normalizer.
+    """
+
+    def __init__(
+        self, num_heads: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.logit = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.logit.shape[0])
+
+    def reset_parameters(self) -> None:
+        """alpha = 1.5 for every head."""
+        with torch.no_grad():
+            self.logit.zero_()
+
+    def forward(self) -> torch.Tensor:
+        """``(H,)`` alphas in ``[1.01, 2)``, differentiable in ``logit``."""
+        logit = self.logit.to(compute_dtype(self.logit))
+        return 1.0 + torch.sigmoid(logit).clamp_min(ALPHA_FLOOR - 1.0)
+
+    def normalizer(self) -> torch.Tensor:
+        """The alphas as a ``(1, H, 1, 1)`` tensor normalizer (one per head of ``(B, H, Nq, Nk)`` scores)."""
+        return self().view(1, -1, 1, 1)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}"
+
+
+def normalizer_alphas(normalizer: AttentionNormalizer | Literal["adaptive"], num_heads: int) -> list[float]:
+    """The alpha of each of ``num_heads`` heads for a fixed normalizer: softmax 1, entmax-1.5 1.5,
+    sparsemax 2, a float alpha itself (a tensor normalizer: its values per head)."""
+    if isinstance(normalizer, torch.Tensor):
+        values = normalizer.detach().double().reshape(-1)
+        return [float(v) for v in values.expand(num_heads)] if values.numel() == 1 else values.tolist()
+    if normalizer == "adaptive":
+        raise ValueError("an adaptive normalizer's alphas are its layer's: read them from its AdaptiveAlpha")
+    fixed = {"softmax": 1.0, "entmax15": 1.5, "sparsemax": 2.0}
+    kind = resolve_normalizer(normalizer)
+    alpha = fixed[kind] if isinstance(kind, str) else float(kind)
+    return [alpha] * num_heads
