@@ -7,6 +7,7 @@ from .dispatch import available_backends, get_default_backend, register_backend,
 from .dtypes import compute_dtype
 from .entmax15 import entmax15
 from .entmax_alpha import entmax, sparsemax
+from .fy_loss import fy_loss
 from .gaussian import GaussianBias, gaussian_clamp, gaussian_eps
 from .normalize import Normalizer, normalize
 from .prr import prr
@@ -24,6 +25,7 @@ __all__ = [
     "entmax",
     "entmax15",
     "explain",
+    "fy_loss",
     "gaussian_clamp",
     "gaussian_eps",
     "get_default_backend",
