@@ -307,6 +307,11 @@ def test_forward_intermediates_and_features_only() -> None:
         maps = features(x)
     assert [m.shape for m in maps] == [(2, 48, 4, 6)] * 2
     assert features.feature_info.channels() == [48, 48]
+    assert model.prune_intermediate_layers([0], prune_norm=True) == [0]  # both final norms go
+    assert len(model.blocks) == 1 and isinstance(model.norm, nn.Identity)
+    assert isinstance(model.norm_patches, nn.Identity) and isinstance(model.head, nn.Identity)
+    with torch.no_grad():
+        torch.testing.assert_close(model.forward_intermediates(x)[0], outs[0])
 
 
 def test_train_step_reaches_every_part() -> None:

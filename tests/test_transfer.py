@@ -484,3 +484,32 @@ def test_fy_loss_name_is_checked() -> None:
     with pytest.raises(ValueError, match="normalizer must be one of"):
         attention_distill_loss(a, a, loss="fy", normalizer="relu")
     assert "loss='fy'" in repr(AttentionDistill(vit(seed=1), vit(seed=2), loss="fy"))
+
+
+def _saved_bytes(run) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``run()`` builds its graph."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("student_kind", ["timm", "entmax15"])
+@pytest.mark.parametrize("loss", ["ce", "fy"])
+def test_distillation_keeps_only_the_teachers_q_k_beyond_the_students_own_graph(
+    student_kind: str, loss: str
+) -> None:
+    """What a distillation step keeps for backward beyond the student's own training graph: the
+    teacher's q, k of the distilled layers, nothing else (no map, no fused qkv buffer of the student)."""
+    student = vit("timm", seed=2) if student_kind == "timm" else entmax_vit(2)
+    x = images()
+    alone = _saved_bytes(lambda: copy.deepcopy(student).train()(x))
+    wrapper = AttentionDistill(vit("timm", seed=1), copy.deepcopy(student), layers=[0, 2], loss=loss).train()
+    b, h, n, d = 3, 2, 17, 8
+    teacher_qk = 2 * 2 * b * h * n * d * 8  # q and k of 2 layers, float64
+    assert _saved_bytes(lambda: wrapper(x)) - alone == teacher_qk

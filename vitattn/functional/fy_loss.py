@@ -88,12 +88,14 @@ def fy_loss_formula(
 
 
 def fy_grad(scores: torch.Tensor, target: torch.Tensor, normalizer: Normalizer, dim: int) -> torch.Tensor:
-    """``∂L/∂scores = normalize(scores) − target``; zero on rows whose scores are all ``-inf``."""
-    return _grad(scores, target, normalize(scores, normalizer, dim), dim)
+    """``∂L/∂scores = normalize(scores) − target`` (no grad); zero on rows whose scores are all ``-inf``."""
+    with torch.no_grad():
+        return _grad(scores, target, normalize(scores, normalizer, dim), dim)
 
 
 def _grad(z: torch.Tensor, y: torch.Tensor, p: torch.Tensor, dim: int) -> torch.Tensor:
-    return (p - y).masked_fill(torch.isneginf(z).all(dim, keepdim=True), 0.0)
+    """``p − y`` written into ``p`` (a fresh normalizer output, no grad), zero on dead rows."""
+    return p.sub_(y).masked_fill_(torch.isneginf(z).all(dim, keepdim=True), 0.0)
 
 
 class _FYLoss(torch.autograd.Function):

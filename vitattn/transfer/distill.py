@@ -92,6 +92,11 @@ class AttentionDistill(AttentionTransfer):
         losses: list[torch.Tensor] = []
 
         def rule(i: int, attn: nn.Module, q: Any, k: Any, v: torch.Tensor) -> torch.Tensor:
+            if layer_normalizer(attn) != "softmax":
+                # the entmax paths keep contiguous copies of q, k, v for backward, not the views into
+                # the fused qkv buffer that the loss would keep alive: one copy each, shared by the
+                # attention and the loss, lets that buffer go (the softmax paths keep the views)
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             scores = layer_scores(attn, q, k)
             target = teacher.pop(i)
             check_tokens(i, q, target.scores)

@@ -60,13 +60,13 @@ class DistillObjective:
             return cross_entropy_sum(student_scores, teacher_scores.detach())
         return fy_loss_formula(student_scores, self.target(teacher_scores), self.normalizer, -1).sum()
 
-    def grad(self, student_scores: torch.Tensor, teacher_scores: torch.Tensor) -> torch.Tensor:
-        """``∂ value_sum / ∂ student_scores`` in closed form (no grad)."""
-        p_t = self.target(teacher_scores)
+    def grad(self, student_scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """``∂ value_sum / ∂ student_scores`` in closed form from the teacher's probabilities ``target``
+        (:meth:`target`), no grad; a fresh tensor, made with one map beside the student's."""
         with torch.no_grad():
             if self.loss == "ce":
-                return torch.softmax(student_scores, -1).mul_(p_t.sum(-1, keepdim=True)).sub_(p_t)
-            return fy_grad(student_scores, p_t, self.normalizer, -1)
+                return torch.softmax(student_scores, -1).mul_(target.sum(-1, keepdim=True)).sub_(target)
+            return fy_grad(student_scores, target, self.normalizer, -1)
 
 
 def chunks(shape: tuple[int, int, int, int], chunk_elements: int) -> Iterator[tuple[slice, slice]]:
@@ -135,12 +135,11 @@ class _RecomputedLoss(torch.autograd.Function):
                 leaves = [
                     t.detach().requires_grad_(need) for t, need in zip(part.tensors(), needs, strict=True)
                 ]
-                with torch.no_grad():
-                    t = teacher.select(bs, hs).scores()
+                p_t = objective.target(teacher.select(bs, hs).scores())  # the teacher's scores freed here
                 with torch.enable_grad():
                     s = part.with_tensors(tuple(leaves)).scores()
-                d_s = objective.grad(s.detach(), t).mul_(g)
-                del t
+                d_s = objective.grad(s.detach(), p_t).mul_(g)
+                del p_t
                 wanted = [leaf for leaf in leaves if leaf.requires_grad]
                 chunk_grads = iter(torch.autograd.grad(s, wanted, d_s))
                 for grad_i in grads:  # a gradient slot exactly where its leaf requires grad
