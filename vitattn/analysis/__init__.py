@@ -6,13 +6,16 @@
 ``gradient_rollout`` follow them through the blocks (``rollout_heatmap``: the class token's map of
 the patches). Plots (``plot_*``) need
 matplotlib, progress bars tqdm and the digits data scikit-learn (the ``study`` extra).
+``build_model`` makes the model ``vitattn analyze`` looks at: a timm name, optionally patched and
+loaded from a checkpoint.
 """
 
+from ..models.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
 from .checkpoint import load_checkpoint, read_state_dict
 from .data import InputSpec, digits_images, image_folder_batches, input_spec
-from .layout import model_grid_size, model_num_prefix_tokens, resolve_layout
 from .maps import attention_maps, record_attention, resolve_layers, timm_attention_probs
 from .metrics import attention_entropy, grid_diagonal, grid_distances, mean_attention_distance
+from .model import build_model
 from .plots import plot_locality_plane, plot_mad_per_layer, plot_query_attention, plot_rollout
 from .report import LocalityReport, ReportDiff, locality_report
 from .rollout import (
@@ -33,6 +36,7 @@ __all__ = [
     "attention_gradients",
     "attention_maps",
     "attention_rollout",
+    "build_model",
     "digits_images",
     "grid_diagonal",
     "grid_distances",
