@@ -340,3 +340,42 @@ def test_errors_name_the_argument_and_shapes() -> None:
         model = tiny_vit("timm")
         model.blocks[0].attn = nn.Identity()
         attention_gradients(model, torch.randn(1, 1, 8, 8, dtype=F64))
+
+
+# ---- vitattn analyze --rollout ------------------------------------------------------------------------
+TINY_ARGS = ["--model-arg", "img_size=32", "--model-arg", "patch_size=8", "--model-arg", "embed_dim=48"]
+
+
+@pytest.mark.slow
+def test_cli_analyze_rollout(tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("sklearn")
+    from vitattn.cli import main
+
+    common = ["--max-images", "4", "--batch-size", "4", "--no-progress", "--rollout", "--rollout-images", "3"]
+    out = tmp_path / "vit"
+    rc = main(
+        ["analyze", "vit_tiny_patch16_224", *TINY_ARGS, "--model-arg", "depth=2", *common]
+        + ["--discard-ratio", "0.5", "--head-fusion", "max", "--out", str(out)]
+    )
+    assert rc == 0 and (out / "rollout.png").read_bytes()[:4] == b"\x89PNG"
+    assert "rollout.png" in capsys.readouterr().err
+    jumbo = tmp_path / "jumbo"
+    rc = main(
+        ["analyze", "locatjumbo_tiny", *TINY_ARGS, "--model-arg", "depth=2", "--model-arg", "J=2", *common]
+        + ["--gradient-rollout", "--attention", "entmax15", "--out", str(jumbo)]
+    )
+    assert rc == 0 and (jumbo / "rollout.png").stat().st_size > 1000
+    rc = main(
+        [
+            "analyze",
+            "vit_tiny_patch16_224",
+            *TINY_ARGS,
+            "--rollout",
+            "--rollout-images",
+            "0",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 2 and "--rollout-images must be >= 1, got 0" in capsys.readouterr().err

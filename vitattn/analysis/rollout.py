@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.attention import project_qkv
-from .layout import model_grid_size, model_num_prefix_tokens, resolve_layout
+from ..models.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
 from .maps import attention_maps, evaluating, record_attention, resolve_layers
 
 __all__ = [
