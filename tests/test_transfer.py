@@ -306,6 +306,7 @@ def test_recomputed_loss_matches_naive_value_and_gradients(student_bias: str, ch
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.slow  # ~1 min: gradcheck perturbs every one of ~900 inputs
 def test_recomputed_loss_gradcheck() -> None:
     student = _score_inputs("gaug", 0, 4, requires_grad=True)
     teacher = _score_inputs("none", 1, 4, requires_grad=False)
