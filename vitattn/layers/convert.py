@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .attention import Attention
+from .locat import GaugInit, check_gaug_init
 
 __all__ = ["convertible_attention", "convert_attention", "finish_conversion", "new_like"]
 
@@ -61,34 +62,44 @@ def new_like(old: nn.Module, cls: type[M], dim: int, **kwargs: Any) -> M:
     return cls(dim, int(old.num_heads), device="meta", **kwargs)  # type: ignore[arg-type]
 
 
-def finish_conversion(new: M, old: nn.Module, weight: torch.Tensor, converter: str) -> M:
+def finish_conversion(
+    new: M, old: nn.Module, weight: torch.Tensor, converter: str, gaug_init: GaugInit = "paper"
+) -> M:
     """The last step of every converter: ``new``'s GAug heads (if it has them) kept from ``old`` when it
-    has the same kind, else fresh on ``weight``'s device and dtype; ``old``'s train / eval mode.
+    has the same kind, else fresh on ``weight``'s device and dtype, started as ``gaug_init`` says
+    (:meth:`~vitattn.layers.GaussianAugment.init_weights`); ``old``'s train / eval mode, and timm's
+    explicit attention path (``fused_attn=False``) when ``old`` took it.
 
     Raises ``TypeError`` (naming ``converter``) when a parameter or buffer of ``new`` is still a meta
     placeholder while ``weight`` is not on the meta device.
     """
+    gaug_init = check_gaug_init(gaug_init)
     gaug: nn.Module | None = getattr(new, "gaug", None)
     if gaug is not None:  # as in a new model: kept from a LocAt layer, else freshly initialised
         old_gaug = getattr(old, "gaug", None)
         if not isinstance(old_gaug, type(gaug)):
-            old_gaug = type(gaug)(new.head_dim, device=weight.device, dtype=weight.dtype)
+            old_gaug = type(gaug)(new.head_dim, device=weight.device, dtype=weight.dtype, init=gaug_init)
         new.gaug = old_gaug
     if weight.device.type != "meta" and any(t.is_meta for t in (*new.parameters(), *new.buffers())):
         raise TypeError(f"{converter} cannot create the extra parameters of {type(new).__name__}")
+    if getattr(old, "fused_attn", True) is False:
+        new.fused_attn = False  # type: ignore[assignment]  # a plain bool attribute, as timm's
     new.train(old.training)
     return new
 
 
-def convert_attention(old: nn.Module, cls: type[Attention], **kwargs: Any) -> Attention:
+def convert_attention(
+    old: nn.Module, cls: type[Attention], *, gaug_init: GaugInit = "paper", **kwargs: Any
+) -> Attention:
     """A ``cls`` layer (e.g. :class:`LocAtAttention`) computing with ``old``'s weights.
 
     ``old`` is a ``timm`` ``Attention`` (either location) or a vitattn :class:`Attention`. Its
     ``qkv``, ``q_norm``, ``k_norm``, ``norm``, ``gate`` and ``proj`` submodules move into the new layer
     (the same parameters, so optimizers and ``requires_grad`` carry over), as do its dropout rates and
     (a vitattn layer's) ``backend``; GAug heads are kept from a LocAt layer, otherwise created fresh on
-    the device and dtype of ``old.qkv.weight``. ``kwargs`` go to ``cls`` (``normalizer``, ``grid_size``,
-    ``backend``, ...). Raises ``TypeError`` for any other module.
+    the device and dtype of ``old.qkv.weight`` and started as ``gaug_init`` says (``"paper"`` or
+    ``"identity"``, see :class:`~vitattn.layers.GaussianAugment`). ``kwargs`` go to ``cls``
+    (``normalizer``, ``grid_size``, ``backend``, ...). Raises ``TypeError`` for any other module.
     """
     if not convertible_attention(old):
         raise TypeError(
@@ -104,4 +115,4 @@ def convert_attention(old: nn.Module, cls: type[Attention], **kwargs: Any) -> At
     new.q_norm, new.k_norm = old.get_submodule("q_norm"), old.get_submodule("k_norm")
     new.norm = getattr(old, "norm", None) or nn.Identity()
     new.gate = getattr(old, "gate", None)
-    return finish_conversion(new, old, qkv.weight, "convert_attention")
+    return finish_conversion(new, old, qkv.weight, "convert_attention", gaug_init)
