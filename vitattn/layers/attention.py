@@ -13,7 +13,7 @@ from torch import nn
 from ..functional import GaussianBias, attention
 from ..functional.dispatch import check_backend_name
 from ..functional.normalize import Normalizer, resolve_normalizer
-from .explicit import explicit_attention
+from .explicit import explicit_attention, resolve_attn_mask
 
 __all__ = ["Attention", "EntmaxAttention", "attend", "project_qkv", "resolve_attn_mask", "run_attention"]
 
@@ -67,19 +67,6 @@ def project_qkv(
         return None, None, v.reshape(b, n, heads, dim).transpose(1, 2)
     q, k, v = attn.qkv(x).reshape(b, n, 3, heads, dim).permute(2, 0, 3, 1, 4).unbind(0)
     return attn.q_norm(q), attn.k_norm(k), v
-
-
-def resolve_attn_mask(
-    n: int, attn_mask: torch.Tensor | None, is_causal: bool, device: torch.device
-) -> torch.Tensor | None:
-    """The mask handed to :func:`vitattn.functional.attention`, with timm's semantics.
-
-    ``attn_mask`` is a boolean keep-mask (``True`` = attend) or an additive float mask broadcastable
-    to ``(B, H, N, N)``; ``is_causal=True`` takes precedence and gives a lower-triangular keep-mask.
-    """
-    if is_causal:
-        return torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    return attn_mask
 
 
 @register_notrace_function
@@ -141,9 +128,7 @@ def run_attention(
         normalizer: Normalizer = module.normalizer  # type: ignore[assignment]
         scale, backend = float(module.scale), str(module.backend)  # type: ignore[arg-type]
         return attend(q, k, v, attn_mask, is_causal, bias, normalizer, scale, dropout_p, backend)
-    return explicit_attention(
-        module, q, k, v, resolve_attn_mask(q.shape[2], attn_mask, is_causal, q.device), bias
-    )
+    return explicit_attention(module, q, k, v, attn_mask, is_causal, bias)
 
 
 class Attention(nn.Module):

@@ -26,7 +26,7 @@ from torch import nn
 from ..functional import GaussianBias, attention
 from ..functional.normalize import Normalizer
 
-__all__ = ["WEIGHT_NODE_NAMES", "explicit_attention", "weight_node_name"]
+__all__ = ["WEIGHT_NODE_NAMES", "explicit_attention", "resolve_attn_mask", "weight_node_name"]
 
 #: The FX node name of the weights, per normalizer (alpha-entmax with any other float alpha: ``entmax``)
 WEIGHT_NODE_NAMES = {"softmax": "softmax", "entmax15": "entmax15", "sparsemax": "sparsemax"}
@@ -37,32 +37,40 @@ def weight_node_name(normalizer: Normalizer) -> str:
     return WEIGHT_NODE_NAMES.get(normalizer, "entmax") if isinstance(normalizer, str) else "entmax"
 
 
+def resolve_attn_mask(
+    n: int, attn_mask: torch.Tensor | None, is_causal: bool, device: torch.device
+) -> torch.Tensor | None:
+    """The mask handed to :func:`vitattn.functional.attention`, with timm's semantics.
+
+    ``attn_mask`` is a boolean keep-mask (``True`` = attend) or an additive float mask broadcastable
+    to ``(B, H, N, N)``; ``is_causal=True`` takes precedence and gives a lower-triangular keep-mask.
+    """
+    if is_causal:
+        return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return attn_mask
+
+
 def _weights(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
     bias: torch.Tensor | GaussianBias | None,
     normalizer: Normalizer,
     scale: float,
     backend: str,
 ) -> torch.Tensor:
-    """``(B, H, Nq, Nk)`` attention weights (before dropout) from one :func:`attention` call.
+    """``(B, H, Nq, Nk)`` attention weights (before dropout) from one :func:`attention` call; the mask
+    with timm's semantics (:func:`resolve_attn_mask`, inside the FX leaf: it branches on the flags).
 
     On the meta device the result is shape-only, as the layers' fused call.
     """
     if q.device.type == "meta":
         return q.new_empty(*q.shape[:-1], k.shape[-2])
+    mask = resolve_attn_mask(q.shape[2], attn_mask, is_causal, q.device)
     _, weights = attention(
-        q,
-        k,
-        v,
-        normalizer=normalizer,
-        scale=scale,
-        mask=mask,
-        bias=bias,
-        return_weights=True,
-        backend=backend,
+        q, k, v, normalizer=normalizer, scale=scale, mask=mask, bias=bias, return_weights=True, backend=backend
     )
     return weights
 
@@ -73,53 +81,57 @@ def softmax(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
     bias: torch.Tensor | GaussianBias | None,
     scale: float,
     backend: str,
 ) -> torch.Tensor:
     """Softmax attention weights ``(B, H, Nq, Nk)``."""
-    return _weights(q, k, v, mask, bias, "softmax", scale, backend)
+    return _weights(q, k, v, attn_mask, is_causal, bias, "softmax", scale, backend)
 
 
 def entmax15(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
     bias: torch.Tensor | GaussianBias | None,
     scale: float,
     backend: str,
 ) -> torch.Tensor:
     """Entmax-1.5 attention weights ``(B, H, Nq, Nk)``."""
-    return _weights(q, k, v, mask, bias, "entmax15", scale, backend)
+    return _weights(q, k, v, attn_mask, is_causal, bias, "entmax15", scale, backend)
 
 
 def sparsemax(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
     bias: torch.Tensor | GaussianBias | None,
     scale: float,
     backend: str,
 ) -> torch.Tensor:
     """Sparsemax attention weights ``(B, H, Nq, Nk)``."""
-    return _weights(q, k, v, mask, bias, "sparsemax", scale, backend)
+    return _weights(q, k, v, attn_mask, is_causal, bias, "sparsemax", scale, backend)
 
 
 def entmax(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
     bias: torch.Tensor | GaussianBias | None,
     scale: float,
     backend: str,
     alpha: float,
 ) -> torch.Tensor:
     """Alpha-entmax attention weights ``(B, H, Nq, Nk)``."""
-    return _weights(q, k, v, mask, bias, float(alpha), scale, backend)
+    return _weights(q, k, v, attn_mask, is_causal, bias, float(alpha), scale, backend)
 
 
 for _leaf in (softmax, entmax15, sparsemax, entmax):
@@ -135,20 +147,21 @@ def explicit_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
     bias: torch.Tensor | GaussianBias | None,
 ) -> torch.Tensor:
     """``attn_drop(weights) @ v: (B, H, Nq, Dv)`` for a vitattn layer ``module`` (its ``normalizer``,
-    ``scale``, ``backend`` and ``attn_drop``), with ``mask`` already in :func:`attention`'s form."""
+    ``scale``, ``backend`` and ``attn_drop``); ``attn_mask`` and ``is_causal`` as timm's."""
     normalizer: Normalizer = module.normalizer  # type: ignore[assignment]
     scale, backend = float(module.scale), str(module.backend)  # type: ignore[arg-type]
     if normalizer == "softmax":
-        weights = softmax(q, k, v, mask, bias, scale, backend)
+        weights = softmax(q, k, v, attn_mask, is_causal, bias, scale, backend)
     elif normalizer == "entmax15":
-        weights = entmax15(q, k, v, mask, bias, scale, backend)
+        weights = entmax15(q, k, v, attn_mask, is_causal, bias, scale, backend)
     elif normalizer == "sparsemax":
-        weights = sparsemax(q, k, v, mask, bias, scale, backend)
+        weights = sparsemax(q, k, v, attn_mask, is_causal, bias, scale, backend)
     else:
-        weights = entmax(q, k, v, mask, bias, scale, backend, float(normalizer))
+        weights = entmax(q, k, v, attn_mask, is_causal, bias, scale, backend, float(normalizer))
     drop: nn.Module = module.get_submodule("attn_drop")
     return drop(weights).to(v.dtype) @ v
