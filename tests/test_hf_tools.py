@@ -146,7 +146,9 @@ def test_distill_loss_against_own_entropy(family: str) -> None:
 def test_transfer_between_timm_and_transformers() -> None:
     import timm
 
-    teacher = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_heads=4, embed_dim=32)
+    teacher = timm.create_model(
+        "vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_heads=4, embed_dim=32
+    )
     student = tiny_model("vit")
     out = AttentionDistill(teacher.eval(), student.train(), layers=[0])(images())
     assert out.attn_loss is not None and torch.isfinite(out.attn_loss)

@@ -315,7 +315,8 @@ def test_registered_model_from_a_plain_checkpoint(name: str, tmp_path) -> None:
     model = timm.create_model(
         name, pretrained=True, pretrained_cfg_overlay=overlay, gaug_init="identity", prr=False, **kwargs
     ).eval()
-    paper = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, prr=False, **kwargs).eval()
+    paper = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, prr=False, **kwargs)
+    paper.eval()
     with torch.no_grad():
         torch.testing.assert_close(model(x), plain(x), atol=1e-4, rtol=0)
         assert (paper(x) - plain(x)).abs().max() > 5e-4

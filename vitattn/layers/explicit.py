@@ -70,8 +70,9 @@ def _weights(
         return q.new_empty(*q.shape[:-1], k.shape[-2])
     mask = resolve_attn_mask(q.shape[2], attn_mask, is_causal, q.device)
     _, weights = attention(
-        q, k, v, normalizer=normalizer, scale=scale, mask=mask, bias=bias, return_weights=True, backend=backend
-    )
+        q, k, v, normalizer=normalizer, scale=scale, mask=mask, bias=bias, return_weights=True,
+        backend=backend,
+    )  # fmt: skip
     return weights
 
 
