@@ -13,7 +13,7 @@ model's forward is left to run as it is and every hook is removed after.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -23,6 +23,7 @@ from torch import nn
 from ..functional import capture_attention_weights, scores
 from ..layers.attention import TimmStyleAttention, project_qkv, resolve_attn_mask
 from ..models.blocks import block_indices, is_transformers_model, model_blocks
+from ..models.layout import model_grid_size, model_num_prefix_tokens
 
 __all__ = [
     "attention_maps",
@@ -32,6 +33,7 @@ __all__ = [
     "record_attention",
     "resolve_layers",
     "timm_attention_probs",
+    "token_layout",
 ]
 
 MapSink = Callable[[int, torch.Tensor], None]
@@ -72,6 +74,21 @@ def forward_images(model: nn.Module, x: torch.Tensor) -> Any:
 
         return run_backbone(hf_layout(model), x)
     return model(x)
+
+
+def token_layout(
+    model: nn.Module, image_size: Sequence[int] | None = None
+) -> tuple[tuple[int, int] | None, int | None]:
+    """``(patch grid, prefix tokens)`` of the model on an ``image_size = (H, W)`` input (None where
+    unknown): :func:`~vitattn.models.layout.model_grid_size` and ``model_num_prefix_tokens`` of a
+    timm-style ViT, or the family's layout of a transformers vision model (:func:`vitattn.hf.hf_layout`:
+    class, distillation and register tokens; the input size over the patch size)."""
+    if is_transformers_model(model):
+        from ..hf.layout import hf_layout
+
+        layout = hf_layout(model)
+        return layout.grid(image_size), layout.num_prefix_tokens
+    return model_grid_size(model, image_size), model_num_prefix_tokens(model)
 
 
 def resolve_layers(model: nn.Module, layers: int | Iterable[int] | None = None) -> list[int]:

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layout import model_grid_size, model_num_prefix_tokens, resolve_layout
-from .maps import evaluating, forward_images, record_attention
+from ..models.layout import resolve_layout
+from .maps import evaluating, forward_images, record_attention, token_layout
 from .metrics import attention_entropy, grid_diagonal, mean_attention_distance
 
 __all__ = ["LocalityReport", "ReportDiff", "iter_image_batches", "locality_report"]
@@ -375,10 +375,9 @@ def locality_report(
                     x = x[: max_images - seen]
                 if param is not None:
                     x = x.to(param.device, param.dtype if x.is_floating_point() else None)
-                layout["grid"] = grid_size if grid_size is not None else model_grid_size(model, x.shape[-2:])
-                layout["prefix"] = (
-                    num_prefix_tokens if num_prefix_tokens is not None else (model_num_prefix_tokens(model))
-                )
+                grid, prefix = token_layout(model, x.shape[-2:])
+                layout["grid"] = grid_size if grid_size is not None else grid
+                layout["prefix"] = num_prefix_tokens if num_prefix_tokens is not None else prefix
                 forward_images(model, x)
                 seen += x.shape[0]
                 if bar is not None:

@@ -6,8 +6,8 @@ Four kinds of backbone:
    ``LocAtViT``, ViTs patched by :func:`vitattn.patch`): the block outputs it returns, through the
    final norm when ``norm=True``, split into prefix and patch tokens by timm;
 2. a model with ``.blocks`` but no ``forward_intermediates``: forward hooks on the blocks, the token
-   layout from :func:`vitattn.analysis.model_grid_size` / ``model_num_prefix_tokens``, ``model.norm``
-   applied when ``norm=True`` and present;
+   layout from :func:`vitattn.models.layout.model_grid_size` / ``model_num_prefix_tokens``,
+   ``model.norm`` applied when ``norm=True`` and present;
 3. a transformers vision model (ViT, DeiT, DINOv2 with or without registers, ViT-MAE, CLIP, SigLIP;
    see :mod:`vitattn.hf`): forward hooks on its encoder layers while its vision tower runs with every
    patch a token, the tower's final norm (``layernorm``, or ``post_layernorm`` for CLIP and SigLIP)
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..analysis.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
 from ..models.blocks import block_indices, is_transformers_model, module_items
+from ..models.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
 
 __all__ = ["FeatureMaps", "backbone_depth", "patch_features"]
 

@@ -8,8 +8,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from ..functional import grid_pair
-from ..models._grid import feat_size
-from ..models.blocks import is_transformers_model
+from ._grid import feat_size
 
 __all__ = ["model_grid_size", "model_num_prefix_tokens", "resolve_layout"]
 
@@ -18,24 +17,14 @@ def model_grid_size(model: nn.Module, image_size: Sequence[int] | None = None) -
     """Patch grid ``(gh, gw)`` a timm-style ViT makes from an ``image_size = (H, W)`` input, or None.
 
     Uses ``patch_embed.dynamic_feat_size`` when the input size is known (so ``dynamic_img_size``
-    models get the grid of each input), else ``patch_embed.grid_size``. A transformers vision model:
-    the input size over its patch size (default: the size it was built for).
+    models get the grid of each input), else ``patch_embed.grid_size``.
     """
-    if is_transformers_model(model):
-        from ..hf.layout import hf_layout
-
-        return hf_layout(model).grid(image_size)
     embed = getattr(model, "patch_embed", None)
     return None if embed is None else feat_size(embed, image_size)
 
 
 def model_num_prefix_tokens(model: nn.Module) -> int | None:
-    """``model.num_prefix_tokens`` (class + register tokens) of a timm-style ViT, the prefix tokens of a
-    transformers vision model (class, distillation and register tokens), or None."""
-    if is_transformers_model(model):
-        from ..hf.layout import hf_layout
-
-        return hf_layout(model).num_prefix_tokens
+    """``model.num_prefix_tokens`` (class + register tokens) of a timm-style ViT, or None."""
     p = getattr(model, "num_prefix_tokens", None)
     return None if p is None else int(p)
 
