@@ -57,6 +57,7 @@ def test_register_names_and_alpha_factory() -> None:
         attention_name(0.5)
 
 
+@pytest.mark.slow  # a subprocess
 def test_import_vitattn_does_not_import_transformers() -> None:
     code = (
         "import sys, vitattn, vitattn.analysis, vitattn.probe, vitattn.transfer, vitattn.patch\n"

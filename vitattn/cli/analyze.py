@@ -1,4 +1,5 @@
-"""``vitattn analyze``: a locality report, its JSON and plots for a timm or vitattn model."""
+"""``vitattn analyze``: a locality report, its JSON and plots for a timm or vitattn model, or a Hugging
+Face transformers model (``hf:<model id or folder>``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from ..analysis.data import InputSpec
+
 __all__ = ["DATASETS", "HELP", "NAME", "add_arguments", "parse_query", "run"]
 
 NAME = "analyze"
@@ -22,7 +25,11 @@ DATASETS = ("digits",)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``vitattn analyze``."""
-    p.add_argument("model", help="timm model name, e.g. vit_tiny_patch16_224 or locatvit_tiny")
+    p.add_argument(
+        "model",
+        help="timm model name, e.g. vit_tiny_patch16_224 or locatvit_tiny, or hf:<model id or folder> "
+        "(a transformers vision model, offline: a local folder or the Hugging Face cache)",
+    )
     p.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="builder kwarg (repeatable)")
     p.add_argument("--attention", choices=("softmax", "entmax15", "locat"), help="vitattn.patch the model")
     p.add_argument("--checkpoint", metavar="PATH", help=".safetensors or weights-only torch state dict")
@@ -66,31 +73,49 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-def _first_image(args: argparse.Namespace, model: nn.Module) -> torch.Tensor:
-    from ..analysis.data import digits_images, find_images, input_spec, load_image
+def _first_image(args: argparse.Namespace, spec: InputSpec) -> torch.Tensor:
+    from ..analysis.data import digits_images, find_images, load_image
 
-    spec = input_spec(model)
     if args.images:
         return load_image(find_images(args.images)[0][0], spec)
     return digits_images(spec=spec, max_images=1)[0][0]
+
+
+def load_model_and_spec(args: argparse.Namespace) -> tuple[nn.Module, InputSpec]:
+    """The model to analyse and what it takes: a timm name (``--model-arg``, ``--attention``,
+    ``--checkpoint``), or ``hf:<model id or folder>`` (:func:`vitattn.hf.load_model`, offline; its image
+    processor's normalization; ``--attention`` patches it)."""
+    from ..analysis.data import InputSpec, input_spec
+    from ..analysis.model import build_model
+
+    if not args.model.startswith("hf:"):
+        model = build_model(args.model, parse_model_args(args.model_arg), args.attention, args.checkpoint)
+        return model, input_spec(model)
+    if args.model_arg or args.checkpoint:
+        raise ValueError("--model-arg and --checkpoint apply to timm model names, not to hf: models")
+    from ..hf.loading import load_model
+    from ..patch import patch
+
+    loaded = load_model(args.model)
+    if args.attention is not None:
+        patch(loaded.model, args.attention)
+    return loaded.model.eval(), InputSpec(loaded.image_size, loaded.in_chans, loaded.mean, loaded.std)
 
 
 def run_analyze(args: argparse.Namespace) -> int:
     """Build the model, run ``locality_report``, print it, write JSON and PNGs to ``args.out``."""
     import torch
 
-    from ..analysis.data import digits_images, image_folder_batches, input_spec
-    from ..analysis.maps import attention_maps
-    from ..analysis.model import build_model
+    from ..analysis.data import digits_images, image_folder_batches
+    from ..analysis.maps import attention_maps, token_layout
     from ..analysis.plots import plot_locality_plane, plot_mad_per_layer, plot_query_attention
     from ..analysis.report import LocalityReport, locality_report
-    from ..models.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
+    from ..models.layout import resolve_layout
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = build_model(args.model, parse_model_args(args.model_arg), args.attention, args.checkpoint)
+    model, spec = load_model_and_spec(args)
     model.to(device)
-    spec = input_spec(model)
     if args.images:
         data: Any = image_folder_batches(args.images, spec, args.batch_size, args.max_images)
         source = str(args.images)
@@ -127,13 +152,11 @@ def run_analyze(args: argparse.Namespace) -> int:
     report.to_json(written[0])
     plot_locality_plane(reports, written[1], title=f"Attention locality per head: {args.model}")
     plot_mad_per_layer(reports, written[2])
-    image = _first_image(args, model).to(device)
+    image = _first_image(args, spec).to(device)
     layer = report.layers[-1] if args.map_layer is None else args.map_layer
     maps = attention_maps(model, image[None].to(next(model.parameters()).dtype), [layer])
     layer = next(iter(maps))
-    grid, prefix = resolve_layout(
-        maps[layer].shape[-1], model_grid_size(model, image.shape[-2:]), model_num_prefix_tokens(model)
-    )
+    grid, prefix = resolve_layout(maps[layer].shape[-1], *token_layout(model, image.shape[-2:]))
     plot_query_attention(
         image,
         maps[layer][0],

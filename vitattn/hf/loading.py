@@ -189,6 +189,8 @@ def _missing_message(spec: str, source: str, err: Exception) -> str:
             lacks.append("model.safetensors")
         what = f"it lacks {', '.join(lacks)}" if lacks else f"transformers could not load it ({err})"
         return f"{spec}: the folder {source!r} is not a saved transformers model: {what}"
+    if source.startswith((".", "/", "~")) or "\\" in source:
+        return f"{spec}: there is no folder {source!r} (give the folder that save_pretrained wrote)"
     try:
         from huggingface_hub.constants import HF_HUB_CACHE as cache
     except ImportError:  # pragma: no cover

@@ -7,8 +7,8 @@ from typing import Any
 from torch import nn
 
 from .attention import Attention
-from .locat import GaugInit
 from .conversion import finish_conversion, importable_classes, new_like
+from .locat import GaugInit
 from .locat_rope import rope_attention_classes
 
 __all__ = ["convertible_attention", "convert_attention"]
