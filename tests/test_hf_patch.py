@@ -187,3 +187,21 @@ def test_from_pretrained_patches_a_plain_model(tmp_path) -> None:
     loaded = vitattn.hf.from_pretrained(tmp_path, attention="locat", gaug_init="identity")
     assert isinstance(vitattn.hf.hf_layout(loaded).attentions[0].gaug, GaussianAugment)
     torch.testing.assert_close(_out(loaded, x), _out(model, x), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow  # dynamo tracing
+@pytest.mark.parametrize("how", ["function", "locat"])
+def test_compiles_without_graph_breaks(how: str) -> None:
+    import torch._dynamo
+
+    if how == "function":
+        model = tiny_model("dinov2", attn="vitattn_entmax15")
+    else:
+        model = vitattn.patch(tiny_model("dinov2"), "locat")
+    x = images()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model)(pixel_values=x)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        torch.testing.assert_close(
+            torch.compile(model, backend="eager")(pixel_values=x).last_hidden_state, _out(model, x)
+        )
