@@ -4,6 +4,7 @@ save and load; tiny random models of every supported family (no network)."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -205,3 +206,15 @@ def test_compiles_without_graph_breaks(how: str) -> None:
         torch.testing.assert_close(
             torch.compile(model, backend="eager")(pixel_values=x).last_hidden_state, _out(model, x)
         )
+
+
+def test_patched_models_copy_and_pickle() -> None:
+    """A patched model deep-copies (the copy's grid hook sets the copy's grid) and pickles whole."""
+    model = vitattn.patch(tiny_model("dinov2_reg"), "locat", prr=True)
+    twin = copy.deepcopy(model)
+    _out(twin, torch.randn(1, 3, 24, 40))
+    assert vitattn.hf.hf_layout(twin).attentions[0].vitattn.grid_size == (3, 5)
+    assert vitattn.hf.hf_layout(model).attentions[0].vitattn.grid_size == (4, 4)
+    again = pickle.loads(pickle.dumps(model))  # e.g. handed to worker processes
+    x = images()
+    torch.testing.assert_close(_out(again, x), _out(model, x))

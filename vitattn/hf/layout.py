@@ -37,29 +37,30 @@ __all__ = [
 @dataclass(frozen=True)
 class HFFamily:
     """One supported family: the vision tower's ``config.model_type``, whether it has a class token,
-    the attribute name of its final norm and its number of prefix tokens (from the config)."""
+    the attribute name of its final norm, and its prefix tokens: ``fixed_prefix`` plus the config's
+    ``register_attr`` when it has one (DINOv2's registers)."""
 
     name: str
     model_type: str
     class_token: bool
     final_norm: str
-    prefix: Callable[[Any], int]
+    fixed_prefix: int
+    register_attr: str | None = None
+
+    def prefix(self, config: Any) -> int:
+        """Prefix tokens (class, distillation and register tokens) of a tower with this config."""
+        registers = int(getattr(config, self.register_attr, 0) or 0) if self.register_attr else 0
+        return self.fixed_prefix + registers
 
 
 FAMILIES = (
-    HFFamily("ViT", "vit", True, "layernorm", lambda c: 1),
-    HFFamily("DeiT", "deit", True, "layernorm", lambda c: 2),  # class + distillation token
-    HFFamily("DINOv2", "dinov2", True, "layernorm", lambda c: 1),
-    HFFamily(
-        "DINOv2 with registers",
-        "dinov2_with_registers",
-        True,
-        "layernorm",
-        lambda c: 1 + int(c.num_register_tokens),
-    ),
-    HFFamily("ViT-MAE", "vit_mae", True, "layernorm", lambda c: 1),
-    HFFamily("CLIP vision", "clip_vision_model", True, "post_layernorm", lambda c: 1),
-    HFFamily("SigLIP vision", "siglip_vision_model", False, "post_layernorm", lambda c: 0),
+    HFFamily("ViT", "vit", True, "layernorm", 1),
+    HFFamily("DeiT", "deit", True, "layernorm", 2),  # class + distillation token
+    HFFamily("DINOv2", "dinov2", True, "layernorm", 1),
+    HFFamily("DINOv2 with registers", "dinov2_with_registers", True, "layernorm", 1, "num_register_tokens"),
+    HFFamily("ViT-MAE", "vit_mae", True, "layernorm", 1),
+    HFFamily("CLIP vision", "clip_vision_model", True, "post_layernorm", 1),
+    HFFamily("SigLIP vision", "siglip_vision_model", False, "post_layernorm", 0),
 )
 _BY_TYPE = {f.model_type: f for f in FAMILIES}
 _LAYER_LISTS = ("encoder.layer", "encoder.layers", "layers", "layer")

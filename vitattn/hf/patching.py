@@ -120,14 +120,20 @@ def _attach_grid_hook(layout: HFLayout) -> None:
     embeddings.__dict__[_GRID_HOOK] = handle
 
 
-def _prr_tokens(prr: PRR, output: Any) -> Any:
-    """``output`` (tokens, a tuple led by them, or a model output with ``last_hidden_state``) refined."""
-    if isinstance(output, torch.Tensor):
-        return prr(output)
-    if isinstance(output, tuple):
-        return (prr(output[0]), *output[1:])
-    output.last_hidden_state = prr(output.last_hidden_state)
-    return output
+class PRRHook:
+    """Forward hook refining a module's output tokens with ``prr``: tokens, a tuple led by them, or a
+    model output with ``last_hidden_state`` (a class, not a closure, so a patched model pickles)."""
+
+    def __init__(self, prr: PRR) -> None:
+        self.prr = prr
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return self.prr(output)
+        if isinstance(output, tuple):
+            return (self.prr(output[0]), *output[1:])
+        output.last_hidden_state = self.prr(output.last_hidden_state)
+        return output
 
 
 def _attach_prr(layout: HFLayout) -> None:
@@ -146,11 +152,7 @@ def _attach_prr(layout: HFLayout) -> None:
         target = layout.final_norm
     else:  # pragma: no cover - every supported family has a final norm
         raise TypeError(f"prr=True needs the final norm {layout.family.final_norm!r} of {layout.family.name}")
-
-    def hook(module: nn.Module, args: Any, output: Any) -> Any:
-        return _prr_tokens(prr, output)
-
-    target.__dict__[_PRR_HOOK] = target.register_forward_hook(hook)
+    target.__dict__[_PRR_HOOK] = target.register_forward_hook(PRRHook(prr))
 
 
 def _check_all_patches(layout: HFLayout) -> None:
