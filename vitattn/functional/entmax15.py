@@ -162,7 +162,7 @@ class _Entmax15Function(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return g.square_().to(z.dtype)
         # The backward needs sqrt(p): kept from here (one more tensor of z's size while training)
-        # because torch.sqrt of the zeros off the support is ~5x slower than elsewhere, and ~4x a mul.
+        # rather than recomputed by a sqrt of p (docs/benchmarks.md, "entmax-1.5 on the CPU").
         ctx.save_for_backward(g)
         return g.square().to(z.dtype)
 

@@ -71,7 +71,8 @@ def _axis_factors_t(
     """``(F = [R; C]ᵀ: (..., gh + gw, Np), E)``: both axes' factors with the query index last and their
     exponent ``E`` in log2 units (:func:`gaussian_exponent` times ``log2(e)``), from the numerator table
     ``(gh + gw, Np)`` (:meth:`GaussianBias.numerator_table`, clamped and already times ``log2(e)``) and
-    the denominators ``den: (..., 2, Np)``. ``F = exp2(E)``: torch's ``exp2`` is the faster CPU kernel."""
+    the denominators ``den: (..., 2, Np)``. ``F = exp2(E)`` (log2 units: exp2 is the cheaper CPU kernel,
+    docs/benchmarks.md)."""
     gh, gw = grid_size
     if gh == gw:  # one broadcast division: (2, g, Np) / (..., 2, 1, Np)
         exponent = (table.unflatten(0, (2, gh)) / den.unsqueeze(-2)).flatten(-3, -2)

@@ -34,6 +34,8 @@ class SdpaBackend:
             return f"normalizer {call.normalizer!r} (SDPA computes softmax only)"
         if call.return_weights:
             return "return_weights=True (SDPA does not return the weights)"
+        if min(*call.q.shape[:3], call.k.shape[2]) == 0:
+            return "an empty dimension (SDPA gives a bias or mask no gradient then)"
         return None
 
     def path(self, call: AttentionCall) -> str:
