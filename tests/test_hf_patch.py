@@ -147,7 +147,7 @@ def test_prr_before_the_pooler(family: str) -> None:
         tokens = prr_fn(plain.last_hidden_state, 4)
         torch.testing.assert_close(out.last_hidden_state, tokens, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(
-            out.pooler_output, model.post_layernorm(tokens[:, 0]), atol=1e-5, rtol=1e-5
+            out.pooler_output, vitattn.hf.hf_layout(model).final_norm(tokens[:, 0]), atol=1e-5, rtol=1e-5
         )
     else:  # PRR on the final norm's output: last_hidden_state and the pooler see it
         torch.testing.assert_close(

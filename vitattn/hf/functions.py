@@ -137,14 +137,34 @@ def _causal(
     return torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(diagonal=nk - nq)
 
 
-def _collecting_attentions() -> bool:
-    """Whether transformers 5's output capture is collecting attentions right now (False elsewhere)."""
+_COLLECTOR: list[Any] = []  # transformers 5's output collector (a context variable), found by register()
+
+
+def _find_collector() -> None:
+    """Look transformers' output collector up once (not in the attention call: under torch.compile an
+    import there breaks the graph)."""
+    if _COLLECTOR:
+        return
     try:
         from transformers.utils.output_capturing import _active_collector
-    except ImportError:
-        return False
+    except ImportError:  # transformers 4.5x
+        _COLLECTOR.append(None)
+    else:
+        _COLLECTOR.append(_active_collector)
+
+
+def _collecting_attentions(module: nn.Module) -> bool:
+    """Whether transformers is collecting this call's attention weights right now.
+
+    transformers 5 keeps the collection in a context variable; transformers 4.5x wraps the attention
+    module's ``forward`` (an instance attribute) for the length of the call instead, and passes no
+    flag down, so there an instance-level ``forward`` counts as a request (at worst, weights made
+    for nothing)."""
+    collector = _COLLECTOR[0] if _COLLECTOR else None
+    if collector is None:
+        return "forward" in module.__dict__
     try:
-        return "attentions" in (_active_collector.get() or {})
+        return "attentions" in (collector.get() or {})
     except (LookupError, TypeError):
         return False
 
@@ -155,7 +175,7 @@ def _wants_weights(module: nn.Module, kwargs: dict[str, Any]) -> bool:
         return bool(flag)
     if bool(getattr(getattr(module, "config", None), "output_attentions", False)):
         return True
-    return _collecting_attentions()
+    return _collecting_attentions(module)
 
 
 def _repeat_kv(
@@ -285,6 +305,7 @@ def register(*names: str) -> tuple[str, ...]:
         raise ImportError(
             'vitattn.hf needs transformers >= 4.51 with AttentionInterface: pip install "vitattn[hf]"'
         ) from err
+    _find_collector()
     chosen = names or (PATCHED_NAME, *ATTENTION_NAMES.values())
     for name in chosen:
         if name in _REGISTERED:
