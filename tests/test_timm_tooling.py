@@ -202,6 +202,7 @@ def test_forward_intermediates(case: str) -> None:
 
 
 # ---- torch.compile ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_compile_fullgraph_no_graph_breaks(case: str) -> None:
     """Eval under no_grad: one graph, no breaks (dynamo only: backend "eager" keeps it fast)."""
@@ -216,6 +217,7 @@ def test_compile_fullgraph_no_graph_breaks(case: str) -> None:
         torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_compile_fullgraph_locat_entmax_aot_eager() -> None:
     """GAug-biased entmax-1.5 (a fixed number of Newton steps under compile), through AOT autograd."""
     torch._dynamo.reset()
