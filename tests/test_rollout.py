@@ -379,3 +379,27 @@ def test_cli_analyze_rollout(tmp_path, capsys) -> None:
         ]
     )
     assert rc == 2 and "--rollout-images must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["vit", "dinov2_reg", "siglip"])
+def test_transformers_models_roll_out_from_their_own_attentions(family: str) -> None:
+    """A transformers model's ``outputs.attentions`` are rollout's input as they are; ``model_rollout``
+    reads the same maps through ``attention_maps``, and the heat map takes the class token (token 0),
+    or all tokens for SigLIP (no class token)."""
+    pytest.importorskip("transformers")
+    from .hf_tiny import FAMILIES, tiny_model
+
+    model = tiny_model(family)
+    x = torch.randn(2, 3, 32, 32)
+    out = model(pixel_values=x, output_attentions=True)
+    own = attention_rollout(list(out.attentions), 0.3, "max", num_prefix_tokens=FAMILIES[family][3])
+    got = model_rollout(model, x, discard_ratio=0.3, head_fusion="max")
+    torch.testing.assert_close(got, own, atol=1e-5, rtol=1e-5)
+    prefix = FAMILIES[family][3]
+    want = got[:, 0, prefix:] if prefix else got[:, :, prefix:].mean(1)
+    torch.testing.assert_close(model_heatmap(model, x, got), want.reshape(2, 4, 4))
+    x.requires_grad_(True)
+    out = model(pixel_values=x, output_attentions=True)
+    grads = torch.autograd.grad(out.last_hidden_state[:, 0].sum(), out.attentions)
+    relevance = gradient_rollout([a.detach() for a in out.attentions], grads)
+    assert relevance.shape == got.shape and torch.isfinite(relevance).all()

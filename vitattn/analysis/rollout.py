@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.attention import project_qkv
-from ..models.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
-from .maps import attention_maps, evaluating, record_attention, resolve_layers
+from ..models.blocks import is_transformers_model
+from ..models.layout import resolve_layout
+from .maps import attention_maps, evaluating, record_attention, resolve_layers, token_layout
 
 __all__ = [
     "HEAD_FUSIONS",
@@ -300,11 +301,11 @@ def model_rollout(
     gradient: bool = False,
     target: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rollout ``(B, N, N)`` of a timm / vitattn ViT on ``x`` over all its blocks: plain
-    (:func:`attention_rollout` of :func:`~vitattn.analysis.attention_maps`) or, with
-    ``gradient=True``, :func:`gradient_rollout` for the class ``target`` (None: each image's top
-    class; ``discard_ratio`` and ``head_fusion`` do not apply)."""
-    prefix = model_num_prefix_tokens(model) or 0
+    """Rollout ``(B, N, N)`` of a model on ``x`` over all its blocks: plain (:func:`attention_rollout`
+    of :func:`~vitattn.analysis.attention_maps`: a timm / vitattn ViT or a transformers vision model)
+    or, with ``gradient=True``, :func:`gradient_rollout` for the class ``target`` (None: each image's
+    top class; ``discard_ratio`` and ``head_fusion`` do not apply; timm / vitattn ViTs only)."""
+    prefix = token_layout(model, tuple(x.shape[-2:]))[1] or 0
     if gradient:
         maps, grads = attention_gradients(model, x, target)
         return gradient_rollout(maps, grads)
@@ -316,10 +317,13 @@ def model_heatmap(model: nn.Module, x: torch.Tensor, rollout: torch.Tensor) -> t
     count: ``(B, gh, gw)``. The class token (token 0); the mean of the class tokens when there are
     several (Jumbo's J tokens: prefix tokens that are not registers); the mean of all tokens when
     there is no class token (average pooling)."""
-    prefix = model_num_prefix_tokens(model) or 0
-    classes = prefix - int(getattr(model, "num_reg_tokens", 0) or 0)
+    grid, prefix_count = token_layout(model, tuple(x.shape[-2:]))
+    prefix = prefix_count or 0
+    if is_transformers_model(model):  # token 0 is the class token of every family that has one
+        classes = min(prefix, 1)
+    else:
+        classes = prefix - int(getattr(model, "num_reg_tokens", 0) or 0)
     query: int | str = 0 if classes == 1 else ("prefix" if classes > 1 else "all")
-    grid = model_grid_size(model, tuple(x.shape[-2:]))
     return rollout_heatmap(rollout, grid, prefix, query=query)
 
 
