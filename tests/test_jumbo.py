@@ -212,7 +212,7 @@ def test_layout_matches_official_semantics(name: str) -> None:
     locat = arch.startswith("locat")
     gaug, prr = locat, locat and overrides.get("prr", True)
     normalizer = overrides.get("normalizer", "softmax")
-    layer = LocAtAttention if gaug else (Attention if normalizer != "softmax" else timm.layers.Attention)
+    layer = LocAtAttention if gaug else Attention
     assert all(type(b.attn) is layer for b in model.blocks)
     image = torch.randn(2, 3, *size)
     official = official_jumbo(model, image, gaug=gaug, prr=prr, norm_patches=locat, normalizer=normalizer)

@@ -296,6 +296,7 @@ class Jumbo(LocAtModelMixin, _JumboViT):
     The builders set ``init_values=1e-4`` (the layer scales; ``ls3`` is always built, so ``None`` is
     refused) and ``no_embed_class=True`` (the position embedding covers the patches only). Refused:
     register tokens, no class token, pooling other than the class tokens, a custom ``block_fn``.
+    Every block's attention is a vitattn layer (``Attention`` for the plain Jumbo, same keys as timm's).
     ``forward_features`` returns ``(B, J + Np, D)`` after the final norms, before PRR;
     ``model(x) == model.forward_head(model.forward_features(x))``. ``num_features`` is D (per
     token), ``head_hidden_size`` J·D.
@@ -326,6 +327,8 @@ class Jumbo(LocAtModelMixin, _JumboViT):
             **kwargs,
         )
         self.locat = locat
+        if not self.use_gaug and self.normalizer == "softmax":
+            self._convert_blocks()  # vitattn's own Attention in every block all the same (same keys)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """``x: (B, J + Np, D)`` -> PRR over all tokens (if on; only the J class tokens' rows are
