@@ -1,0 +1,200 @@
+"""The explicit attention path of the vitattn layers: weights through ``attn_drop``, for timm's tools.
+
+With timm's fused attention switched off (``timm.layers.set_fused_attn(False)`` or
+``TIMM_FUSED_ATTN=0`` before the model is built), timm's own layers compute
+``attn_drop(softmax(scores)) @ v`` step by step, and ``timm.utils.AttentionExtract`` reads the weights
+there: as the ``*attn_drop`` modules' outputs (``method="hook"``) or as the ``*attn.softmax`` graph
+nodes (``method="fx"``). The vitattn layers built in that state do the same:
+
+- the weights come from one call of :func:`vitattn.functional.attention` (any normalizer, bias, mask,
+  window and backend; analysis captures still see it), made by a function named after the normalizer,
+  which FX records as one node: ``softmax``, ``entmax15``, ``sparsemax`` or ``entmax`` (alpha-entmax,
+  a learned tensor of alphas included);
+- they pass through the layer's ``attn_drop`` module, and the output is ``weights @ v``.
+
+So ``AttentionExtract(model, method="fx")`` finds softmax layers (LocAt included) under its default
+``*attn.softmax``; for the others pass their names, e.g. ``names=["*attn.entmax15"]`` or
+``["*attn.softmax", "*attn.entmax*", "*attn.sparsemax"]`` for any of them. With fused attention on
+(timm's default), the layers never come here.
+"""
+
+from __future__ import annotations
+
+import torch
+from timm.layers import register_notrace_function
+from torch import nn
+
+from ..functional import GaussianBias, WindowMask, attention
+from ..functional.normalize import AttentionNormalizer, Normalizer
+
+__all__ = ["WEIGHT_NODE_NAMES", "explicit_attention", "layer_mask", "resolve_attn_mask", "weight_node_name"]
+
+#: The FX node name of the weights, per normalizer (alpha-entmax with any other float alpha: ``entmax``)
+WEIGHT_NODE_NAMES = {"softmax": "softmax", "entmax15": "entmax15", "sparsemax": "sparsemax"}
+
+
+def weight_node_name(normalizer: Normalizer | str) -> str:
+    """The FX node name (the last part of ``blocks.0.attn.<name>``) of a layer's attention weights."""
+    return WEIGHT_NODE_NAMES.get(normalizer, "entmax") if isinstance(normalizer, str) else "entmax"
+
+
+def resolve_attn_mask(
+    n: int, attn_mask: torch.Tensor | None, is_causal: bool, device: torch.device
+) -> torch.Tensor | None:
+    """The mask handed to :func:`vitattn.functional.attention`, with timm's semantics.
+
+    ``attn_mask`` is a boolean keep-mask (``True`` = attend) or an additive float mask broadcastable
+    to ``(B, H, N, N)``; ``is_causal=True`` takes precedence and gives a lower-triangular keep-mask.
+    """
+    if is_causal:
+        return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return attn_mask
+
+
+def layer_mask(
+    n: int,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    device: torch.device,
+    window: WindowMask | None = None,
+) -> torch.Tensor | WindowMask | None:
+    """:func:`resolve_attn_mask` and a layer's neighbourhood ``window`` as the one mask of the call: the
+    window itself when there is no other mask, else both folded into one dense mask of the other's kind
+    (a bool keep-mask ``&`` the window's, or an additive mask with ``-inf`` outside the window)."""
+    dense = resolve_attn_mask(n, attn_mask, is_causal, device)
+    if window is None:
+        return dense
+    if dense is None:
+        return window
+    keep = window.dense(device)
+    if dense.dtype == torch.bool:
+        return dense & keep
+    return dense.masked_fill(~keep, float("-inf"))
+
+
+def _weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | WindowMask | None,
+    is_causal: bool,
+    bias: torch.Tensor | GaussianBias | None,
+    normalizer: AttentionNormalizer,
+    scale: float,
+    backend: str,
+) -> torch.Tensor:
+    """``(B, H, Nq, Nk)`` attention weights (before dropout) from one :func:`attention` call; the mask
+    with timm's semantics (:func:`resolve_attn_mask`, inside the FX leaf: it branches on the flags).
+
+    On the meta device the result is shape-only, as the layers' fused call.
+    """
+    if q.device.type == "meta":
+        return q.new_empty(*q.shape[:-1], k.shape[-2])
+    if isinstance(attn_mask, WindowMask):  # a layer's window (folded with any other mask already)
+        mask: torch.Tensor | WindowMask | None = attn_mask
+    else:
+        mask = resolve_attn_mask(q.shape[2], attn_mask, is_causal, q.device)
+    _, weights = attention(
+        q, k, v, normalizer=normalizer, scale=scale, mask=mask, bias=bias, return_weights=True,
+        backend=backend,
+    )  # fmt: skip
+    return weights
+
+
+# One function per normalizer, each an FX leaf whose node is named after it (FX names a call by the
+# function's __name__). timm's tracer knows them from its registry, plain tracers from torch.fx.wrap.
+def softmax(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    bias: torch.Tensor | GaussianBias | None,
+    scale: float,
+    backend: str,
+) -> torch.Tensor:
+    """Softmax attention weights ``(B, H, Nq, Nk)``."""
+    return _weights(q, k, v, attn_mask, is_causal, bias, "softmax", scale, backend)
+
+
+def entmax15(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    bias: torch.Tensor | GaussianBias | None,
+    scale: float,
+    backend: str,
+) -> torch.Tensor:
+    """Entmax-1.5 attention weights ``(B, H, Nq, Nk)``."""
+    return _weights(q, k, v, attn_mask, is_causal, bias, "entmax15", scale, backend)
+
+
+def sparsemax(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    bias: torch.Tensor | GaussianBias | None,
+    scale: float,
+    backend: str,
+) -> torch.Tensor:
+    """Sparsemax attention weights ``(B, H, Nq, Nk)``."""
+    return _weights(q, k, v, attn_mask, is_causal, bias, "sparsemax", scale, backend)
+
+
+def entmax(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    bias: torch.Tensor | GaussianBias | None,
+    scale: float,
+    backend: str,
+    alpha: float | torch.Tensor,
+) -> torch.Tensor:
+    """Alpha-entmax attention weights ``(B, H, Nq, Nk)`` (``alpha``: a float, or a tensor of them)."""
+    alpha = alpha if isinstance(alpha, torch.Tensor) else float(alpha)
+    return _weights(q, k, v, attn_mask, is_causal, bias, alpha, scale, backend)
+
+
+for _leaf in (softmax, entmax15, sparsemax, entmax):
+    register_notrace_function(_leaf)
+torch.fx.wrap("softmax")
+torch.fx.wrap("entmax15")
+torch.fx.wrap("sparsemax")
+torch.fx.wrap("entmax")
+
+
+def explicit_attention(
+    module: nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    bias: torch.Tensor | GaussianBias | None,
+) -> torch.Tensor:
+    """``attn_drop(weights) @ v: (B, H, Nq, Dv)`` for a vitattn layer ``module`` (its
+    ``attention_normalizer()``, ``attention_window()``, ``scale``, ``backend`` and ``attn_drop``);
+    ``attn_mask`` and ``is_causal`` as timm's."""
+    normalizer: AttentionNormalizer = module.attention_normalizer()  # type: ignore[operator]
+    window: WindowMask | None = module.attention_window()  # type: ignore[operator]
+    scale, backend = float(module.scale), str(module.backend)  # type: ignore[arg-type]
+    if window is not None:  # the window and any other mask as one mask (no is_causal left)
+        attn_mask, is_causal = layer_mask(q.shape[2], attn_mask, is_causal, q.device, window), False  # type: ignore[assignment]
+    if isinstance(normalizer, torch.Tensor):  # learned alphas: alpha-entmax
+        weights = entmax(q, k, v, attn_mask, is_causal, bias, scale, backend, normalizer)
+    elif normalizer == "softmax":
+        weights = softmax(q, k, v, attn_mask, is_causal, bias, scale, backend)
+    elif normalizer == "entmax15":
+        weights = entmax15(q, k, v, attn_mask, is_causal, bias, scale, backend)
+    elif normalizer == "sparsemax":
+        weights = sparsemax(q, k, v, attn_mask, is_causal, bias, scale, backend)
+    else:
+        weights = entmax(q, k, v, attn_mask, is_causal, bias, scale, backend, float(normalizer))
+    drop: nn.Module = module.get_submodule("attn_drop")
+    return drop(weights).to(v.dtype) @ v
