@@ -127,3 +127,24 @@ def test_study_attention_kinds():
     x = torch.randn(2, 3, 32, 32)
     for model in (window, adaptive):
         model(x).sum().backward()
+
+
+def test_explicit_path_takes_the_window_and_learned_alphas():
+    """timm's explicit attention path (``fused_attn=False``, what ``AttentionExtract`` reads) computes
+    what the fused call computes, for a window layer (with an attn_mask too) and an adaptive one."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 17, 16)
+    pad = torch.ones(2, 1, 1, 17, dtype=torch.bool)
+    pad[0, ..., -2:] = False
+    for layer in (
+        NeighborhoodAttention(16, 2, window=3, grid_size=(4, 4), num_prefix_tokens=1),
+        LocAtAttention(16, 2, grid_size=(4, 4), num_prefix_tokens=1, window=(3, 2), normalizer="adaptive"),
+    ):
+        if layer.adaptive_alpha is not None:
+            with torch.no_grad():
+                layer.adaptive_alpha.logit.copy_(torch.tensor([-1.0, 1.0]))
+        fused = [layer(x), layer(x, attn_mask=pad)]
+        layer.fused_attn = False
+        explicit = [layer(x), layer(x, attn_mask=pad)]
+        for a, b in zip(explicit, fused, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -14,7 +14,7 @@ from ..functional import GaussianBias, WindowMask, attention
 from ..functional.dispatch import check_backend_name
 from ..functional.normalize import AttentionNormalizer
 from .adaptive import AdaptiveAlpha, LayerNormalizer, normalizer_alphas, resolve_layer_normalizer
-from .explicit import explicit_attention, layer_mask, resolve_attn_mask
+from .explicit import explicit_attention, layer_call_options, layer_mask, resolve_attn_mask
 
 __all__ = ["Attention", "EntmaxAttention", "attend", "project_qkv", "resolve_attn_mask", "run_attention"]
 
@@ -124,16 +124,15 @@ def run_attention(
 ) -> torch.Tensor:
     """A vitattn layer's attention ``(B, H, Nq, Dv)`` from its q, k, v, mask and bias.
 
-    ``module`` has ``attention_normalizer()``, ``attention_window()``, ``scale``, ``backend``,
-    ``attn_drop`` and ``fused_attn``. With
+    ``module`` has a normalizer and window (:func:`~vitattn.layers.explicit.layer_call_options`),
+    ``scale``, ``backend``, ``attn_drop`` and ``fused_attn``. With
     ``fused_attn`` (timm's default) this is :func:`attend`, one call that fuses what the backend can;
     without it, the explicit path of :mod:`vitattn.layers.explicit`: the weights pass through
     ``attn_drop`` before ``@ v``, where timm's ``AttentionExtract`` finds them.
     """
     if getattr(module, "fused_attn", True):
         dropout_p = module.attn_drop.p if module.training else 0.0  # type: ignore[union-attr]
-        normalizer: AttentionNormalizer = module.attention_normalizer()  # type: ignore[operator]
-        window: WindowMask | None = module.attention_window()  # type: ignore[operator]
+        normalizer, window = layer_call_options(module)
         scale, backend = float(module.scale), str(module.backend)  # type: ignore[arg-type]
         return attend(q, k, v, attn_mask, is_causal, bias, normalizer, scale, dropout_p, backend, window)
     return explicit_attention(module, q, k, v, attn_mask, is_causal, bias)

@@ -27,7 +27,14 @@ from torch import nn
 from ..functional import GaussianBias, WindowMask, attention
 from ..functional.normalize import AttentionNormalizer, Normalizer
 
-__all__ = ["WEIGHT_NODE_NAMES", "explicit_attention", "layer_mask", "resolve_attn_mask", "weight_node_name"]
+__all__ = [
+    "WEIGHT_NODE_NAMES",
+    "explicit_attention",
+    "layer_call_options",
+    "layer_mask",
+    "resolve_attn_mask",
+    "weight_node_name",
+]
 
 #: The FX node name of the weights, per normalizer (alpha-entmax with any other float alpha: ``entmax``)
 WEIGHT_NODE_NAMES = {"softmax": "softmax", "entmax15": "entmax15", "sparsemax": "sparsemax"}
@@ -49,6 +56,15 @@ def resolve_attn_mask(
     if is_causal:
         return torch.ones(n, n, dtype=torch.bool, device=device).tril()
     return attn_mask
+
+
+def layer_call_options(module: nn.Module) -> tuple[AttentionNormalizer, WindowMask | None]:
+    """A vitattn layer's normalizer (its ``attention_normalizer()``: learned alphas included, else its
+    ``normalizer``) and neighbourhood window (its ``attention_window()``, else none)."""
+    read_normalizer = getattr(module, "attention_normalizer", None)
+    normalizer = read_normalizer() if callable(read_normalizer) else module.normalizer
+    read_window = getattr(module, "attention_window", None)
+    return normalizer, (read_window() if callable(read_window) else None)  # type: ignore[return-value]
 
 
 def layer_mask(
@@ -178,11 +194,10 @@ def explicit_attention(
     is_causal: bool,
     bias: torch.Tensor | GaussianBias | None,
 ) -> torch.Tensor:
-    """``attn_drop(weights) @ v: (B, H, Nq, Dv)`` for a vitattn layer ``module`` (its
-    ``attention_normalizer()``, ``attention_window()``, ``scale``, ``backend`` and ``attn_drop``);
-    ``attn_mask`` and ``is_causal`` as timm's."""
-    normalizer: AttentionNormalizer = module.attention_normalizer()  # type: ignore[operator]
-    window: WindowMask | None = module.attention_window()  # type: ignore[operator]
+    """``attn_drop(weights) @ v: (B, H, Nq, Dv)`` for a vitattn layer ``module`` (its normalizer and
+    window, :func:`layer_call_options`, ``scale``, ``backend`` and ``attn_drop``); ``attn_mask`` and
+    ``is_causal`` as timm's."""
+    normalizer, window = layer_call_options(module)
     scale, backend = float(module.scale), str(module.backend)  # type: ignore[arg-type]
     if window is not None:  # the window and any other mask as one mask (no is_causal left)
         attn_mask, is_causal = layer_mask(q.shape[2], attn_mask, is_causal, q.device, window), False  # type: ignore[assignment]
