@@ -105,16 +105,28 @@ def test_to_ints_round_trip_and_bad_arguments():
 # ---- every path against the plain formula with the dense mask ------------------------------------------
 
 
+# what each backend takes with a window: (normalizer, Gaussian bias) pairs, None = drawn
+BACKEND_CALLS = {
+    "sdpa": [("softmax", False), ("softmax", True)],
+    "cpu_blocked": [("softmax", True), ("entmax15", False), ("entmax15", True)],
+    "reference": [("sparsemax", None), (1.3, None), ("softmax", None), ("entmax15", None)],
+}
+
+
 @st.composite
-def window_calls(draw):
-    """A float64 call with a drawn window, a normalizer and maybe a Gaussian bias on the same layout."""
+def window_calls(draw, kinds=None):
+    """A float64 call with a drawn window (mostly smaller than the grid), a normalizer and maybe a
+    Gaussian bias on the same layout; ``kinds``: the (normalizer, bias) pairs to draw from."""
     w = draw(windows(max_grid=6))
+    if draw(st.booleans()):  # a window that drops keys on most grids
+        w = WindowMask(w.grid_size, draw(st.sampled_from([1, 2, 3, (3, 2)])), w.num_prefix_tokens, w.dilation)
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     b, h, n = draw(st.integers(1, 2)), draw(st.integers(1, 3)), w.num_tokens
     q, k, v = (torch.randn(b, h, n, 4, generator=g, dtype=torch.float64) for _ in range(3))
     call = {"q": q, "k": k, "v": v, "mask": w}
-    call["normalizer"] = draw(st.sampled_from(["softmax", "entmax15", "entmax15", "sparsemax", 1.3]))
-    if draw(st.booleans()):
+    kinds = kinds or [(nz, None) for nz in ("softmax", "entmax15", "sparsemax", 1.3)]
+    call["normalizer"], with_bias = draw(st.sampled_from(kinds))
+    if with_bias if with_bias is not None else draw(st.booleans()):
         np_ = w.grid_size[0] * w.grid_size[1]
         sigma = torch.exp(torch.randn(1, h, np_, 2, generator=g, dtype=torch.float64))
         alpha = torch.rand(1, h, np_, 1, generator=g, dtype=torch.float64) * 2
@@ -157,13 +169,13 @@ def _values_and_grads(fn, call):
     return out.detach(), torch.autograd.grad(out, _leaves(fresh), grad)
 
 
-@settings(max_examples=60, deadline=None)
-@given(window_calls(), st.sampled_from(TORCH_BACKENDS))
-def test_every_backend_matches_the_plain_formula_with_the_dense_mask(call, backend):
-    if explain(**call, backend=backend)[backend] is not None:
-        with pytest.raises(ValueError, match=f"backend='{backend}' cannot run this call"):
-            attention(**call, backend=backend)
-        return
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+@pytest.mark.parametrize("backend", TORCH_BACKENDS)
+def test_every_backend_matches_the_plain_formula_with_the_dense_mask(backend, data):
+    """Each backend on the calls it takes with a window (checked: it does take them)."""
+    call = data.draw(window_calls(BACKEND_CALLS[backend]))
+    assert explain(**call, backend=backend)[backend] is None
     atol = 2e-7 if call["normalizer"] == 1.3 else 1e-10  # the package bisects alpha-entmax to ~1e-8
     out, grads = _values_and_grads(lambda c: attention(**c, backend=backend), call)
     want, want_grads = _values_and_grads(_plain, call)
@@ -173,14 +185,11 @@ def test_every_backend_matches_the_plain_formula_with_the_dense_mask(call, backe
 
 
 @settings(max_examples=40, deadline=None)
-@given(window_calls(), st.sampled_from([7, 40, 10**6]), st.booleans())
+@given(window_calls(BACKEND_CALLS["cpu_blocked"]), st.sampled_from([7, 40, 10**6]), st.booleans())
 def test_row_blocked_paths_over_several_blocks(call, block_elements, grad):
     """The row-blocked paths with blocks of a few rows (and of one row's part of a head), where a block's
     window rows start inside the prefix tokens or mid-grid, forward and backward."""
-    w, bias = call["mask"], call.get("bias")
-    normalizer = call["normalizer"]
-    if normalizer not in ("softmax", "entmax15") or (normalizer == "softmax" and bias is None):
-        return
+    w = call["mask"]
 
     def blocked(c):
         q, k, v, gb = c["q"], c["k"], c["v"], c.get("bias")
@@ -201,6 +210,40 @@ def test_row_blocked_paths_over_several_blocks(call, block_elements, grad):
     torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
     for got, ref in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(got, ref, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("normalizer, with_bias", BACKEND_CALLS["cpu_blocked"])
+@pytest.mark.parametrize("window, dilation, prefix", [((3, 2), 1, 1), (3, (2, 1), 0), ((1, 5), 1, 2)])
+@pytest.mark.parametrize("block_elements", [30, 10**6])
+def test_row_blocked_paths_on_fixed_layouts(normalizer, with_bias, window, dilation, prefix, block_elements):
+    """The same on fixed layouts that drop both key rows and key columns (a 5x6 grid), values and
+    gradients: every path and block split is reached whatever hypothesis draws."""
+    g = torch.Generator().manual_seed(3)
+    w = WindowMask((5, 6), window, prefix, dilation)
+    q, k, v = (torch.randn(2, 2, w.num_tokens, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    call = {"q": q, "k": k, "v": v, "mask": w, "normalizer": normalizer}
+    if with_bias:
+        sigma = torch.rand(2, 1, 30, 2, generator=g, dtype=torch.float64) + 0.5
+        alpha = torch.rand(2, 1, 30, 1, generator=g, dtype=torch.float64)
+        call["bias"] = GaussianBias(sigma, alpha, (5, 6), prefix)
+    assert not _naive(w)[prefix:, prefix:].all(0).any()  # every key is dropped by some query
+
+    def blocked(c):
+        q, k, v, gb = c["q"], c["k"], c["v"], c.get("bias")
+        if normalizer == "entmax15":
+            return entmax15_attention(q, k, v, 0.5, gb, block_elements=block_elements, window=w)
+        return gaussian_softmax_attention_train(q, k, v, 0.5, gb, block_elements=block_elements, window=w)
+
+    out, grads = _values_and_grads(blocked, call)
+    want, want_grads = _values_and_grads(lambda c: attention(**c, scale=0.5, backend="reference"), call)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    for got, ref in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-10, rtol=0)
+    if normalizer == "softmax":  # the inference function too
+        with torch.no_grad():
+            bias = call["bias"]
+            fast = gaussian_softmax_attention(q, k, v, 0.5, bias, block_elements=block_elements, window=w)
+        torch.testing.assert_close(fast, want, atol=1e-12, rtol=0)
 
 
 def test_scores_take_a_window_and_inf_keys_outside_it_do_not_reach_a_row():
