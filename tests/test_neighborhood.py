@@ -148,3 +148,29 @@ def test_explicit_path_takes_the_window_and_learned_alphas():
         explicit = [layer(x), layer(x, attn_mask=pad)]
         for a, b in zip(explicit, fused, strict=True):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_study_runs_adaptive_and_window(tmp_path, capsys):
+    """``vitattn study --attention adaptive window`` on the tiny configuration of tests/test_study.py:
+    both runs finish, results.json validates, the adaptive run records its learned alphas."""
+    import json
+
+    from vitattn.cli import main
+    from vitattn.study import validate_results
+
+    tiny = [
+        "--depth", "2", "--dim", "32", "--heads", "4", "--epochs", "1", "--batch-size", "32",
+        "--limit-train", "64", "--limit-test", "32", "--analysis-images", "16", "--no-progress",
+        "--probe-train-images", "32",
+    ]  # fmt: skip
+    assert main(["study", *tiny, "--attention", "adaptive", "window", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    validate_results(data)
+    runs = {r["attention"]: r for r in data["runs"]}
+    assert set(runs) == {"adaptive", "window"} and "alpha" not in runs["window"]
+    alphas = runs["adaptive"]["alpha"]
+    assert len(alphas) == 2 and all(len(row) == 4 and all(1.01 <= a < 2 for a in row) for row in alphas)
+    assert alphas != [[1.5] * 4] * 2  # one epoch moved them
+    assert runs["window"]["mean_sparsity"] > 0.4  # the window's exact zeros
+    assert "| window |" in capsys.readouterr().out

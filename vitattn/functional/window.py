@@ -17,7 +17,6 @@ tokens) are global: they attend to every key and every query attends to them.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +24,6 @@ import torch
 from ._checks import grid_pair
 
 __all__ = ["WindowMask", "window_starts"]
-
-_TABLE_CACHE_SIZE = 64  # (size, window, dilation) axis tables kept
 
 
 def window_starts(size: int, window: int, dilation: int = 1) -> list[tuple[int, int]]:
@@ -45,21 +42,14 @@ def window_starts(size: int, window: int, dilation: int = 1) -> list[tuple[int, 
     return out
 
 
-@torch.compiler.assume_constant_result
-@functools.lru_cache(maxsize=_TABLE_CACHE_SIZE)
-def _axis_keep_rows(size: int, window: int, dilation: int) -> tuple[tuple[bool, ...], ...]:
-    """``[i][a]``: whether key position ``a`` is in the window of query ``i`` (plain Python: a constant
-    under ``torch.compile``)."""
-    rows = []
-    for first, count in window_starts(size, window, dilation):
-        keys = range(first, first + (count - 1) * dilation + 1, dilation)
-        rows.append(tuple(a in keys for a in range(size)))
-    return tuple(rows)
-
-
 def _axis_keep(size: int, window: int, dilation: int, device: torch.device) -> torch.Tensor:
-    """``(size, size)`` bool: ``[i, a]`` whether key position ``a`` is in the window of query ``i``."""
-    return torch.tensor(_axis_keep_rows(size, window, dilation), dtype=torch.bool, device=device)
+    """``(size, size)`` bool: ``[i, a]`` whether key position ``a`` is in the window of query ``i``
+    (:func:`window_starts`, then one vectorized comparison; plain constants under ``torch.compile``)."""
+    starts = window_starts(size, window, dilation)
+    first = torch.tensor([f for f, _ in starts], device=device)[:, None]
+    last = first + torch.tensor([(c - 1) * dilation for _, c in starts], device=device)[:, None]
+    keys = torch.arange(size, device=device)[None, :]
+    return (keys >= first) & (keys <= last) & ((keys - first) % dilation == 0)
 
 
 @dataclass(frozen=True)
@@ -101,7 +91,7 @@ class WindowMask:
     def axis_tables(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``K_row: (gh, gh)`` and ``K_col: (gw, gw)`` bool, ``[query position, key position]``: the
         separable keep-mask of the patches, ``keep[(i, j), (a, b)] = K_row[i, a] & K_col[j, b]``
-        (small: made on each call from a table cached per axis size, window and dilation)."""
+        (small: made on each call)."""
         dev = torch.device("cpu" if device is None else device)
         (gh, gw), (kh, kw), (dh, dw) = self.grid_size, self.window, self.dilation
         return _axis_keep(gh, kh, dh, dev), _axis_keep(gw, kw, dw, dev)
