@@ -3,6 +3,7 @@
 from . import functional, kernels, models, transfer
 from .functional import (
     GaussianBias,
+    WindowMask,
     attention,
     entmax,
     entmax15,
@@ -11,7 +12,7 @@ from .functional import (
     set_default_backend,
     sparsemax,
 )
-from .layers import PRR, Attention, EntmaxAttention, LocAtAttention
+from .layers import PRR, Attention, EntmaxAttention, LocAtAttention, NeighborhoodAttention
 from .patch import patch
 
 __version__ = "0.1.0"
@@ -21,3 +22,4 @@ kernels.register()  # the "triton" backend; triton itself is imported on first u
 __all__ = ["GaussianBias", "__version__", "attention", "entmax", "entmax15", "functional", "prr", "sparsemax"]
 __all__ += ["get_default_backend", "set_default_backend"]
 __all__ += ["PRR", "Attention", "EntmaxAttention", "LocAtAttention", "models", "patch", "transfer"]
+__all__ += ["NeighborhoodAttention", "WindowMask"]
