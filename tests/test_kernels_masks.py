@@ -1,4 +1,4 @@
-"""The Triton kernels under TRITON_INTERPRET=1: masks by large finite values, and the work the kernels skip.
+"""The Triton kernels under TRITON_INTERPRET=1: masks by large finite values.
 
 How the interpreter flag is read, and why the tests carry ``@pytest.mark.triton_interpreter``: see
 ``tests/test_kernels.py`` (the same header logic; ``conftest.py`` runs them in a child pytest when
@@ -9,9 +9,10 @@ triton was imported earlier without the flag).
   are dyadic (multiples of 1/2, scale 1/4), so ``q kᵀ * scale + mask`` is exact in float32 for every
   mask value and the reference sees the very scores the kernel sees.
 * The entmax-1.5 threshold search runs on max-shifted scores: a row masked by ``-1e6`` converges in a
-  handful of Newton passes (counted by wrapping the kernel's ``_score_block``), not at the cap of 32.
-* Skipped work is exact: key blocks dropped from the Newton and output passes, query / key tiles
-  without support skipped in the backward, Gaussian tiles whose bias is exactly 0.
+  handful of passes (counted by wrapping the kernel's ``_score_tile``), not at the cap of 32.
+
+(The kernels skip no work: every key loop loads its tiles unconditionally, so that they pipeline; the
+passes of the entmax-1.5 search are counted in ``tests/test_kernels_entmax_search.py``.)
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vitattn.functional import GaussianBias, attention
-from vitattn.kernels import configs
+from vitattn.functional import attention
 
 triton = pytest.importorskip("triton")
 
@@ -160,10 +160,10 @@ def _kernel_module(name: str) -> types.ModuleType:
 @interpreted
 @pytest.mark.parametrize("fill", FINITE_FILLS, ids=["-1e4", "-65504", "-1e6", "finfo.min"])
 def test_entmax_masked_row_does_not_run_newton_to_the_cap(fill, monkeypatch):
-    """One key block (N = 20 < BLOCK_N = 32): score tiles = 1 (row max) + Newton passes + 1 (output).
+    """One key block (N = 20 < BLOCK_N = 32): score tiles = 1 (row max) + search passes + 1 (output).
     Without the shift, a row at -1e6 has a float32 spacing of 0.06 there, the step never drops below
     the tolerance and the whole query block runs all 32 passes."""
-    counter = _Counter(monkeypatch, _kernel_module("entmax15"), "_score_block")
+    counter = _Counter(monkeypatch, _kernel_module("entmax15"), "_score_tile")
     g = torch.Generator().manual_seed(0)  # the unshifted search (before) ran 32 passes at -1e6 here
     q, k, v = (torch.randn(1, 1, 20, 16, generator=g) for _ in range(3))
     mask = torch.zeros(1, 1, 20, 20)
@@ -177,106 +177,6 @@ def test_entmax_masked_row_does_not_run_newton_to_the_cap(fill, monkeypatch):
                     backend="torch")
     rows = torch.arange(20) != 7
     torch.testing.assert_close(out[0, 0, rows].double(), ref[0, 0, rows], atol=2e-5, rtol=0)
-
-
-def _banded(n: int, width: float, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """q, k, v (1, 2, n, 16) and an additive mask ``-|i - j| / width``: entmax rows with local support."""
-    q, k, v = (torch.randn(1, 2, n, 16, generator=gen) for _ in range(3))
-    i = torch.arange(n, dtype=torch.float32)
-    mask = -(i[:, None] - i[None, :]).abs() / width
-    return q, k, v, mask.expand(1, 2, n, n).clone()
-
-
-@interpreted
-def test_entmax_skipped_key_blocks_are_exact(monkeypatch):
-    """Dropping key blocks without support (tau only grows) changes nothing: against the same kernel
-    with every block kept, to 1e-6, and fewer score tiles are computed."""
-    g = torch.Generator().manual_seed(2)
-    q, k, v, mask = _banded(130, 1.0, g)
-    leaves = [t.requires_grad_() for t in (q, k, v)]
-    entmax_mod = _kernel_module("entmax15")
-
-    def run(keep_all: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], int]:
-        if keep_all:
-            monkeypatch.setattr(entmax_mod, "_block_live", lambda *args: True)
-        counter = _Counter(monkeypatch, entmax_mod, "_score_block")
-        out = attention(*leaves, normalizer="entmax15", mask=mask, backend="triton")
-        monkeypatch.undo()
-        return out, torch.autograd.grad(out, leaves, torch.ones_like(out)), counter.calls
-
-    out, grads, tiles = run(keep_all=False)
-    out_all, grads_all, tiles_all = run(keep_all=True)
-    assert tiles < tiles_all, (tiles, tiles_all)
-    torch.testing.assert_close(out, out_all, atol=1e-6, rtol=0)
-    for a, w in zip(grads, grads_all, strict=True):
-        torch.testing.assert_close(a, w, atol=1e-6, rtol=0)
-    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-    ref = attention(*ref_leaves, normalizer="entmax15", mask=mask.double(), backend="torch")
-    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=0)
-    for a, w in zip(grads, torch.autograd.grad(ref, ref_leaves, torch.ones_like(ref)), strict=True):
-        torch.testing.assert_close(a.double(), w, atol=2e-5, rtol=0)
-
-
-@interpreted
-def test_entmax_backward_skips_tiles_without_support(monkeypatch):
-    """The backward passes skip dP and dS (and V, dO) on tiles with no support: fewer dots, same grads."""
-    g = torch.Generator().manual_seed(3)
-    back = _kernel_module("backward")
-
-    def dots(normalizer: str, mask: torch.Tensor) -> int:
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = attention(*leaves, normalizer=normalizer, mask=mask, backend="triton")
-        counter = _Counter(monkeypatch, back, "_dot")
-        got = torch.autograd.grad(out, leaves, torch.ones_like(out))
-        monkeypatch.undo()
-        ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-        ref = attention(*ref_leaves, normalizer=normalizer, mask=mask.double(), backend="torch")
-        for a, w in zip(got, torch.autograd.grad(ref, ref_leaves, torch.ones_like(ref)), strict=True):
-            torch.testing.assert_close(a.double(), w, atol=2e-5, rtol=0)
-        return counter.calls
-
-    q, k, v, mask = _banded(96, 8.0, g)
-    tiles = -(-96 // configs.INTERPRET.block_m) * -(-96 // configs.INTERPRET.block_n)
-    # counted here (the score dots are _common's): dK/dV 3 per tile (dV, dP, dK), dQ 2 (dP, dQ)
-    dense = dots("softmax", mask)
-    assert dense == 5 * tiles * 2  # x 2 heads
-    sparse = dots("entmax15", mask)
-    assert sparse < dense, (sparse, dense)
-
-
-@interpreted
-@pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
-def test_gaussian_bias_skipped_only_where_exactly_zero(normalizer, monkeypatch):
-    """A Gaussian tile whose exponent bound is below -120 is skipped: bit-identical to computing it."""
-    g = torch.Generator().manual_seed(4)
-    grid = (12, 12)
-    n = 1 + grid[0] * grid[1]
-    q, k, v = (torch.randn(1, 1, n, 16, generator=g) for _ in range(3))
-    sigma = torch.exp(torch.randn(1, 1, n - 1, 2, generator=g) * 0.3 - 4.0)  # small: a local bias
-    alpha = torch.rand(1, 1, n - 1, 1, generator=g) * 3
-    common = _kernel_module("_common")
-    back = _kernel_module("backward")
-
-    def run() -> list[torch.Tensor]:
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sigma, alpha)]
-        bias = GaussianBias(leaves[3], leaves[4], grid, 1)
-        out = attention(*leaves[:3], normalizer=normalizer, bias=bias, backend="triton")
-        return [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
-
-    tiles = _Counter(monkeypatch, common, "_gauss_tile")
-    dq_tiles = _Counter(monkeypatch, back, "_gauss_tile")
-    skipped = run()
-    counted = tiles.calls + dq_tiles.calls
-    monkeypatch.undo()
-    for mod in (common, back):
-        monkeypatch.setattr(mod, "_gauss_reaches", lambda *args: True)
-    tiles = _Counter(monkeypatch, common, "_gauss_tile")
-    dq_tiles = _Counter(monkeypatch, back, "_gauss_tile")
-    full = run()
-    assert counted < tiles.calls + dq_tiles.calls
-    monkeypatch.undo()
-    for a, w in zip(skipped, full, strict=True):
-        assert torch.equal(a, w)
 
 
 @interpreted

@@ -1,4 +1,4 @@
-"""Block-size lists the kernels are autotuned over (all power-of-two tiles, >= 16 in every dim).
+"""Block-size lists the kernels are autotuned over, per GPU arch (all power-of-two tiles, >= 16 in every dim).
 
 Plain data, no triton import: :mod:`vitattn.kernels.ops` turns them into ``triton.Config`` objects and
 :mod:`vitattn.kernels._build.aot` compiles every one of them for sm_80 and sm_90 ahead of time.
@@ -29,44 +29,48 @@ class TileConfig:
         return f"M{self.block_m}xN{self.block_n} w{self.num_warps} s{self.num_stages}"
 
 
-# Kernel name -> autotune list. Every entry fits sm_80's 163 KiB of shared memory at its largest head
-# dim and compiles for sm_80 and sm_90 (checked by ``python -m vitattn.kernels._build.aot``, which
-# prints registers and spills; some entmax tiles spill a little at head dim 128, see docs/kernels.md).
-# With float32 operands (the TF32 path) the tiles take twice the shared memory: ``max_head_dim_fp32``
-# marks the entries that exceed sm_80's or sm_90's limit at head dim 128 then
-# (``python -m vitattn.kernels._build.aot --dtype fp32``).
-AUTOTUNE: dict[str, tuple[TileConfig, ...]] = {
-    "fwd_softmax": (
-        TileConfig(128, 64, 8, 3, max_head_dim_masked=64, max_head_dim_fp32=64),
-        TileConfig(128, 32, 8, 3),
-        TileConfig(64, 64, 4, 3, max_head_dim_masked=64, max_head_dim_fp32=64),
-        TileConfig(64, 32, 4, 2),
-    ),
-    "fwd_entmax15": (
-        TileConfig(128, 32, 8, 2, max_head_dim_masked=64),
-        TileConfig(64, 32, 8, 2),
-        TileConfig(64, 64, 8, 3, max_head_dim_fp32=64),
-        TileConfig(128, 64, 8, 3, max_head_dim=64),
-    ),
-    "bwd_dkdv": (
-        TileConfig(32, 64, 8, 2),
-        TileConfig(64, 32, 8, 2, max_head_dim_fp32=64),
-        TileConfig(32, 64, 8, 3),
-        TileConfig(32, 128, 8, 2, max_head_dim=64),
-    ),
-    "bwd_dq": (
-        TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
-        TileConfig(64, 32, 8, 2),
-        TileConfig(128, 32, 8, 3, max_head_dim=64),
-        TileConfig(64, 32, 4, 2, max_head_dim=64),
-    ),
+def _tiles(*rows: tuple[int, ...], **limits: int) -> tuple[TileConfig, ...]:
+    return tuple(TileConfig(*row, **limits) for row in rows)
+
+
+# arch (compute capability 80 or 90, see arch_of) -> kernel name -> autotune list, in the style of the
+# Triton fused-attention tutorial: 64- and 128-row tiles, 4 warps unless a tile holds 128 x 128 scores,
+# 3-4 stages on sm_90. ``python -m vitattn.kernels._build.aot --report`` compiles every entry for its arch
+# and reports registers, spills and the loops' machine code (docs/kernels.md); every entry the
+# autotuner can pick on sm_90 has no spills (tests/test_kernels_static.py).
+AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
+    90: {
+        "fwd_softmax": _tiles((64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)),
+        "fwd_entmax15": _tiles((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4)),
+        "bwd_dkdv": _tiles((32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4)),
+        "bwd_dq": _tiles((128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 4)),
+    },
+    80: {
+        "fwd_softmax": _tiles((64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)),
+        "fwd_entmax15": _tiles((64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 4, 2)),
+        "bwd_dkdv": _tiles((32, 128, 4, 2), (64, 64, 4, 2), (32, 64, 4, 3), (64, 32, 4, 2)),
+        "bwd_dq": _tiles((128, 32, 4, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2)),
+    },
 }
+DEFAULT_ARCH = 90  # the arch of the lists when no CUDA device tells (fake tensors, no driver)
 
 
-def autotune_list(kernel: str, block_d: int, masked: bool, fp32: bool = False) -> tuple[TileConfig, ...]:
-    """The configs of ``kernel`` usable at padded head dim ``block_d`` (with a mask tile if ``masked``,
-    with float32 operands if ``fp32``)."""
-    return tuple(c for c in AUTOTUNE[kernel] if block_d <= c.head_dim_limit(masked, fp32))
+def arch_of(capability: int) -> int:
+    """The config lists of a compute capability (``10 * major + minor``): sm_90's 9.0+, else sm_80's."""
+    return 90 if capability >= 90 else 80
+
+
+# Kernel name -> the default arch's autotune list.
+AUTOTUNE: dict[str, tuple[TileConfig, ...]] = AUTOTUNE_BY_ARCH[DEFAULT_ARCH]
+
+
+def autotune_list(
+    kernel: str, block_d: int, masked: bool, fp32: bool = False, arch: int = DEFAULT_ARCH
+) -> tuple[TileConfig, ...]:
+    """The configs of ``kernel`` on ``arch`` usable at padded head dim ``block_d`` (with a mask tile if
+    ``masked``, with float32 operands if ``fp32``)."""
+    tiles = AUTOTUNE_BY_ARCH[arch_of(arch)][kernel]
+    return tuple(c for c in tiles if block_d <= c.head_dim_limit(masked, fp32))
 
 
 # The row-term kernel of the backward needs no tuning.

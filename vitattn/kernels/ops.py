@@ -32,7 +32,7 @@ import triton
 
 from ..cache import cache_dir
 from . import configs
-from .backend import dot_mode, interpret_requested
+from .env import dot_mode, interpret_requested
 
 _MODULES = ("_common", "softmax", "entmax15", "backward")
 _KERNEL_ATTRS = {
@@ -49,7 +49,7 @@ def kernels() -> dict[str, Any]:
     """The raw kernels by name (``JITFunction`` objects, or interpreted ones under ``TRITON_INTERPRET=1``).
 
     ``@triton.jit`` reads the interpreter flag when a kernel is defined, so the kernel modules are
-    re-imported once when the flag (:func:`~vitattn.kernels.backend.interpret_requested`) differs
+    re-imported once when the flag (:func:`~vitattn.kernels.env.interpret_requested`) differs
     from the one they were imported under; the result is kept per setting.
     """
     interp = interpret_requested()
@@ -91,7 +91,8 @@ def device_guard(tensors: Iterable[Any]) -> contextlib.AbstractContextManager[An
 
 # ---- tile choice: bucketed autotuning, cached across processes, never inside CUDA-graph capture ----------
 
-TILES_ENV = "VITATTN_TRITON_TILES"  # "first": the first usable tile, no tuning (tests, memcheck)
+TILES_ENV = "VITATTN_TRITON_TILES"  # "first" or an index: that usable tile, no tuning (tests, memcheck)
+COMPILE_ONLY_ENV = "VITATTN_TRITON_COMPILE_ONLY"  # "1": compile what would run, launch nothing (warm-up)
 BENCH_WARMUP_MS, BENCH_REP_MS = 10, 40
 _TUNED: dict[str, configs.TileConfig] = {}  # tuning key -> tile picked in (or read by) this process
 _DISK: dict[str, Any] = {}  # the loaded autotune.json, "entries" -> {scope: {key: [bm, bn, warps, stages]}}
@@ -170,15 +171,33 @@ def _capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
+def forced_tile(candidates: Sequence[configs.TileConfig]) -> configs.TileConfig | None:
+    """The tile ``VITATTN_TRITON_TILES`` asks for (``first``, or an index into the usable tiles, the last
+    one past the end), the only one when there is one, else ``None`` (tune)."""
+    mode = os.environ.get(TILES_ENV, "").strip()
+    if mode == "first" or len(candidates) == 1:
+        return candidates[0]
+    if mode.isdigit():
+        return candidates[min(int(mode), len(candidates) - 1)]
+    return None
+
+
+def compile_only() -> bool:
+    """``VITATTN_TRITON_COMPILE_ONLY=1``: every launch compiles the tiles it would run (all candidates where
+    it would tune) into the Triton cache and launches nothing; outputs are left uninitialized. For
+    ``benchmarks/warm_kernels.py``, which warms the GPU check's kernels on all CPU cores at once."""
+    return os.environ.get(COMPILE_ONLY_ENV, "") == "1"
+
+
 def pick_tile(
     key: str, candidates: Sequence[configs.TileConfig], bench: Callable[[configs.TileConfig], float]
 ) -> configs.TileConfig:
-    """The tile of ``candidates`` for the launch ``key``: the first one under ``VITATTN_TRITON_TILES=first``
-    or when it is the only one; else a pick known in this process or from autotune.json; else, inside
-    CUDA-graph capture, the first (default) tile, not remembered; else the fastest by ``bench`` (ms),
-    remembered here and on disk."""
-    if os.environ.get(TILES_ENV, "") == "first" or len(candidates) == 1:
-        return candidates[0]
+    """The tile of ``candidates`` for the launch ``key``: the one :func:`forced_tile` names; else a pick
+    known in this process or from autotune.json; else, inside CUDA-graph capture, the first (default)
+    tile, not remembered; else the fastest by ``bench`` (ms), remembered here and on disk."""
+    forced = forced_tile(candidates)
+    if forced is not None:
+        return forced
     known = _TUNED.get(key)
     if known is None:
         stored = _disk_entries().get(key)
@@ -200,17 +219,34 @@ def pick_tile(
     return best
 
 
-def tile_candidates(name: str, meta: dict[str, Any]) -> tuple[configs.TileConfig, ...]:
-    """The autotune list of kernel ``name`` usable at the launch's padded head dims and flags."""
+def device_arch(tensors: Iterable[Any]) -> int:
+    """The config-list arch (:func:`configs.arch_of`) of the tensors' CUDA device, or
+    ``configs.DEFAULT_ARCH`` when there is none (CPU, fake CUDA tensors without a driver)."""
+    dev = launch_device(tensors)
+    try:
+        major, minor = torch.cuda.get_device_capability(dev)
+    except (AssertionError, RuntimeError, ValueError):
+        return configs.DEFAULT_ARCH
+    return configs.arch_of(10 * major + minor)
+
+
+def tile_candidates(name: str, meta: dict[str, Any], arch: int) -> tuple[configs.TileConfig, ...]:
+    """The autotune list of kernel ``name`` on ``arch`` usable at the launch's padded head dims and flags."""
     block_d = max(meta["BLOCK_D"], meta["BLOCK_DV"])
     masked = bool(meta["HAS_ADD"] or meta["HAS_KEEP"])
     fp32 = bool(meta["F32_DOT"])  # on a GPU: float32 operands (TF32 or IEEE)
-    tiles = configs.autotune_list(name, block_d, masked, fp32)
+    tiles = configs.autotune_list(name, block_d, masked, fp32, arch=arch)
     if not tiles:
         raise RuntimeError(
-            f"no tile config of {name} serves head dim {block_d} (masked={masked}, fp32={fp32})"
+            f"no tile config of {name} serves head dim {block_d} (masked={masked}, fp32={fp32}, sm_{arch})"
         )
     return tiles
+
+
+def even_flags(tile_m: int, tile_n: int, n_q: int, n_k: int, even_d: bool) -> dict[str, bool]:
+    """``EVEN_M`` / ``EVEN_N`` / ``EVEN_D`` of a launch: the queries / keys are whole tiles, the head
+    dims their padded size (the kernels then leave those bound masks out)."""
+    return dict(EVEN_M=n_q % tile_m == 0, EVEN_N=n_k % tile_n == 0, EVEN_D=even_d)
 
 
 def _launch(
@@ -219,25 +255,34 @@ def _launch(
     args: Sequence[Any],
     meta: dict[str, Any],
     shape: tuple[int, int, int],
+    even_d: bool,
     reset: Callable[[], object] | None = None,
 ) -> None:
     """Launch kernel ``name`` over ``grid(BLOCK_M, BLOCK_N)`` under the arguments' CUDA device.
 
-    ``shape`` is ``(B·H, Nq, Nk)`` for the tuning key; ``reset`` restores an accumulated output
-    (the additive mask's gradient) after benchmarking. The interpreter runs ``configs.INTERPRET``.
+    ``shape`` is ``(B·H, Nq, Nk)`` for the tuning key and the ``EVEN_*`` flags (:func:`even_flags`);
+    ``reset`` restores an accumulated output (the additive mask's gradient) after benchmarking. The
+    interpreter runs ``configs.INTERPRET``.
     """
     fn = kernels()[name]
+    _, n_q, n_k = shape
     with device_guard(args):
         if interpret_requested():
+            if compile_only():  # nothing to compile in the interpreter
+                return
             c = configs.INTERPRET
-            fn[grid(c.block_m, c.block_n)](*args, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **meta)
+            even = even_flags(c.block_m, c.block_n, n_q, n_k, even_d)
+            fn[grid(c.block_m, c.block_n)](*args, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **meta, **even)
             return
 
-        def run(tile: configs.TileConfig) -> None:
-            fn[grid(tile.block_m, tile.block_n)](
-                *args, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps,
-                num_stages=tile.num_stages, **meta,
-            )
+        def run(tile: configs.TileConfig, warm: bool = False) -> None:
+            even = even_flags(tile.block_m, tile.block_n, n_q, n_k, even_d)
+            kw = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps,
+                      num_stages=tile.num_stages, **meta, **even)
+            if warm:
+                fn.warmup(*args, grid=grid(tile.block_m, tile.block_n), **kw)
+            else:
+                fn[grid(tile.block_m, tile.block_n)](*args, **kw)
 
         benched: list[configs.TileConfig] = []
 
@@ -254,7 +299,13 @@ def _launch(
             return float(triton.testing.do_bench(step, warmup=BENCH_WARMUP_MS, rep=BENCH_REP_MS))
 
         key = tune_key(name, args[0].dtype, *shape, meta)
-        tile = pick_tile(key, tile_candidates(name, meta), bench)
+        candidates = tile_candidates(name, meta, device_arch(args))
+        if compile_only():
+            forced = forced_tile(candidates)
+            for tile in [forced] if forced is not None else candidates:
+                run(tile, warm=True)
+            return
+        tile = pick_tile(key, candidates, bench)
         if benched and reset is not None:
             reset()
         run(tile)
@@ -318,6 +369,11 @@ class KernelLaunch:
         return [q.shape[1], q.shape[2], self.k.shape[2], q.shape[3], v.shape[3], self.scale, self.num_prefix,
                 self.grid_w, self.clamp]
 
+    @property
+    def even_d(self) -> bool:
+        """Both head dims are their padded size (no head-dim masks)."""
+        return block_dim(self.q.shape[3]) == self.q.shape[3] and block_dim(self.v.shape[3]) == self.v.shape[3]
+
     def flags(self) -> dict[str, Any]:
         q = self.q
         return dict(
@@ -345,7 +401,7 @@ def _forward(launch: KernelLaunch, store_og: bool) -> tuple[torch.Tensor, torch.
         meta["STORE_OG"] = store_og
     args = [*head, *launch.strides(), *launch.scalars()]
     name = "fwd_entmax15" if launch.entmax else "fwd_softmax"
-    _launch(name, lambda bm, bn: (triton.cdiv(n_q, bm), b * h), args, meta, launch.shape)
+    _launch(name, lambda bm, bn: (triton.cdiv(n_q, bm), b * h), args, meta, launch.shape, launch.even_d)
     return out, stat, og
 
 
@@ -369,19 +425,24 @@ def _backward(
     delta = torch.empty(b, h, n_q, device=q.device, dtype=torch.float32)
     rows = configs.INTERPRET_DELTA_ROWS if interpret_requested() else configs.DELTA_ROWS
     with device_guard([o_or_og]):
-        kernels()["bwd_delta"][(triton.cdiv(b * h * n_q, rows),)](
-            o_or_og, do, delta, b * h * n_q, dv, BLOCK_M=rows, BLOCK_DV=block_dim(dv)
-        )
+        delta_fn, delta_grid = kernels()["bwd_delta"], (triton.cdiv(b * h * n_q, rows),)
+        delta_args = (o_or_og, do, delta, b * h * n_q, dv)
+        if compile_only():
+            if not interpret_requested():
+                delta_fn.warmup(*delta_args, grid=delta_grid, BLOCK_M=rows, BLOCK_DV=block_dim(dv))
+        else:
+            delta_fn[delta_grid](*delta_args, BLOCK_M=rows, BLOCK_DV=block_dim(dv))
 
     dq = torch.empty(b, h, n_q, d, device=q.device, dtype=q.dtype)
     dk = torch.empty(b, h, n_k, d, device=q.device, dtype=k.dtype)
     dvv = torch.empty(b, h, n_k, dv, device=q.device, dtype=v.dtype)
-    add_mode, dadd, g_strides = 0, empty(), [0] * 4
+    add_mode, dadd, g_strides, bcast_m, bcast_n = 0, empty(), [0] * 4, False, False
     if add is not None and add_grad:
         dadd = torch.zeros(add.shape, device=q.device, dtype=torch.float32)
         g_strides = _bcast_strides(dadd)
         broadcast = [s for s, t in zip(add.shape, (b, h, n_q, n_k), strict=True) if s == 1 and t > 1]
         add_mode = 2 if broadcast else 1
+        bcast_m, bcast_n = add_mode == 2 and add.shape[2] == 1, add_mode == 2 and add.shape[3] == 1
     gauss_grad = gauss_grad and launch.den is not None
     dden, dalpha = empty(), empty()
     if gauss_grad:
@@ -394,14 +455,16 @@ def _backward(
     strides, scalars, operands = launch.strides(), launch.scalars(), launch.operands(dummy)
     _launch(
         "bwd_dkdv", lambda bm, bn: (triton.cdiv(n_k, bn), b * h),
-        [q, k, v, do, stat, delta, dk, dvv, *operands, *strides, *scalars], meta, launch.shape,
+        [q, k, v, do, stat, delta, dk, dvv, *operands, *strides, *scalars], meta, launch.shape, launch.even_d,
     )
     zero_dadd = dadd.zero_ if add_mode == 2 else None  # atomics accumulate: reset after benchmarking
     _launch(
         "bwd_dq", lambda bm, bn: (triton.cdiv(n_q, bm), b * h),
         [q, k, v, do, stat, delta, dq, dadd if add_mode else dummy, dden if gauss_grad else dummy,
          dalpha if gauss_grad else dummy, *operands, *strides, *g_strides, *scalars],
-        {**meta, "ADD_GRAD": add_mode, "GAUSS_GRAD": gauss_grad}, launch.shape, reset=zero_dadd,
+        {**meta, "ADD_GRAD": add_mode, "GAUSS_GRAD": gauss_grad, "DADD_BCAST_M": bcast_m,
+         "DADD_BCAST_N": bcast_n},
+        launch.shape, launch.even_d, reset=zero_dadd,
     )
     return dq, dk, dvv, dadd, dden, dalpha
 
