@@ -29,6 +29,7 @@ import entmax
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import strategies as st
 from torch import nn
 
 from .reference_formulas import naive_gaug_bias
@@ -194,3 +195,22 @@ def run_in_interpreter_child(runs: InterpreterRuns, item: pytest.Function) -> No
             f"{item.nodeid} failed under TRITON_INTERPRET=1 (run in a child pytest):\n{result.text}",
             pytrace=False,
         )
+
+
+# ---- hypothesis strategies shared by several test files -------------------------------------------------
+
+
+@st.composite
+def bias_cases(draw):
+    """``(sigma, alpha, grid, prefix, initial_grid)`` of a drawn Gaussian bias in float64: grids up to 7x7,
+    0 / 1 / 5 prefix tokens, B <= 2, H <= 3, an optional resolution change, σ over many magnitudes."""
+    gh, gw = draw(st.integers(1, 7)), draw(st.integers(1, 7))
+    prefix = draw(st.sampled_from([0, 1, 5]))
+    b, h = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    resize = draw(st.sampled_from([None, (1, 1), (2, 3), (4, 4)]))
+    initial = (gh, gw) if resize is None else (max(1, gh - resize[0]), max(1, gw - resize[1]))
+    log_sigma = draw(st.floats(-6, 6))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    sigma = torch.exp(torch.randn(b, h, gh * gw, 2, generator=g, dtype=torch.float64) * 2 + log_sigma)
+    alpha = torch.rand(b, h, gh * gw, 1, generator=g, dtype=torch.float64) * 3
+    return sigma, alpha, (gh, gw), prefix, initial

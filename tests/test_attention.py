@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vitattn.functional import GaussianBias, attention, available_backends, explain
+from vitattn.functional import GaussianBias, attention, available_backends, backend_groups, explain
 from vitattn.functional.dispatch import AttentionCall
 
 from .reference_formulas import naive_gaug_bias, plain_attention
@@ -173,27 +173,30 @@ def test_default_scale_is_inverse_sqrt_head_dim():
 
 def test_backend_registry_and_explanations():
     names = available_backends()
-    assert names[0] == "torch" and set(names) == {"torch", "triton"}, names  # vitattn registers both
+    assert names == ["triton", "cpu_blocked", "sdpa", "reference"], names  # vitattn registers all four
+    assert backend_groups() == {"torch": ("cpu_blocked", "sdpa", "reference")}
     q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float32) * 2 for _ in range(3))
     call = AttentionCall(q, k, v, "softmax", 0.5, None, None, False, 0.0)
     reasons = explain(call)
-    assert set(reasons) == set(names)
-    assert reasons["torch"] is None  # the reference backend takes every call
+    assert list(reasons) == names
+    assert reasons["reference"] is None and reasons["sdpa"] is None  # both take a plain softmax call
+    assert reasons.chosen == "sdpa"
     triton_reason = reasons["triton"]  # on CPU "auto" never picks the kernels, and says why
     assert isinstance(triton_reason, str), reasons
     assert "q is on cpu" in triton_reason or triton_reason == "triton is not installed", triton_reason
     expected = softmax_formula(q, k, v, 0.5)
-    for backend in ("torch", "auto"):
+    for backend in ("reference", "sdpa", "torch", "auto"):
         out = attention(q, k, v, scale=0.5, backend=backend)
         assert out.dtype == torch.float32 and out.shape == (1, 2, 5, 8)
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
-    # a float64 call: the torch backend is exact, and the Triton backend declines it by name
+    # a float64 call: the reference is exact, and the Triton backend declines it by name
     qd, kd, vd = q.double(), k.double(), v.double()
     call64 = AttentionCall(qd, kd, vd, "softmax", 0.5, None, None, False, 0.0)
-    assert explain(call64)["torch"] is None and isinstance(explain(call64)["triton"], str)
+    assert explain(call64)["reference"] is None and isinstance(explain(call64)["triton"], str)
     torch.testing.assert_close(
-        attention(qd, kd, vd, scale=0.5, backend="torch"), softmax_formula(q, k, v, 0.5), atol=1e-12, rtol=0
-    )
+        attention(qd, kd, vd, scale=0.5, backend="reference"), softmax_formula(q, k, v, 0.5), atol=1e-12,
+        rtol=0,
+    )  # fmt: skip
 
 
 def test_errors():
@@ -214,7 +217,7 @@ def test_errors():
         attention(q, q, q, normalizer=0.5)
     with pytest.raises(ValueError, match="normalizer must be one of"):
         attention(q, q, q, normalizer="entmax")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+    with pytest.raises(ValueError, match="backend must be 'auto', one of"):
         attention(q, q, q, backend="cuda-magic")
     with pytest.raises(ValueError, match=r"mask of shape \(3, 5\) does not broadcast to \(B, H, Nq, Nk\)"):
         attention(q, q, q, mask=torch.ones(3, 5, dtype=torch.bool))

@@ -14,12 +14,12 @@ import torch
 import vitattn
 from vitattn.functional import GaussianBias, attention, available_backends, dispatch, explain
 from vitattn.functional.dispatch import AttentionCall
-from vitattn.functional.torch_backend import TorchBackend
+from vitattn.functional.reference import ReferenceBackend
 from vitattn.layers import Attention, EntmaxAttention, LocAtAttention
 
 
 class RecordingBackend:
-    """Runs like the torch backend and records every call; ``decline`` makes it refuse with a reason."""
+    """Runs like the reference backend and records every call; ``decline`` makes it refuse with a reason."""
 
     def __init__(self, name: str = "recorder", decline: str | None = None) -> None:
         self.name = name
@@ -31,7 +31,10 @@ class RecordingBackend:
 
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.calls.append(call)
-        return TorchBackend().run(call)
+        return ReferenceBackend().run(call)
+
+    def path(self, call: AttentionCall) -> str:
+        return "recording"
 
 
 @pytest.fixture
@@ -42,6 +45,7 @@ def registry():
         list(dispatch._AUTO_ORDER),
         dispatch._DEFAULT_BACKEND,
         dispatch._ENV_BACKEND,
+        dict(dispatch._GROUPS),
     )
     try:
         yield
@@ -50,6 +54,8 @@ def registry():
         dispatch._REGISTRY.update(saved[0])
         dispatch._AUTO_ORDER[:] = saved[1]
         dispatch._DEFAULT_BACKEND, dispatch._ENV_BACKEND = saved[2], saved[3]
+        dispatch._GROUPS.clear()
+        dispatch._GROUPS.update(saved[4])
 
 
 @pytest.fixture
@@ -137,16 +143,18 @@ def test_backend_names_are_validated(registry):
         lambda: LocAtAttention(16, num_heads=2, backend="nope"),
     ):
         with pytest.raises(
-            ValueError, match=r"backend must be 'auto' or one of \['torch', 'triton'\], got 'nope'"
+            ValueError,
+            match=r"backend must be 'auto', one of \['triton', 'cpu_blocked', 'sdpa', 'reference'\] or a "
+            r"group \['torch'\], got 'nope'",
         ):
             make()
-    assert set(names) == {"torch", "triton"}
+    assert names == ["triton", "cpu_blocked", "sdpa", "reference"]
     with pytest.raises(
-        ValueError, match=r"set_default_backend\(backend\) must be 'auto' or one of .* got 'nope'"
+        ValueError, match=r"set_default_backend\(backend\) must be 'auto', one of .* got 'nope'"
     ):
         vitattn.set_default_backend("nope")
     dispatch._ENV_BACKEND = "nope"
-    with pytest.raises(ValueError, match="the environment variable VITATTN_BACKEND must be 'auto' or one of"):
+    with pytest.raises(ValueError, match="the environment variable VITATTN_BACKEND must be 'auto', one of"):
         Attention(16, num_heads=2)(torch.randn(1, 5, 16))
 
 
@@ -155,11 +163,11 @@ def test_env_var_is_read_at_import_and_routes_layers():
         """
         import os, torch, vitattn
         from vitattn.functional import dispatch
-        from vitattn.functional.torch_backend import TorchBackend
+        from vitattn.functional.reference import ReferenceBackend
         from vitattn.layers import Attention
 
         calls = []
-        class Recorder(TorchBackend):
+        class Recorder(ReferenceBackend):
             name = "recorder"
             def run(self, call):
                 calls.append(call)
@@ -189,9 +197,12 @@ def test_explain_takes_the_attention_arguments(registry):
     mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
     report = explain(q, k, v, mask=mask, normalizer="entmax15", scale=0.25)
     assert set(report) == set(available_backends())
-    assert report["torch"] is None and report["picky"] == "picky declines: head dim 8 is not 64"
+    assert report["reference"] is None and report["picky"] == "picky declines: head dim 8 is not 64"
     assert isinstance(report["triton"], str)  # CPU and float64: the kernels decline, with a reason
-    assert report.chosen == "torch" and report.error is None
+    assert report["cpu_blocked"] == "a mask (the row-blocked paths take none)"
+    assert report["sdpa"] == "normalizer 'entmax15' (SDPA computes softmax only)"
+    assert report.chosen == "reference" and report.error is None
+    assert report.path == "dense formula: (B, H, Nq, Nk) scores, normalizer, @ v"
     text = str(report)
     for piece in (
         "q: (2, 3, 5, 8) torch.float64 on cpu",
@@ -203,8 +214,8 @@ def test_explain_takes_the_attention_arguments(registry):
         "scale=0.25",
         f"triton: declines: {report['triton']}",
         "picky: declines: picky declines: head dim 8 is not 64",
-        "torch: can run it",
-        "runs on: torch",
+        "reference: can run it",
+        "runs on: reference: dense formula",
     ):
         assert piece in text, (piece, text)
 
@@ -220,16 +231,18 @@ def test_explain_names_the_default_and_a_backend_that_cannot_run(registry):
     vitattn.set_default_backend(None)
     sigma, alpha = torch.ones(1, 2, 4, 2), torch.ones(1, 2, 4, 1)
     text = str(explain(q, q, q, bias=GaussianBias(sigma, alpha, (2, 2), 1), backend="torch"))
-    assert "bias: GaussianBias(grid_size=(2, 2), num_prefix_tokens=1" in text and "runs on: torch" in text
+    assert "bias: GaussianBias(grid_size=(2, 2), num_prefix_tokens=1" in text
+    assert "backend='torch' (the group of cpu_blocked, sdpa, reference)" in text
+    assert "runs on: cpu_blocked: row-blocked Gaussian softmax, inference, eager" in text, text
 
 
 def test_explain_checks_arguments_like_attention():
     q = torch.randn(1, 2, 5, 8)
     with pytest.raises(ValueError, match=r"k and v must share the key count Nk, got k \(1, 2, 5, 8\)"):
         explain(q, q, q[:, :, :3])
-    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+    with pytest.raises(ValueError, match="backend must be 'auto', one of"):
         explain(q, q, q, backend="nope")
     with pytest.raises(TypeError, match="needs q, k and v"):
         explain(q)
     call = AttentionCall(q, q, q, "softmax", 0.5, None, None, False, 0.0)
-    assert explain(call) == dispatch.explain(call)  # the internal form still works
+    assert explain(call) == dispatch.backend_reasons(call)  # a call made by hand works too

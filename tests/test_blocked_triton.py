@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vitattn.functional import GaussianBias, attention
-from vitattn.functional.blocked import gaussian_softmax_attention_train
+from vitattn.functional.cpu.softmax import gaussian_softmax_attention_train
 
 pytest.importorskip("triton")
 
@@ -35,7 +35,7 @@ def test_triton_sigma_alpha_gradients_match_the_blocked_path(prefix, grid, b):
     ref = [t.detach().clone().requires_grad_() for t in base]  # float64, the blocked path
     out = attention(*tri[:3], bias=GaussianBias(tri[3], tri[4], grid, prefix), backend="triton")
     expect = gaussian_softmax_attention_train(
-        *ref[:3], d**-0.5, GaussianBias(ref[3], ref[4], grid, prefix), block_rows=7
+        *ref[:3], d**-0.5, GaussianBias(ref[3], ref[4], grid, prefix), block_elements=b * n * 7
     )
     torch.testing.assert_close(out.double(), expect, atol=1e-5, rtol=1e-4)
     grad = torch.randn(expect.shape, generator=g, dtype=torch.float64)

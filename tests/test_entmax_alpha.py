@@ -193,7 +193,7 @@ def test_solver_converges_within_cap(dtype: torch.dtype, alpha: float) -> None:
     gen = torch.Generator().manual_seed(4)
     for n, scale in [(2, 1.0), (197, 0.01), (197, 1.0), (197, 10.0), (1024, 3.0)]:
         x = (torch.randn(64, n, generator=gen, dtype=F64) * scale).to(dtype)
-        p, iters = _entmax_forward(x, alpha - 1.0, -1)
+        p, iters = _entmax_forward(x, alpha - 1.0, -1, compiling=False)
         assert iters < 60
         torch.testing.assert_close(p.sum(-1), torch.ones(64, dtype=dtype))
 

@@ -21,7 +21,7 @@ from torch import nn
 import vitattn
 from vitattn.functional import dispatch
 from vitattn.functional.dispatch import AttentionCall
-from vitattn.functional.torch_backend import TorchBackend
+from vitattn.functional.reference import ReferenceBackend
 from vitattn.layers import (
     GaussianAugment,
     LocAtRopeAttention,
@@ -540,11 +540,11 @@ def test_rope_model_shares_the_locat_model_checks() -> None:
 # ---- backend= on every family's layers, and across conversions ----------------------------------------
 @pytest.fixture
 def counting() -> Iterator[list[AttentionCall]]:
-    """A backend named "counting" (the torch backend, recording its calls; last in "auto" order, so
+    """A backend named "counting" (the reference backend, recording its calls; last in "auto" order, so
     "auto" never picks it by itself), unregistered and the global default restored afterwards."""
     calls: list[AttentionCall] = []
 
-    class Counting(TorchBackend):
+    class Counting(ReferenceBackend):
         name = "counting"
 
         def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -584,7 +584,7 @@ def test_window_layers_take_a_backend(cls: type[WindowAttention], counting: list
     with torch.no_grad():
         auto(x, shift)
     assert len(counting) == 2
-    with pytest.raises(ValueError, match=r"backend must be 'auto' or one of \[.*'torch'.*\], got 'nope'"):
+    with pytest.raises(ValueError, match=r"backend must be 'auto', one of \[.*'torch'.*\], got 'nope'"):
         cls(**WINDOW_KW, backend="nope")
 
 

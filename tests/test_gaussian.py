@@ -7,23 +7,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vitattn.functional import GaussianBias, gaussian_clamp, gaussian_eps
+from vitattn.functional import GaussianBias, gaussian_clamp, gaussian_eps, gaussian_exponent
 
+from .helpers import bias_cases
 from .reference_formulas import naive_gaug_bias
-
-
-@st.composite
-def bias_cases(draw):
-    gh, gw = draw(st.integers(1, 7)), draw(st.integers(1, 7))
-    prefix = draw(st.sampled_from([0, 1, 5]))
-    b, h = draw(st.integers(1, 2)), draw(st.integers(1, 3))
-    resize = draw(st.sampled_from([None, (1, 1), (2, 3), (4, 4)]))
-    initial = (gh, gw) if resize is None else (max(1, gh - resize[0]), max(1, gw - resize[1]))
-    log_sigma = draw(st.floats(-6, 6))
-    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    sigma = torch.exp(torch.randn(b, h, gh * gw, 2, generator=g, dtype=torch.float64) * 2 + log_sigma)
-    alpha = torch.rand(b, h, gh * gw, 1, generator=g, dtype=torch.float64) * 3
-    return sigma, alpha, (gh, gw), prefix, initial
 
 
 @given(bias_cases())
@@ -106,48 +93,15 @@ def test_errors_name_shapes():
         GaussianBias(s, a, (3, 4), num_prefix_tokens=-1)
 
 
-@st.composite
-def bias_row_blocks(draw):
-    """A drawn bias and a block of its query rows ``start:stop``."""
-    sigma, alpha, grid, prefix, initial = draw(bias_cases())
-    bias = GaussianBias(sigma, alpha, grid, num_prefix_tokens=prefix, initial_grid_size=initial)
-    start = draw(st.integers(0, bias.num_tokens - 1))
-    return bias, start, draw(st.integers(start + 1, bias.num_tokens))
-
-
-@given(bias_row_blocks())
-def test_write_rows_is_a_row_slice_of_dense(drawn):
-    bias, start, stop = drawn
-    b, h, n = bias.sigma.shape[0], bias.sigma.shape[1], bias.num_tokens
-    out = torch.full((b, h, stop - start, n), float("nan"), dtype=torch.float64)
-    bias.write_rows(out, start)
-    torch.testing.assert_close(out, bias.dense()[:, :, start:stop], atol=0, rtol=0)
-
-
-@given(bias_row_blocks())
-def test_write_columns_is_a_transposed_row_slice_of_dense(drawn):
-    bias, start, stop = drawn
-    factors_t = bias.key_major_factors()
-    ra = factors_t[0]
-    out = torch.full((ra.shape[0], ra.shape[1], bias.num_tokens, stop - start), float("nan"), dtype=ra.dtype)
-    bias.write_columns(out, start, factors_t)
-    want = bias.dense()[:, :, start:stop].transpose(-1, -2)
-    torch.testing.assert_close(out, want, atol=0, rtol=0)
-    # one head's (B, N, rows) block, its views made once and written again for another head
-    block = bias.column_block(torch.full_like(out[:, 0], float("nan")), start)
-    for j in range(ra.shape[1]):
-        block.write((factors_t[0][:, j], factors_t[1][:, j]))
-        torch.testing.assert_close(block.out, want[:, j], atol=0, rtol=0)
-
-
-@given(bias_cases(), st.sampled_from([1.0, 1.4426950408889634]))
-def test_key_major_factors_match_the_naive_formula(case, scale):
+@given(bias_cases(), st.sampled_from([1.0, 1.4426950408889634]), st.booleans(), st.booleans())
+def test_key_major_factors_match_the_naive_formula(case, scale, hand_backward, given_table):
     """The factors' outer product is the patch block of the bias from its definition, times
-    ``scale``; the hand-written backward gives the definition's gradients to σ and α."""
+    ``scale``; the hand-written backward and the plain one give the definition's gradients to σ and α."""
     sigma, alpha, grid, prefix, initial = case
     leaves = sigma.clone().requires_grad_(), alpha.clone().requires_grad_()
     bias = GaussianBias(*leaves, grid, num_prefix_tokens=prefix, initial_grid_size=initial)
-    ra_t, c_t = bias.key_major_factors(scale=scale)
+    table = bias.numerator_table() if given_table else None
+    ra_t, c_t = bias.key_major_factors(scale=scale, table=table, hand_backward=hand_backward)
     assert ra_t.dtype == torch.float64 and bias.key_major_factors(torch.float32)[0].dtype == torch.float32
     got = (ra_t.unsqueeze(-2) * c_t.unsqueeze(-3)).flatten(-3, -2).transpose(-1, -2)  # (B, H, Np q, Np k)
     ref_leaves = sigma.clone().requires_grad_(), alpha.clone().requires_grad_()
@@ -163,31 +117,30 @@ def test_key_major_factors_match_the_naive_formula(case, scale):
     torch.testing.assert_close(c.transpose(-1, -2), c_t, atol=0, rtol=0)
 
 
-def test_write_columns_rejects_a_block_that_does_not_fit():
-    bias = GaussianBias(torch.ones(1, 1, 4, 2), torch.ones(1, 1, 4, 1), (2, 2), 1)
-    ra, c = bias.scaled_factors()
-    factors_t = (ra.transpose(-1, -2), c.transpose(-1, -2))
-    with pytest.raises(ValueError, match=r"query rows 3\.\.6 of a \(B, H, 5, 5\) bias, keys first"):
-        bias.write_columns(torch.empty(1, 1, 5, 3), 3, factors_t)
-    with pytest.raises(ValueError, match=r"do not fit out of shape \(1, 1, 4, 2\)"):
-        bias.write_columns(torch.empty(1, 1, 4, 2), 0, factors_t)
+@given(
+    st.lists(st.integers(-60, 60), min_size=1, max_size=30),
+    st.floats(1e-3, 1e4),
+    st.tuples(st.integers(1, 200), st.integers(1, 200)),
+)
+def test_gaussian_exponent_is_the_stated_formula(offsets, den, initial):
+    """max(max(-d^2 / 2, clamp) / den, -40), written out per element in float64."""
+    clamp = gaussian_clamp(initial)
+    offset = torch.tensor(offsets, dtype=torch.float64)
+    got = gaussian_exponent(offset, torch.tensor(den, dtype=torch.float64), clamp)
+    for d, e in zip(offsets, got.tolist(), strict=True):
+        assert e == pytest.approx(max(max(-0.5 * d * d, clamp) / den, -40.0), rel=1e-15, abs=0)
 
 
-def test_write_rows_rejects_a_block_that_does_not_fit():
-    bias = GaussianBias(torch.ones(1, 1, 4, 2), torch.ones(1, 1, 4, 1), (2, 2), 1)
-    with pytest.raises(ValueError, match=r"rows 3\.\.6 of a \(B, H, 5, 5\) bias do not fit out of shape"):
-        bias.write_rows(torch.empty(1, 1, 3, 5), 3)
-    with pytest.raises(ValueError, match=r"do not fit out of shape \(1, 1, 2, 4\)"):
-        bias.write_rows(torch.empty(1, 1, 2, 4), 0)
-
-
-def test_cached_numerators_from_inference_mode_serve_autograd_later():
-    grid = (3, 5)  # a grid no other test uses, so the first call below fills the cache
-    sigma, alpha = torch.rand(1, 2, 15, 2) + 0.5, torch.rand(1, 2, 15, 1)
-    with torch.inference_mode():
-        first = GaussianBias(sigma.clone(), alpha.clone(), grid, 1).dense()
-    sigma.requires_grad_(True)
-    bias = GaussianBias(sigma, alpha, grid, 1).dense()
-    bias.sum().backward()  # a cached inference tensor saved for backward would raise here
-    assert sigma.grad is not None and torch.isfinite(sigma.grad).all()
-    torch.testing.assert_close(bias.detach(), first)
+@given(bias_cases())
+def test_dense_bias_is_alpha_times_exp_of_the_stated_exponents(case):
+    """Every path's bias comes from gaussian_exponent: the dense form, floor included, per element."""
+    sigma, alpha, grid, prefix, initial = case
+    bias = GaussianBias(sigma, alpha, grid, num_prefix_tokens=prefix, initial_grid_size=initial)
+    gh, gw = grid
+    rows = torch.arange(gh * gw, dtype=torch.float64).div(gw, rounding_mode="floor")
+    cols = torch.arange(gh * gw, dtype=torch.float64).remainder(gw)
+    den = bias.denominators()  # (B, H, Np, 2)
+    e_row = gaussian_exponent(rows[:, None] - rows[None, :], den[..., 0:1], bias.clamp)
+    e_col = gaussian_exponent(cols[:, None] - cols[None, :], den[..., 1:2], bias.clamp)
+    want = alpha * torch.exp(e_row + e_col)
+    torch.testing.assert_close(bias.dense()[:, :, prefix:, prefix:], want, atol=1e-300, rtol=1e-13)

@@ -4,13 +4,16 @@
 ``mean_attention_distance`` and ``attention_entropy`` turn them into ``(B, H)``;
 ``locality_report`` averages them over images per layer and head. Plots (``plot_*``) need
 matplotlib, progress bars tqdm and the digits data scikit-learn (the ``study`` extra).
+``build_model`` makes the model ``vitattn analyze`` looks at: a timm name, optionally patched and
+loaded from a checkpoint.
 """
 
+from ..models.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
 from .checkpoint import load_checkpoint, read_state_dict
 from .data import InputSpec, digits_images, image_folder_batches, input_spec
-from .layout import model_grid_size, model_num_prefix_tokens, resolve_layout
 from .maps import attention_maps, record_attention, resolve_layers, timm_attention_probs
 from .metrics import attention_entropy, grid_diagonal, grid_distances, mean_attention_distance
+from .model import build_model
 from .plots import plot_locality_plane, plot_mad_per_layer, plot_query_attention
 from .report import LocalityReport, ReportDiff, locality_report
 
@@ -20,6 +23,7 @@ __all__ = [
     "ReportDiff",
     "attention_entropy",
     "attention_maps",
+    "build_model",
     "digits_images",
     "grid_diagonal",
     "grid_distances",

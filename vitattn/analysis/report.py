@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layout import model_grid_size, model_num_prefix_tokens, resolve_layout
+from ..models.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
 from .maps import evaluating, record_attention
 from .metrics import attention_entropy, grid_diagonal, mean_attention_distance
 

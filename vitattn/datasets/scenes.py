@@ -366,10 +366,9 @@ class DigitScenes(torch.utils.data.Dataset):
     the main digit and of up to two distractors, -1 = none). ``glyph_indices`` are the sorted sklearn
     indices this split draws from (disjoint between splits).
 
-    Default sizes: train 5000, val 1000, test 1000. Building the 5000 train scenes at 32 px took 1.3 s
-    on an idle 2-core CPU (2.5-3 s with the CPU shared; 48 px: 3.2-3.9 s shared); afterwards they
-    load from the ``.npz`` cache in ``cache_dir`` (default :func:`vitattn.cache.cache_dir`)
-    in about 0.03 s. The bytes are the same on every machine.
+    Default sizes: train 5000, val 1000, test 1000. A split is built once, then read from its ``.npz``
+    file in ``cache_dir`` (default :func:`vitattn.cache.cache_dir`); ``from_cache`` says which
+    happened. The bytes are the same on every machine.
     """
 
     num_classes: int = 10

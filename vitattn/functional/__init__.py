@@ -1,24 +1,33 @@
 """Pure tensor functions of the attention pipeline (no nn.Module, no parameters)."""
 
 from ._checks import grid_pair
-from .attention import Explanation, attention, explain
+from .attention import Explanation, attention, explain, make_call
 from .capture import capture_attention_weights
-from .dispatch import available_backends, get_default_backend, register_backend, set_default_backend
+from .dispatch import (
+    AttentionCall,
+    available_backends,
+    backend_groups,
+    get_default_backend,
+    register_backend,
+    set_default_backend,
+)
 from .dtypes import compute_dtype
 from .entmax15 import entmax15
 from .entmax_alpha import entmax, sparsemax
-from .gaussian import GaussianBias, gaussian_clamp, gaussian_eps
+from .gaussian import GaussianBias, gaussian_clamp, gaussian_eps, gaussian_exponent
 from .normalize import Normalizer, normalize
 from .prr import prr
 from .scoring import apply_mask, scores
 
 __all__ = [
+    "AttentionCall",
     "Explanation",
     "GaussianBias",
     "Normalizer",
     "apply_mask",
     "attention",
     "available_backends",
+    "backend_groups",
     "capture_attention_weights",
     "compute_dtype",
     "entmax",
@@ -26,8 +35,10 @@ __all__ = [
     "explain",
     "gaussian_clamp",
     "gaussian_eps",
+    "gaussian_exponent",
     "get_default_backend",
     "grid_pair",
+    "make_call",
     "normalize",
     "prr",
     "register_backend",

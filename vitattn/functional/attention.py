@@ -6,13 +6,30 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
 import torch
 
-from . import torch_backend as _torch_backend  # noqa: F401  (registers the reference backend)
 from ._checks import check_floating, check_rank, shape_str
 from .capture import active_callbacks
-from .dispatch import AttentionCall, backend_reasons, check_backend_name, resolve_backend, select_backend
+from .cpu.backend import CpuBlockedBackend
+from .dispatch import (
+    AttentionCall,
+    backend_groups,
+    backend_reasons,
+    check_backend_name,
+    register_backend,
+    register_group,
+    resolve_backend,
+    select_backend,
+)
 from .gaussian import GaussianBias
 from .normalize import Normalizer, resolve_normalizer
+from .reference import ReferenceBackend
 from .scoring import check_mask_and_bias
+from .sdpa import SdpaBackend
+
+# The pure-PyTorch backends in "auto" order (the Triton backend is registered ahead of them by
+# vitattn.kernels), and their group name.
+for _backend in (CpuBlockedBackend(), SdpaBackend(), ReferenceBackend()):
+    register_backend(_backend)
+register_group("torch", ("cpu_blocked", "sdpa", "reference"))
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -101,7 +118,8 @@ def attention(
         return_weights: also return the ``(B, H, Nq, Nk)`` probabilities (before dropout; float32
             for half-precision inputs).
         dropout_p: dropout on the probabilities (pass 0 in eval).
-        backend: ``"auto"`` or a registered backend name (see ``available_backends()``).
+        backend: ``"auto"``, a backend name (``available_backends()``: ``"triton"``, ``"cpu_blocked"``,
+            ``"sdpa"``, ``"reference"``) or ``"torch"``, the group of the pure-PyTorch ones.
 
     Returns:
         ``out`` of shape ``(B, H, Nq, Dv)`` in that one dtype (``v``'s dtype when q, k, v share it and
@@ -150,7 +168,25 @@ def make_call(
         bias=bias,
         return_weights=bool(options.get("return_weights", False)) or bool(active_callbacks()),
         dropout_p=dropout_p,
+        needs_grad=_needs_grad(q, k, v, mask, bias),
+        compiling=torch.compiler.is_compiling(),
     )
+
+
+def _needs_grad(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | GaussianBias | None,
+) -> bool:
+    """Whether autograd records a call: grad mode on and an input (σ, α of a Gaussian bias included)
+    that requires a gradient."""
+    if not torch.is_grad_enabled():
+        return False
+    tensors = [q, k, v, mask]
+    tensors += [bias.sigma, bias.alpha] if isinstance(bias, GaussianBias) else [bias]
+    return any(t is not None and t.requires_grad for t in tensors)
 
 
 def _describe(name: str, t: object) -> str:
@@ -172,8 +208,9 @@ class Explanation(dict):
     Attributes:
         backend: the ``backend`` asked for; ``resolved``: what it resolves to after the defaults
             (:func:`~vitattn.functional.get_default_backend`); ``chosen``: the backend that would run
-            the call, or None when none can; ``error``: why not, then; ``inputs``: one line per argument
-            (shape, dtype, device) and the call's flags.
+            the call, or None when none can; ``path``: the path that backend takes (e.g. which
+            row-blocked variant, eager or custom op); ``error``: why none can; ``inputs``: one line per
+            argument (shape, dtype, device) and the call's flags.
 
     ``str()`` (and ``print``) gives the whole report as text.
     """
@@ -181,6 +218,7 @@ class Explanation(dict):
     backend: str
     resolved: str
     chosen: str | None
+    path: str | None
     error: str | None
     inputs: list[str]
 
@@ -188,11 +226,13 @@ class Explanation(dict):
         lines = ["attention call:"]
         lines += [f"  {line}" for line in self.inputs]
         via = "" if self.resolved == self.backend else f" -> {self.resolved!r} (default backend)"
-        lines.append(f"backend={self.backend!r}{via}")
+        group = backend_groups().get(self.resolved)
+        members = f" (the group of {', '.join(group)})" if group else ""
+        lines.append(f"backend={self.backend!r}{via}{members}")
         for name, reason in self.items():
             lines.append(f"  {name}: {'can run it' if reason is None else 'declines: ' + reason}")
         if self.chosen is not None:
-            lines.append(f"runs on: {self.chosen}")
+            lines.append(f"runs on: {self.chosen}: {self.path}")
         else:
             lines.append(f"runs on: none ({self.error})")
         return "\n".join(lines)
@@ -208,15 +248,15 @@ def explain(
     backend: str = "auto",
     **kwargs: Any,
 ) -> Explanation:
-    """Why each backend would or would not run ``attention(q, k, v, **same kwargs)``.
+    """Why each backend would or would not run ``attention(q, k, v, **same kwargs)``, and the path taken.
 
-    Takes the arguments of :func:`attention` (or an internal ``AttentionCall`` as ``q``) and runs
-    nothing. Returns an :class:`Explanation`: a dict ``{backend: None or the reason it declines}``
-    whose ``str()`` lists the inputs' shapes, dtypes and devices, every backend's answer and the
-    backend that would run the call; ``print(explain(q, k, v))`` shows it. For ``backend="auto"``
-    the reasons are those ``"auto"`` sees; for a named (or default) backend, that backend's answer
-    is the one for a named backend. Invalid arguments raise as :func:`attention` would (an unknown
-    keyword a ``TypeError``).
+    Takes the arguments of :func:`attention` (or an ``AttentionCall`` from :func:`make_call` as ``q``)
+    and runs nothing. Returns an :class:`Explanation`: a dict ``{backend: None or the reason it
+    declines}`` whose ``str()`` lists the inputs' shapes, dtypes and devices, every backend's answer,
+    the backend that would run the call and its path; ``print(explain(q, k, v))`` shows it. For
+    ``backend="auto"`` (or a group) the reasons are those ``"auto"`` sees; for a named (or default)
+    backend, that backend's answer is the one for a named backend. Invalid arguments raise as
+    :func:`attention` would (an unknown keyword a ``TypeError``).
     """
     if isinstance(q, AttentionCall):
         if k is not None or v is not None or kwargs:
@@ -229,11 +269,12 @@ def explain(
     check_backend_name(backend)
     resolved = resolve_backend(backend)
     out = Explanation(backend_reasons(call, explicit=False))
-    if resolved != "auto":
+    if resolved != "auto" and resolved not in backend_groups():
         out[resolved] = backend_reasons(call, explicit=True)[resolved]  # its answer when named
-    out.backend, out.resolved, out.chosen, out.error = backend, resolved, None, None
+    out.backend, out.resolved, out.chosen, out.path, out.error = backend, resolved, None, None, None
     try:
-        out.chosen = select_backend(call, backend).name
+        chosen = select_backend(call, backend)
+        out.chosen, out.path = chosen.name, chosen.path(call)
     except ValueError as e:
         out.error = str(e)
     out.inputs = [
@@ -243,6 +284,6 @@ def explain(
         _describe("mask", call.mask),
         _describe("bias", call.bias),
         f"normalizer={call.normalizer!r}, scale={call.scale:g}, return_weights={call.return_weights}, "
-        f"dropout_p={call.dropout_p:g}, grad enabled={torch.is_grad_enabled()}",
+        f"dropout_p={call.dropout_p:g}, needs_grad={call.needs_grad}, compiling={call.compiling}",
     ]
     return out

@@ -1,13 +1,17 @@
-"""Backend registry for :func:`vitattn.functional.attention`.
+"""Backend registry and dispatcher of :func:`vitattn.functional.attention`.
 
-Each backend states what it supports through :meth:`AttentionBackend.unsupported`, which returns
-``None`` when it can run a call and otherwise a short reason. ``explicit`` tells it whether the user
-named it (``backend="triton"``) or ``"auto"`` is asking: a backend may accept a call only when
+Every execution path is a named backend. Each states what it supports through
+:meth:`AttentionBackend.unsupported`, which returns ``None`` when it can run a call and otherwise a
+short reason; :meth:`AttentionBackend.path` names the path it would take. ``explicit`` tells it whether
+the user named it (``backend="triton"``) or ``"auto"`` is asking: a backend may accept a call only when
 named (the Triton interpreter on CPU tensors, a debugging aid, is never picked by ``"auto"``).
 
-``backend="auto"`` takes the first backend in preference order that supports the call; an explicit
-backend that cannot run a call raises a ``ValueError`` carrying its reason. The pure-PyTorch backend
-supports everything and is the reference every other backend is tested against.
+The backends, in ``"auto"`` order: ``triton`` (fused kernels, CUDA), ``cpu_blocked`` (the CPU row-blocked
+paths), ``sdpa`` (``scaled_dot_product_attention``), ``reference`` (the dense formula, every call; what
+every other backend is tested against). ``backend="auto"`` takes the first that supports the call; a
+named backend that cannot run a call raises a ``ValueError`` carrying its reason. A *group* name stands
+for its members in that order: ``"torch"`` is the pure-PyTorch group (``cpu_blocked``, ``sdpa``,
+``reference``): everything but the Triton kernels.
 
 Which backend ``"auto"`` means (first match wins):
 
@@ -17,20 +21,42 @@ Which backend ``"auto"`` means (first match wins):
 4. the automatic choice above.
 
 A default from 2 or 3 is treated like a named backend: a call it cannot run raises, with its reason.
+Whether a call is being compiled (``torch.compile``) and whether autograd records it are decided once,
+when the call is made (:attr:`AttentionCall.compiling`, :attr:`AttentionCall.needs_grad`); backends read
+those fields instead of asking again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
 from .gaussian import GaussianBias
 from .normalize import Normalizer
+
+__all__ = [
+    "ENV_VAR",
+    "AttentionBackend",
+    "AttentionCall",
+    "autocast_dtype",
+    "available_backends",
+    "backend_reasons",
+    "check_backend_name",
+    "get_default_backend",
+    "operand_dtype",
+    "register_backend",
+    "register_group",
+    "resolve_backend",
+    "run_in_call_dtype",
+    "select_backend",
+    "set_default_backend",
+]
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -59,6 +85,8 @@ class AttentionCall:
     """A validated attention call. Shapes: q ``(B, H, Nq, D)``, k ``(B, H, Nk, D)``, v ``(B, H, Nk, Dv)``.
 
     q, k, v may have different floating dtypes; :attr:`dtype` is the one every backend computes with.
+    ``needs_grad``: autograd records the call (grad mode on and an input that requires a gradient);
+    ``compiling``: the call is being traced by ``torch.compile``. Both are fixed when the call is made.
     """
 
     q: torch.Tensor
@@ -70,6 +98,8 @@ class AttentionCall:
     bias: torch.Tensor | GaussianBias | None
     return_weights: bool
     dropout_p: float
+    needs_grad: bool = False
+    compiling: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -78,11 +108,31 @@ class AttentionCall:
         return operand_dtype(dtypes, autocast_dtype(self.q.device.type))
 
 
+_R = TypeVar("_R")
+
+
+def run_in_call_dtype(call: AttentionCall, fn: Callable[[AttentionCall], _R]) -> _R:
+    """``fn(call)`` with q, k, v cast to ``call.dtype`` (differentiable; a no-op where equal) and autocast
+    off on q's device, so that scores and normalizers run in
+    :func:`~vitattn.functional.compute_dtype` of that dtype whatever autocast would do."""
+    dtype = call.dtype
+    if any(t.dtype != dtype for t in (call.q, call.k, call.v)):
+        call = dataclasses.replace(call, q=call.q.to(dtype), k=call.k.to(dtype), v=call.v.to(dtype))
+    device_type = call.q.device.type
+    if autocast_dtype(device_type) is None:
+        return fn(call)
+    with torch.autocast(device_type, enabled=False):
+        return fn(call)
+
+
 class AttentionBackend(Protocol):
     name: str
 
     def unsupported(self, call: AttentionCall, explicit: bool = False) -> str | None:
         """``None`` if this backend can run ``call``, else why not (``explicit``: named by the user)."""
+
+    def path(self, call: AttentionCall) -> str:
+        """The path this backend takes for ``call`` (one it supports), in a few words."""
 
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return ``(out, probs or None)``."""
@@ -90,6 +140,7 @@ class AttentionBackend(Protocol):
 
 _REGISTRY: dict[str, AttentionBackend] = {}
 _AUTO_ORDER: list[str] = []
+_GROUPS: dict[str, tuple[str, ...]] = {}
 ENV_VAR = "VITATTN_BACKEND"
 _ENV_BACKEND: str | None = os.environ.get(ENV_VAR, "").strip() or None  # read once, like TIMM_FUSED_ATTN
 _DEFAULT_BACKEND: str | None = None  # set_default_backend
@@ -97,6 +148,8 @@ _DEFAULT_BACKEND: str | None = None  # set_default_backend
 
 def register_backend(backend: AttentionBackend, *, prefer: bool = False) -> None:
     """Add a backend; ``prefer=True`` puts it before the others for ``backend="auto"``."""
+    if backend.name in _GROUPS or backend.name == "auto":
+        raise ValueError(f"{backend.name!r} is a group name or 'auto', not a backend name")
     _REGISTRY[backend.name] = backend
     if backend.name in _AUTO_ORDER:
         _AUTO_ORDER.remove(backend.name)
@@ -106,16 +159,33 @@ def register_backend(backend: AttentionBackend, *, prefer: bool = False) -> None
         _AUTO_ORDER.append(backend.name)
 
 
+def register_group(name: str, members: Sequence[str]) -> None:
+    """Let ``backend=name`` stand for the first of ``members`` (registered backends, tried in ``"auto"``
+    order) that supports a call."""
+    unknown = [m for m in members if m not in _REGISTRY]
+    if unknown or name in _REGISTRY or name == "auto":
+        raise ValueError(f"group {name!r}: {unknown or name!r} is not a registered backend / a free name")
+    _GROUPS[name] = tuple(members)
+
+
 def available_backends() -> list[str]:
-    """Names accepted by ``backend=`` besides ``"auto"``."""
-    return list(_REGISTRY)
+    """Backend names accepted by ``backend=`` besides ``"auto"`` and the group names, in ``"auto"`` order."""
+    return list(_AUTO_ORDER)
+
+
+def backend_groups() -> dict[str, tuple[str, ...]]:
+    """The group names accepted by ``backend=``, each with its members."""
+    return dict(_GROUPS)
 
 
 def check_backend_name(backend: object, name: str = "backend") -> str:
-    """``backend`` if it is ``"auto"`` or a registered name, else a ``ValueError`` naming ``name``."""
-    if backend == "auto" or (isinstance(backend, str) and backend in _REGISTRY):
+    """``backend`` if it is ``"auto"``, a registered name or a group, else a ``ValueError`` naming
+    ``name``."""
+    if backend == "auto" or (isinstance(backend, str) and (backend in _REGISTRY or backend in _GROUPS)):
         return backend
-    raise ValueError(f"{name} must be 'auto' or one of {available_backends()}, got {backend!r}")
+    raise ValueError(
+        f"{name} must be 'auto', one of {available_backends()} or a group {sorted(_GROUPS)}, got {backend!r}"
+    )
 
 
 def set_default_backend(backend: str | None) -> None:
@@ -149,25 +219,24 @@ def backend_reasons(call: AttentionCall, explicit: bool = False) -> dict[str, st
     return {name: _REGISTRY[name].unsupported(call, explicit=explicit) for name in _AUTO_ORDER}
 
 
-def explain(call: AttentionCall) -> dict[str, str | None]:
-    """For each backend, ``None`` if ``backend="auto"`` could pick it for ``call``, or why not.
-
-    The internal form; :func:`vitattn.functional.explain` takes the arguments of ``attention()``.
-    """
-    return backend_reasons(call, explicit=False)
+def _first_of(names: Sequence[str], call: AttentionCall, label: str) -> AttentionBackend:
+    for name in names:
+        if _REGISTRY[name].unsupported(call, explicit=False) is None:
+            return _REGISTRY[name]
+    reasons = "; ".join(f"{n}: {_REGISTRY[n].unsupported(call)}" for n in names)
+    raise ValueError(f"no attention backend of {label} supports this call ({reasons})")
 
 
 def select_backend(call: AttentionCall, backend: str) -> AttentionBackend:
-    """Resolve ``backend`` ("auto" or a registered name; "auto" honours the default) for ``call``."""
+    """Resolve ``backend`` ("auto", a group or a registered name; "auto" honours the default) for ``call``."""
     requested = backend
     backend = resolve_backend(backend)
     if backend == "auto":
-        for name in _AUTO_ORDER:
-            if _REGISTRY[name].unsupported(call, explicit=False) is None:
-                return _REGISTRY[name]
-        reasons = "; ".join(f"{n}: {r}" for n, r in backend_reasons(call).items())
-        raise ValueError(f"no attention backend supports this call ({reasons})")
+        return _first_of(_AUTO_ORDER, call, "'auto'")
     check_backend_name(backend)
+    if backend in _GROUPS:
+        members = _GROUPS[backend]
+        return _first_of([n for n in _AUTO_ORDER if n in members], call, f"the group {backend!r}")
     chosen = _REGISTRY[backend]
     reason = chosen.unsupported(call, explicit=True)
     if reason is not None:

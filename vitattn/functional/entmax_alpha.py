@@ -29,10 +29,6 @@ _ENTMAX_MAX_ITERS = 60
 _ENTMAX_COMPILE_ITERS = {torch.float32: 30, torch.float64: 60}
 
 
-def _is_compiling() -> bool:
-    return torch.compiler.is_compiling()
-
-
 def _shifted(x: Tensor, dim: int) -> Tensor:
     """``x - max(x)`` along ``dim``; rows that are entirely ``-inf`` stay ``-inf`` (shift 0)."""
     x_max = x.amax(dim, keepdim=True)
@@ -45,13 +41,13 @@ def _shifted(x: Tensor, dim: int) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def _sparsemax_forward(x: Tensor, dim: int) -> Tensor:
-    """Sparsemax of ``x`` (already in its compute dtype) along ``dim``."""
+def _sparsemax_forward(x: Tensor, dim: int, compiling: bool) -> Tensor:
+    """Sparsemax of ``x`` (already in its compute dtype) along ``dim``; ``compiling``: a fixed iteration
+    count (no data-dependent exit)."""
     n = x.shape[dim]
     z = _shifted(x, dim)  # max 0, or all -inf
     # Lower bound on tau: f(z_max - 1) >= 0 and f(mean - 1/n) >= 0.
     tau = (z.mean(dim, keepdim=True) - 1.0 / n).clamp_min(-1.0)
-    compiling = _is_compiling()
     n_iter = _SPARSEMAX_COMPILE_ITERS if compiling else n + 2
     size_prev = None
     for _ in range(n_iter):
@@ -68,19 +64,19 @@ def _sparsemax_forward(x: Tensor, dim: int) -> Tensor:
 
 class _SparsemaxFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, dim: int) -> Tensor:
-        out = _sparsemax_forward(x.to(compute_dtype(x.dtype)), dim).to(x.dtype)
+    def forward(ctx, x: Tensor, dim: int, compiling: bool) -> Tensor:
+        out = _sparsemax_forward(x.to(compute_dtype(x.dtype)), dim, compiling).to(x.dtype)
         ctx.dim = dim
         ctx.save_for_backward(out)
         return out
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, None]:
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, None, None]:
         (out,) = ctx.saved_tensors
         cdtype = compute_dtype(out.dtype)
         g = (out > 0).to(cdtype)
         grad_x = support_vjp(grad_out.to(cdtype), g, ctx.dim).to(grad_out.dtype)
-        return grad_x, None
+        return grad_x, None, None
 
 
 def _check_x(x: Tensor, dim: int) -> int:
@@ -101,11 +97,12 @@ def sparsemax(x: Tensor, dim: int = -1) -> Tensor:
         that are entirely ``-inf``).
     """
     dim = _check_x(x, dim)
+    compiling = torch.compiler.is_compiling()  # decided once: a fixed iteration count when traced
     if x.dim() == 0:
-        return _SparsemaxFunction.apply(x.reshape(1), 0).reshape(())
+        return _SparsemaxFunction.apply(x.reshape(1), 0, compiling).reshape(())
     if x.numel() == 0:
         return x.clone()
-    return _SparsemaxFunction.apply(x, dim)
+    return _SparsemaxFunction.apply(x, dim, compiling)
 
 
 # --------------------------------------------------------------------------------------------
@@ -113,8 +110,9 @@ def sparsemax(x: Tensor, dim: int = -1) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def _entmax_forward(x: Tensor, am1: float | Tensor, dim: int) -> tuple[Tensor, int]:
-    """alpha-entmax of ``x`` (in its compute dtype) along ``dim``; ``am1 = alpha - 1``.
+def _entmax_forward(x: Tensor, am1: float | Tensor, dim: int, compiling: bool) -> tuple[Tensor, int]:
+    """alpha-entmax of ``x`` (in its compute dtype) along ``dim``; ``am1 = alpha - 1``; ``compiling``: a
+    fixed iteration count (no data-dependent exit).
 
     ``am1`` is a float or a tensor broadcastable to ``x`` with size 1 along ``dim``. Returns the
     probabilities and the number of iterations run.
@@ -139,7 +137,6 @@ def _entmax_forward(x: Tensor, am1: float | Tensor, dim: int) -> tuple[Tensor, i
     step_old = torch.full(red_shape, math.inf, dtype=x.dtype, device=x.device)
     step_last = step_old
     done = torch.isneginf(z).all(dim, keepdim=True)  # fully masked rows: nothing to solve
-    compiling = _is_compiling()
     n_iter = _ENTMAX_COMPILE_ITERS.get(x.dtype, _ENTMAX_MAX_ITERS) if compiling else _ENTMAX_MAX_ITERS
     p = z
     iters = 0
@@ -175,10 +172,10 @@ def _entmax_forward(x: Tensor, am1: float | Tensor, dim: int) -> tuple[Tensor, i
 
 class _EntmaxFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, alpha: float | Tensor, dim: int) -> Tensor:
+    def forward(ctx, x: Tensor, alpha: float | Tensor, dim: int, compiling: bool) -> Tensor:
         cdtype = compute_dtype(x.dtype)
         alpha_c = alpha.to(cdtype) if isinstance(alpha, Tensor) else alpha
-        out, _ = _entmax_forward(x.to(cdtype), alpha_c - 1.0, dim)
+        out, _ = _entmax_forward(x.to(cdtype), alpha_c - 1.0, dim, compiling)
         out = out.to(x.dtype)
         ctx.dim = dim
         ctx.alpha_is_tensor = isinstance(alpha, Tensor)
@@ -190,7 +187,7 @@ class _EntmaxFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
         if ctx.alpha_is_tensor:
             out, alpha = ctx.saved_tensors
         else:
@@ -220,11 +217,12 @@ class _EntmaxFunction(torch.autograd.Function):
             dp_dalpha = beta * beta * (p - q) - beta * (plogp - q * h)
             grad_alpha = (dy * dp_dalpha).sum(dim, keepdim=True)
             grad_alpha = grad_alpha.sum_to_size(alpha.shape).to(alpha.dtype)
-        return grad_x, grad_alpha, None
+        return grad_x, grad_alpha, None, None
 
 
-def _check_alpha(alpha: object, x: Tensor, dim: int) -> float | Tensor:
-    """Validate ``alpha``; returns it as a python float or a tensor."""
+def _check_alpha(alpha: object, x: Tensor, dim: int, compiling: bool) -> float | Tensor:
+    """Validate ``alpha``; returns it as a python float or a tensor. Its values are checked only when
+    not ``compiling`` (a data-dependent check)."""
     if isinstance(alpha, Tensor):
         check_broadcastable("alpha", alpha, tuple(x.shape), "x")
         pos = alpha.dim() - x.dim() + dim  # dim of x, counted in alpha (broadcasting aligns the right)
@@ -237,7 +235,7 @@ def _check_alpha(alpha: object, x: Tensor, dim: int) -> float | Tensor:
             )
         if alpha.dtype == torch.bool or alpha.is_complex():
             raise TypeError(f"alpha must be a real-valued tensor, got dtype {alpha.dtype}")
-        if not _is_compiling():
+        if not compiling:
             bad = ~((alpha > 1) & torch.isfinite(alpha))
             if bool(bad.any()):
                 raise ValueError(
@@ -276,7 +274,8 @@ def entmax(x: Tensor, alpha: float | Tensor, dim: int = -1) -> Tensor:
         that are entirely ``-inf``).
     """
     dim = _check_x(x, dim)
-    alpha = _check_alpha(alpha, x, dim)
+    compiling = torch.compiler.is_compiling()  # decided once: fixed iterations, no value checks, when traced
+    alpha = _check_alpha(alpha, x, dim, compiling)
     if isinstance(alpha, float):
         if alpha == 2.0:
             return sparsemax(x, dim)
@@ -285,7 +284,7 @@ def entmax(x: Tensor, alpha: float | Tensor, dim: int = -1) -> Tensor:
 
             return entmax15(x, dim=dim)
     if x.dim() == 0:
-        return _EntmaxFunction.apply(x.reshape(1), alpha, 0).reshape(())
+        return _EntmaxFunction.apply(x.reshape(1), alpha, 0, compiling).reshape(())
     if x.numel() == 0:
         return x.clone()
-    return _EntmaxFunction.apply(x, alpha, dim)
+    return _EntmaxFunction.apply(x, alpha, dim, compiling)

@@ -2,16 +2,21 @@
 
 For a query patch ``p`` and a key patch ``t`` on a ``(gh, gw)`` grid::
 
-    D_m   = max(-(coord_p,m - coord_t,m)^2 / 2, clamp)          m in {row, column}
-    S_pt  = alpha_p * exp(sum_m D_m / (r * sigma_p,m + eps))
+    E_m   = max(max(-(coord_p,m - coord_t,m)^2 / 2, clamp) / (r * sigma_p,m + eps), -40)   m in {row, column}
+    S_pt  = alpha_p * exp(E_row + E_col)
 
 where ``r = min(grid) / min(initial_grid)`` rescales the variances when the resolution changes, and
 ``eps`` and ``clamp`` depend only on the initial grid (see :func:`gaussian_eps` and
 :func:`gaussian_clamp`). Rows and columns of prefix tokens (class / register tokens) get ``S = 0``.
+:func:`gaussian_exponent` states ``E_m`` for every path of the library (the Triton kernels are
+tested against it); the floor at -40 moves ``S`` by at most ``alpha * e^-40 ~ 4e-18 alpha`` where
+it binds and keeps every exponential clear of denormals.
 
 Because the exponent is a sum over the two axes, ``S_pt = alpha_p * R_p[row_t] * C_p[col_t]`` with
 one factor per axis: no ``(N, N, 2)`` tensor is ever needed, and a fused kernel needs no ``N x N``
-tensor at all.
+tensor at all. :class:`GaussianBias` describes the bias of one call (σ, α, grid, prefix tokens) and
+gives its dense form and its separable factors; the block layouts a fast path writes live with that
+path (``vitattn.functional.cpu``).
 """
 
 from __future__ import annotations
@@ -23,14 +28,13 @@ import torch
 from ._checks import check_floating, check_rank, grid_pair, shape_str
 from .dtypes import compute_dtype
 
-__all__ = ["ColumnBlock", "GaussianBias", "gaussian_eps", "gaussian_clamp"]
+__all__ = ["EXPONENT_FLOOR", "GaussianBias", "LOG2E", "gaussian_clamp", "gaussian_eps", "gaussian_exponent"]
 
 _FP16_HALF_MAX = 32500.0  # half of float16's largest value (65000 / 2): the exponent's bound per axis
 _CLAMP_FLOOR = -6550.0  # float16-safe floor of D_m at the smallest eps
-_EXPONENT_FLOOR = -40.0  # per-axis exponent floor, see axis_factors
-_LOG2E = 1.4426950408889634  # exp(x) = 2 ** (x * log2(e)); torch's exp2 is the faster CPU kernel
-_NUMERATOR_CACHE_SIZE = 32  # grids x devices x dtypes whose numerator tables are kept
-_NUMERATORS: dict[tuple, torch.Tensor] = {}
+EXPONENT_FLOOR = -40.0  # per-axis exponent floor (natural-log units), see gaussian_exponent
+LOG2E = 1.4426950408889634  # exp(x) = 2 ** (x * log2(e))
+_LN2 = 0.6931471805599453
 
 
 def gaussian_eps(initial_grid_size: tuple[int, int]) -> float:
@@ -47,32 +51,35 @@ def gaussian_clamp(initial_grid_size: tuple[int, int]) -> float:
     return max(-0.5 * (max(initial_grid_size) - 1) ** 2, _CLAMP_FLOOR)
 
 
-def _floored_exp2(exponent: torch.Tensor) -> torch.Tensor:
-    """``exp2`` of per-axis exponents in log2 units, each floored at the equivalent of -40 first.
+def gaussian_exponent(offset: torch.Tensor, den: torch.Tensor, clamp: float) -> torch.Tensor:
+    """The per-axis exponent of the Gaussian bias, ``max(max(-offset^2 / 2, clamp) / den, -40)``.
 
-    The exponents are in log2 units (the numerator table holds ``D * log2(e)``), so exp is exp2,
-    ~3x faster on the CPU. e^-40 ~ 4e-18: the floor moves the bias by at most ``alpha * 4e-18``
-    where it was smaller still (invisible next to any score), while exp2 and the products stay
-    clear of denormals, which are ~10x slower on CPUs. ``exponent`` is clamped in place.
+    ``offset`` is the grid offset along one axis (query coordinate minus key coordinate), ``den`` the
+    effective denominator ``r * sigma + eps`` of that axis (broadcast against ``offset``), ``clamp``
+    :func:`gaussian_clamp` of the initial grid. In natural-log units: the bias is
+    ``alpha * exp(E_row + E_col)``. The one statement of the exponent; the separable factors compute
+    it per axis in log2 units (the same value times ``log2(e)``), the Triton kernels are checked
+    against it.
     """
-    return torch.exp2(exponent.clamp_min_(_EXPONENT_FLOOR * _LOG2E))
-
-
-_LN2 = 0.6931471805599453
+    numerator = (-0.5 * offset * offset).clamp_min(clamp)
+    return (numerator / den).clamp_min(EXPONENT_FLOOR)
 
 
 def _axis_factors_t(
     table: torch.Tensor, den: torch.Tensor, grid_size: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(F = [R; C]ᵀ: (..., gh + gw, Np), E)``: both axes' factors with the query index last and
-    their floored exponent ``E`` (log2 units), from the numerator table ``(gh + gw, Np)`` and the
-    denominators ``den: (..., 2, Np)``. The one statement of the factor formula."""
+    """``(F = [R; C]ᵀ: (..., gh + gw, Np), E)``: both axes' factors with the query index last and their
+    exponent ``E`` in log2 units (:func:`gaussian_exponent` times ``log2(e)``), from the numerator table
+    ``(gh + gw, Np)`` (:meth:`GaussianBias.numerator_table`, clamped and already times ``log2(e)``) and
+    the denominators ``den: (..., 2, Np)``. ``F = exp2(E)`` (log2 units: exp2 is the cheaper CPU kernel,
+    docs/benchmarks.md)."""
     gh, gw = grid_size
     if gh == gw:  # one broadcast division: (2, g, Np) / (..., 2, 1, Np)
         exponent = (table.unflatten(0, (2, gh)) / den.unsqueeze(-2)).flatten(-3, -2)
     else:
         exponent = torch.cat([table[:gh] / den[..., 0:1, :], table[gh:] / den[..., 1:2, :]], dim=-2)
-    return _floored_exp2(exponent), exponent
+    exponent = exponent.clamp_min_(EXPONENT_FLOOR * LOG2E)
+    return torch.exp2(exponent), exponent
 
 
 def _key_major_factors(
@@ -132,43 +139,6 @@ class _KeyMajorFactors(torch.autograd.Function):
         if scale != 1.0:
             d_alpha.mul_(scale)
         return None, d_den, d_alpha, None, None
-
-
-@dataclass(frozen=True, eq=False)  # holds tensor views: identity, not elementwise, equality
-class ColumnBlock:
-    """One keys-first block ``out: (..., N, rows)`` of the transposed bias (from
-    :meth:`GaussianBias.column_block`): the views its writes need, made once."""
-
-    out: torch.Tensor
-    start: int  # first query row of the block
-    stop: int
-    zeros: tuple[torch.Tensor, ...]  # prefix keys, prefix queries: bias 0
-    patches: torch.Tensor | None  # (..., gh, gw, patch queries of the block); None if there are none
-    lo: int  # the patch queries' range among all Np patches
-    hi: int
-    num_patches: int
-
-    @property
-    def rows(self) -> int:
-        """Query rows in the block."""
-        return self.stop - self.start
-
-    @property
-    def all_rows(self) -> bool:
-        """Whether the block holds every query row (``N`` of them)."""
-        return self.start == 0 and self.stop == self.out.shape[-2]
-
-    def write(self, factors_t: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Write the block's bias from :meth:`GaussianBias.key_major_factors` ``(..., gh, Np)``,
-        ``(..., gw, Np)`` (leading dims broadcast against ``out``'s); returns ``out``."""
-        for view in self.zeros:
-            view.zero_()
-        if self.patches is not None:
-            ra_t, c_t = factors_t
-            if self.lo > 0 or self.hi < self.num_patches:
-                ra_t, c_t = ra_t[..., self.lo : self.hi], c_t[..., self.lo : self.hi]
-            torch.mul(ra_t.unsqueeze(-2), c_t.unsqueeze(-3), out=self.patches)
-        return self.out
 
 
 @dataclass(frozen=True)
@@ -233,59 +203,51 @@ class GaussianBias:
         """``min(grid) / min(initial_grid)``: 1 at the resolution the model was built for."""
         return min(self.grid_size) / min(self.initial_grid_size)  # type: ignore[arg-type]
 
+    @property
+    def requires_grad(self) -> bool:
+        """Whether σ or α requires a gradient."""
+        return self.sigma.requires_grad or self.alpha.requires_grad
+
     # ---- tensors --------------------------------------------------------------------------------
-    def _work_dtype(self) -> torch.dtype:
+    def work_dtype(self) -> torch.dtype:
+        """The dtype the bias is computed in: :func:`~vitattn.functional.compute_dtype` of σ."""
         return compute_dtype(self.sigma)
 
     def denominators(self) -> torch.Tensor:
         """``(B, H, Np, 2)`` effective denominators ``r * sigma + eps`` in float32 (float64 stays)."""
-        sigma = self.sigma.to(self._work_dtype())
+        sigma = self.sigma.to(self.work_dtype())
         scale = self.resolution_scale
         if scale != 1.0:
             sigma = sigma * scale
         return sigma + self.eps
 
-    def axis_numerators(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Clamped ``D`` per axis: ``(gh, gh)`` for rows and ``(gw, gw)`` for columns."""
+    def numerator_table(self, device: torch.device | None = None) -> torch.Tensor:
+        """``(gh + gw, Np)``: each patch's clamped row numerators ``max(-d^2 / 2, clamp)`` against the
+        ``gh`` grid rows, then its column numerators against the ``gw`` grid columns, times ``log2(e)``,
+        with the patch index last (contiguous), in :meth:`work_dtype`. Constant for a grid; a path that
+        calls it often may cache it (the CPU row-blocked paths do)."""
         device = self.sigma.device if device is None else device
-        out = []
-        for n in self.grid_size:
-            pos = torch.arange(n, device=device, dtype=self._work_dtype())
-            d = -0.5 * (pos[:, None] - pos[None, :]) ** 2
-            out.append(d.clamp_min(self.clamp))
-        return out[0], out[1]
+        gh, gw = self.grid_size
+        dtype = self.work_dtype()
 
-    def _patch_numerators(self) -> torch.Tensor:
-        """``(gh + gw, Np)``, contiguous: each patch's row numerators, then its column numerators,
-        times log2(e), with the patch index last.
+        def numerators(n: int) -> torch.Tensor:  # (n, n): clamped -d^2 / 2 between axis positions, log2 units
+            pos = torch.arange(n, device=device, dtype=dtype)
+            return (-0.5 * (pos[:, None] - pos[None, :]) ** 2).clamp_min(self.clamp) * LOG2E
 
-        Constant for a grid, so cached (outside autograd and inference mode) except while compiling.
-        """
-        key = (self.grid_size, self.clamp, self.sigma.device, self._work_dtype())
-        cached = None if torch.compiler.is_compiling() else _NUMERATORS.get(key)
-        if cached is not None:
-            return cached
-        with torch.inference_mode(False), torch.no_grad():
-            gh, gw = self.grid_size
-            d_row, d_col = self.axis_numerators()
-            rows = torch.arange(gh, device=d_row.device).repeat_interleave(gw)  # row index of each patch
-            cols = torch.arange(gw, device=d_row.device).repeat(gh)  # column index of each patch
-            table = (torch.cat([d_row[rows], d_col[cols]], dim=-1) * _LOG2E).t().contiguous()
-        if not torch.compiler.is_compiling():
-            if len(_NUMERATORS) >= _NUMERATOR_CACHE_SIZE:
-                _NUMERATORS.pop(next(iter(_NUMERATORS)))
-            _NUMERATORS[key] = table
-        return table
+        # patch p = r * gw + c: rows [i, p] = D(i, r) (repeated over c), columns [j, p] = D(j, c)
+        rows = numerators(gh)[:, :, None].expand(gh, gh, gw)
+        cols = numerators(gw)[:, None, :].expand(gw, gh, gw)
+        return torch.cat([rows.reshape(gh, gh * gw), cols.reshape(gw, gh * gw)], dim=0)
 
     def axis_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Separable factors ``R: (B, H, Np, gh)`` and ``C: (B, H, Np, gw)``.
 
-        ``R[..., p, i] = exp(D_row(row_p, i) / den_p,row)``, likewise for columns, so that
-        ``S[p, t] = alpha_p * R[p, row_t] * C[p, col_t]``. Both are transposed views of one exp2
+        ``R[..., p, i] = exp(E_row(row_p - i))``, likewise for columns (:func:`gaussian_exponent`), so
+        that ``S[p, t] = alpha_p * R[p, row_t] * C[p, col_t]``. Both are transposed views of one exp2
         over ``(B, H, gh + gw, Np)`` (the layout :meth:`key_major_factors` works in).
         """
         den = self.denominators().transpose(-1, -2)  # (B, H, 2, Np)
-        factors = _axis_factors_t(self._patch_numerators(), den, self.grid_size)[0]
+        factors = _axis_factors_t(self.numerator_table(), den, self.grid_size)[0]
         r_t, c_t = factors.split(self.grid_size, dim=-2)
         return r_t.transpose(-1, -2), c_t.transpose(-1, -2)
 
@@ -296,20 +258,26 @@ class GaussianBias:
         return ra_t.transpose(-1, -2), c_t.transpose(-1, -2)
 
     def key_major_factors(
-        self, dtype: torch.dtype | None = None, scale: float = 1.0
+        self,
+        dtype: torch.dtype | None = None,
+        scale: float = 1.0,
+        *,
+        table: torch.Tensor | None = None,
+        hand_backward: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scale * alpha * R)ᵀ: (B, H, gh, Np)`` and ``Cᵀ: (B, H, gw, Np)``: the factors with the
-        query index last (the layout :meth:`write_columns` reads and the factors are computed in),
-        in ``dtype`` (default: the work dtype); ``scale`` multiplies alpha (the bias is scaled by it).
+        query index last (the layout they are computed in), in ``dtype`` (default: the work dtype);
+        ``scale`` multiplies alpha (the bias is scaled by it).
 
-        With autograd, outside ``torch.compile``, the gradient to σ and α is a hand-written backward
-        (:class:`_KeyMajorFactors`); otherwise autograd follows the elementwise steps.
+        ``table`` is :meth:`numerator_table` when the caller keeps one. With ``hand_backward`` (an eager
+        fast path's choice; not under ``torch.compile``) the gradient to σ and α is a hand-written
+        backward of a few reductions; otherwise autograd follows the plain elementwise steps.
         """
-        table = self._patch_numerators()  # (gh + gw, Np)
+        table = self.numerator_table() if table is None else table  # (gh + gw, Np)
         den = self.denominators().transpose(-1, -2)  # (B, H, 2, Np)
         alpha = self.alpha.to(den.dtype).transpose(-1, -2)  # (B, H, 1, Np)
         needs_grad = torch.is_grad_enabled() and (den.requires_grad or alpha.requires_grad)
-        if needs_grad and not torch.compiler.is_compiling():
+        if needs_grad and hand_backward:
             ra_t, c_t = _KeyMajorFactors.apply(table, den, alpha, self.grid_size, scale)
         else:
             ra_t, c_t, _, _ = _key_major_factors(table, den, alpha, self.grid_size, scale, slopes=False)
@@ -322,89 +290,11 @@ class GaussianBias:
         ra, c = self.scaled_factors()
         return (ra.unsqueeze(-1) * c.unsqueeze(-2)).flatten(-2)  # (B, H, Np, gh * gw)
 
-    def write_rows(
-        self, out: torch.Tensor, start: int, factors: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """Write rows ``start .. start + out.shape[-2]`` of the dense bias into ``out: (B, H, rows, N)``.
-
-        ``factors`` are :meth:`scaled_factors` in ``out``'s dtype (computed when not given), so that
-        a caller writing many row blocks computes them once. Not differentiable; returns ``out``.
-        """
-        p = self.num_prefix_tokens
-        gh, gw = self.grid_size
-        rows = out.shape[-2]
-        stop = start + rows
-        if not 0 <= start <= stop <= self.num_tokens or out.shape[-1] != self.num_tokens:
-            raise ValueError(
-                f"write_rows: rows {start}..{stop} of a (B, H, {self.num_tokens}, {self.num_tokens}) bias do "
-                f"not fit out of shape {shape_str(out)}"
-            )
-        ra, c = self.scaled_factors(out.dtype) if factors is None else factors
-        first = max(start, p)  # first patch row of the block
-        if first < stop:
-            patch_rows = out[..., first - start :, p:].unflatten(-1, (gh, gw))
-            lo, hi = first - p, stop - p
-            if torch.compiler.is_compiling():  # dynamo takes no non-contiguous out= (a graph break)
-                patch_rows.copy_(ra[..., lo:hi, :, None] * c[..., lo:hi, None, :])
-            else:
-                torch.mul(ra[..., lo:hi, :, None], c[..., lo:hi, None, :], out=patch_rows)
-        # zeros after the product, which touches fresh pages in order (a column first is slow)
-        if first > start:
-            out[..., : first - start, :].zero_()
-        if p:
-            out[..., first - start :, :p].zero_()
-        return out
-
-    def column_block(self, out: torch.Tensor, start: int) -> ColumnBlock:
-        """Views of ``out: (..., N, rows)``, the transposed (keys-first) bias of query rows
-        ``start .. start + out.shape[-1]``, for :meth:`ColumnBlock.write` (see :meth:`write_columns`).
-
-        A caller that writes the same block many times (one head after another) makes the views once.
-        """
-        p = self.num_prefix_tokens
-        gh, gw = self.grid_size
-        rows = out.shape[-1]
-        stop = start + rows
-        if not 0 <= start <= stop <= self.num_tokens or out.dim() < 2 or out.shape[-2] != self.num_tokens:
-            raise ValueError(
-                f"write_columns: query rows {start}..{stop} of a (B, H, {self.num_tokens}, "
-                f"{self.num_tokens}) bias, keys first, do not fit out of shape {shape_str(out)}"
-            )
-        first = max(start, p)  # first patch query of the block
-        zeros = []
-        if p:
-            zeros.append(out[..., :p, :])  # prefix keys
-        if first > start:
-            zeros.append(out[..., p:, : first - start])  # prefix queries
-        patches = out[..., p:, first - start :].unflatten(-2, (gh, gw)) if first < stop else None
-        return ColumnBlock(out, start, stop, tuple(zeros), patches, first - p, stop - p, gh * gw)
-
-    def write_columns(
-        self, out: torch.Tensor, start: int, factors_t: tuple[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
-        """Write the transposed bias of query rows ``start .. start + out.shape[-1]`` into
-        ``out: (B, H, N, rows)`` (keys first), so ``out[..., t, s] = S[start + s, t]``.
-
-        ``factors_t`` are :meth:`key_major_factors`, ``(B, H, gh, Np)`` and ``(B, H, gw, Np)``, in
-        ``out``'s dtype (any common scale, e.g. log2(e), is the caller's). The query index is then
-        the contiguous one of all three tensors, so the outer product runs vectorized
-        (:meth:`write_rows`' innermost run is only ``gw`` long). Leading dims other than ``(B, H)``
-        work alike. Not differentiable.
-        """
-        return self.column_block(out, start).write(factors_t)
-
     def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``(B, H, N, N)`` additive bias with zero rows and columns for the prefix tokens."""
+        """``(B, H, N, N)`` additive bias with zero rows and columns for the prefix tokens, in ``dtype``
+        (default: the work dtype); differentiable in σ and α through plain elementwise steps."""
+        s = self.patch_bias()
         p = self.num_prefix_tokens
-        needs_grad = torch.is_grad_enabled() and (self.sigma.requires_grad or self.alpha.requires_grad)
-        if needs_grad:
-            s = self.patch_bias()
-            if p:
-                s = torch.nn.functional.pad(s, (p, 0, p, 0))
-            return s if dtype is None else s.to(dtype)
-        # No autograd: write the outer product straight into the result, no temporaries.
-        factors = self.scaled_factors(dtype)
-        b, h, n_p, _ = factors[0].shape
-        n = self.num_tokens
-        out = torch.empty(b, h, n, n, dtype=factors[0].dtype, device=factors[0].device)
-        return self.write_rows(out, 0, factors)
+        if p:
+            s = torch.nn.functional.pad(s, (p, 0, p, 0))
+        return s if dtype is None else s.to(dtype)

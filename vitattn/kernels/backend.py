@@ -97,6 +97,16 @@ class TritonBackend:
             return "an empty dimension"
         return None
 
+    def path(self, call: AttentionCall) -> str:
+        """The kernels that run ``call``: the normalizer's forward kernel, and the backward kernels when
+        autograd records it."""
+        bias = "no bias" if call.bias is None else "additive bias"
+        if isinstance(call.bias, GaussianBias):
+            bias = "Gaussian bias"
+        mask = "" if call.mask is None else ", mask"
+        passes = "forward + backward" if call.needs_grad else "forward"
+        return f"fused {call.normalizer} kernels ({bias}{mask}), {passes}, custom op vitattn::attention_fwd"
+
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(out, None)``: q, k, v cast to the launch dtype (differentiable), the call's mask and bias
         as kernel operands, straight into the custom op ``torch.ops.vitattn.attention_fwd``

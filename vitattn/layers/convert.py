@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any
 
-import torch
 from torch import nn
 
 from .attention import Attention
+from .conversion import finish_conversion, importable_classes, new_like
+from .locat_rope import rope_attention_classes
 
-__all__ = ["convertible_attention", "convert_attention", "finish_conversion", "new_like"]
-
-M = TypeVar("M", bound=nn.Module)
-
-
-def importable_classes(first: type, *names: tuple[str, str]) -> tuple[type, ...]:
-    """``first`` and each ``(module, class name)`` that this timm version has, without repeats
-    (timm moves and renames its attention classes between releases)."""
-    import importlib
-
-    classes: list[type] = [first]
-    for module, name in names:
-        try:
-            classes.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):  # pragma: no cover - depends on the timm version
-            pass
-    return tuple(dict.fromkeys(classes))
+__all__ = ["convertible_attention", "convert_attention"]
 
 
 def _timm_attention_classes() -> tuple[type, ...]:
@@ -40,44 +25,12 @@ def convertible_attention(module: nn.Module) -> bool:
     """Whether ``module`` is a plain multi-head self-attention with ``qkv`` / ``proj`` linears
     (not a rotary layer: its q, k are rotated inside ``forward``, which a recompute from ``qkv``
     would miss)."""
-    from .locat_rope import rope_attention_classes
-
     return (
         not isinstance(module, rope_attention_classes())
         and isinstance(module, _timm_attention_classes())
         and isinstance(getattr(module, "qkv", None), nn.Linear)
         and isinstance(getattr(module, "proj", None), nn.Linear)
     )
-
-
-def new_like(old: nn.Module, cls: type[M], dim: int, **kwargs: Any) -> M:
-    """``cls(dim, old.num_heads, **kwargs)`` on the meta device, for a converter to fill with ``old``'s
-    submodules. ``old``'s dropout rates (``attn_drop`` / ``proj_drop``) and a vitattn layer's
-    ``backend`` carry over unless ``kwargs`` sets them (timm's layers have no ``backend``: "auto")."""
-    for name in ("attn_drop", "proj_drop"):
-        drop = getattr(old, name, None)
-        kwargs.setdefault(name, drop.p if isinstance(drop, nn.Dropout) else 0.0)
-    kwargs.setdefault("backend", getattr(old, "backend", "auto"))
-    return cls(dim, int(old.num_heads), device="meta", **kwargs)  # type: ignore[arg-type]
-
-
-def finish_conversion(new: M, old: nn.Module, weight: torch.Tensor, converter: str) -> M:
-    """The last step of every converter: ``new``'s GAug heads (if it has them) kept from ``old`` when it
-    has the same kind, else fresh on ``weight``'s device and dtype; ``old``'s train / eval mode.
-
-    Raises ``TypeError`` (naming ``converter``) when a parameter or buffer of ``new`` is still a meta
-    placeholder while ``weight`` is not on the meta device.
-    """
-    gaug: nn.Module | None = getattr(new, "gaug", None)
-    if gaug is not None:  # as in a new model: kept from a LocAt layer, else freshly initialised
-        old_gaug = getattr(old, "gaug", None)
-        if not isinstance(old_gaug, type(gaug)):
-            old_gaug = type(gaug)(new.head_dim, device=weight.device, dtype=weight.dtype)
-        new.gaug = old_gaug
-    if weight.device.type != "meta" and any(t.is_meta for t in (*new.parameters(), *new.buffers())):
-        raise TypeError(f"{converter} cannot create the extra parameters of {type(new).__name__}")
-    new.train(old.training)
-    return new
 
 
 def convert_attention(old: nn.Module, cls: type[Attention], **kwargs: Any) -> Attention:

@@ -22,7 +22,7 @@ from timm.layers import apply_rot_embed_cat
 from torch import nn
 
 from .attention import Attention, attend
-from .convert import finish_conversion, importable_classes, new_like
+from .conversion import finish_conversion, importable_classes, new_like
 from .locat import LocAtAttention
 
 __all__ = [

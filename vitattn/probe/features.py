@@ -6,7 +6,7 @@ Three kinds of backbone:
    ``LocAtViT``, ViTs patched by :func:`vitattn.patch`): the block outputs it returns, through the
    final norm when ``norm=True``, split into prefix and patch tokens by timm;
 2. a model with ``.blocks`` but no ``forward_intermediates``: forward hooks on the blocks, the token
-   layout from :func:`vitattn.analysis.model_grid_size` / ``model_num_prefix_tokens``, ``model.norm``
+   layout from :func:`vitattn.models.layout.model_grid_size` / ``model_num_prefix_tokens``, ``model.norm``
    applied when ``norm=True`` and present;
 3. any other callable ``(B, 3, H, W) -> (B, C, gh, gw)``: its output is the one "layer" (index 0,
    so ``layers`` must be ``(-1,)`` or ``(0,)``) and there is no class token.
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..analysis.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
 from ..models.blocks import block_indices
+from ..models.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
 
 __all__ = ["FeatureMaps", "backbone_depth", "patch_features"]
 

@@ -10,10 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import vitattn.functional.blocked_entmax as blocked_entmax
-import vitattn.functional.torch_backend as torch_backend
+import vitattn.functional.cpu.entmax as cpu_entmax
 from vitattn.functional import GaussianBias, attention
-from vitattn.functional.blocked_entmax import entmax15_attention, head_row_blocks
+from vitattn.functional.cpu.entmax import entmax15_attention
 
 from .helpers import count_calls
 from .reference_formulas import naive_gaug_bias
@@ -48,16 +47,10 @@ def cases(draw):
 def test_matches_the_materialized_package_float64(case):
     b, h, nq, nk, d, dv, limit, scale, seed = case
     q, k, v = _leaves(b, h, nq, nk, d, dv, torch.float64, seed)
-    saved = blocked_entmax._BLOCK_ELEMENTS
-    try:
-        if limit is not None:
-            blocked_entmax._BLOCK_ELEMENTS = limit
-        out = entmax15_attention(q, k, v, scale)
-        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out) + out.detach())
-        with torch.no_grad():
-            inference = entmax15_attention(q, k, v, scale)
-    finally:
-        blocked_entmax._BLOCK_ELEMENTS = saved
+    out = entmax15_attention(q, k, v, scale, block_elements=limit)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out) + out.detach())
+    with torch.no_grad():
+        inference = entmax15_attention(q, k, v, scale, block_elements=limit)
     ref = _reference(q, k, v, scale)
     ref_grads = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref) + out.detach())
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
@@ -67,11 +60,10 @@ def test_matches_the_materialized_package_float64(case):
 
 
 @pytest.mark.parametrize("limit", [None, 30, 5])  # one block; head groups; one head's row blocks
-def test_gradcheck_float64(monkeypatch, limit):
-    if limit is not None:
-        monkeypatch.setattr(blocked_entmax, "_BLOCK_ELEMENTS", limit)
+def test_gradcheck_float64(limit):
     q, k, v = _leaves(2, 2, 5, 4, 3, 2, torch.float64, seed=3)
-    assert torch.autograd.gradcheck(lambda q, k, v: entmax15_attention(q, k, v, 0.7), (q, k, v))
+    fn = lambda q, k, v: entmax15_attention(q, k, v, 0.7, block_elements=limit)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 197, 64), (1, 2, 785, 32)])
@@ -101,18 +93,8 @@ def test_keeps_sqrt_p_as_the_only_scores_sized_tensor():
     out.sum().backward()  # the saved tensors are enough
 
 
-@given(st.integers(1, 9), st.integers(1, 40), st.integers(1, 40), st.integers(1, 400))
-def test_blocks_cover_every_head_and_row_once(heads, nq, nk, limit):
-    seen = torch.zeros(heads, nq, dtype=torch.int64)
-    for h0, h1, r0, r1 in head_row_blocks(heads, nq, nk, limit):
-        assert (h1 - h0) * (r1 - r0) * nk <= max(limit, nk)  # a single row may exceed a tiny limit
-        assert r0 == 0 and r1 == nq or h1 == h0 + 1  # whole heads, or rows of one head
-        seen[h0:h1, r0:r1] += 1
-    assert torch.equal(seen, torch.ones_like(seen))
-
-
 def test_attention_dispatches_here_for_plain_entmax_on_the_cpu(monkeypatch):
-    calls = count_calls(monkeypatch, torch_backend, "entmax15_attention")
+    calls = count_calls(monkeypatch, cpu_entmax, "entmax15_attention")
     q, k, v = _leaves(2, 2, 9, 9, 4, 4, torch.float32)
     out = attention(q, k, v, normalizer="entmax15")
     out.sum().backward()
@@ -160,16 +142,10 @@ def test_gaussian_bias_matches_the_dense_bias(case):
     alpha = (torch.rand(sb, sh, gh * gw, 1, generator=g, dtype=torch.float64) * 3).requires_grad_()
     leaves = (q, k, v, sigma, alpha)
     bias = GaussianBias(sigma, alpha, (gh, gw), prefix, initial_grid_size=initial)
-    saved = blocked_entmax._BLOCK_ELEMENTS
-    try:
-        if limit is not None:
-            blocked_entmax._BLOCK_ELEMENTS = limit
-        out = entmax15_attention(q, k, v, 0.6, bias)
-        grads = torch.autograd.grad(out, leaves, torch.ones_like(out) + out.detach())
-        with torch.no_grad():
-            inference = entmax15_attention(q, k, v, 0.6, bias)
-    finally:
-        blocked_entmax._BLOCK_ELEMENTS = saved
+    out = entmax15_attention(q, k, v, 0.6, bias, block_elements=limit)
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out) + out.detach())
+    with torch.no_grad():
+        inference = entmax15_attention(q, k, v, 0.6, bias, block_elements=limit)
     dense = naive_gaug_bias(sigma, alpha, (gh, gw), prefix, initial or (gh, gw))
     ref = entmax_pkg.entmax15((q @ k.transpose(-1, -2)) * 0.6 + dense, dim=-1) @ v
     ref_grads = torch.autograd.grad(ref, leaves, torch.ones_like(ref) + out.detach())
@@ -180,16 +156,14 @@ def test_gaussian_bias_matches_the_dense_bias(case):
 
 
 @pytest.mark.parametrize("limit", [None, 60, 21, 5])  # one block; a head per block; row blocks
-def test_gradcheck_with_gaussian_bias_float64(monkeypatch, limit):
-    if limit is not None:
-        monkeypatch.setattr(blocked_entmax, "_BLOCK_ELEMENTS", limit)
+def test_gradcheck_with_gaussian_bias_float64(limit):
     q, k, v = _leaves(1, 2, 7, 7, 3, 2, torch.float64, seed=5)
     g = torch.Generator().manual_seed(6)
     sigma = torch.exp(torch.randn(1, 2, 6, 2, generator=g, dtype=torch.float64)).requires_grad_()
     alpha = (torch.rand(1, 2, 6, 1, generator=g, dtype=torch.float64) * 3).requires_grad_()
 
     def fn(q, k, v, sigma, alpha):
-        return entmax15_attention(q, k, v, 0.7, GaussianBias(sigma, alpha, (3, 2), 1))
+        return entmax15_attention(q, k, v, 0.7, GaussianBias(sigma, alpha, (3, 2), 1), block_elements=limit)
 
     assert torch.autograd.gradcheck(fn, (q, k, v, sigma, alpha))
 
@@ -232,12 +206,12 @@ def test_locat_entmax_layer_takes_it_and_matches_the_materialized_path(monkeypat
         out.square().sum().backward()
         return out.detach(), [p.grad.clone() for p in layer.parameters()]
 
-    calls = count_calls(monkeypatch, torch_backend, "entmax15_attention")
+    calls = count_calls(monkeypatch, cpu_entmax, "entmax15_attention")
     ours, ours_grads = step()
     with torch.no_grad():
         inferred = layer(x)
     assert len(calls) == 2
-    monkeypatch.setattr(torch_backend, "_blocked_entmax_applies", lambda call: False)
+    layer.backend = "reference"
     ref, ref_grads = step()
     assert len(calls) == 2
     torch.testing.assert_close(ours, ref, atol=1e-12, rtol=0)

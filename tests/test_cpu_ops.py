@@ -1,4 +1,4 @@
-"""The row-blocked Gaussian attention as custom ops: schemas, fakes, gradients, torch.compile calling them."""
+"""The CPU row-blocked paths as custom ops: schemas, fakes, gradients, torch.compile calling them."""
 
 from __future__ import annotations
 
@@ -10,14 +10,20 @@ from hypothesis import strategies as st
 
 import vitattn  # noqa: F401  (registers the timm models)
 from vitattn.functional import GaussianBias
-from vitattn.functional.blocked import _prepare, gaussian_softmax_attention, gaussian_softmax_attention_train
-from vitattn.functional.blocked_entmax import entmax15_attention
-from vitattn.functional.blocked_ops import blocked_attention_op, gaussian_attention_train_op
+from vitattn.functional.cpu.entmax import entmax15_attention, flat_factors
+from vitattn.functional.cpu.ops import entmax15_train_op, gaussian_softmax_train_op
+from vitattn.functional.cpu.ops import inference_op as blocked_attention_op
+from vitattn.functional.cpu.softmax import (
+    gaussian_softmax_attention,
+    gaussian_softmax_attention_train,
+    prepare,
+)
 
 from .reference_formulas import naive_gaug_bias, plain_attention
 
 OP = torch.ops.vitattn.blocked_attention_cpu.default
 TRAIN_OP = torch.ops.vitattn.gaussian_attention_cpu_train.default
+ENTMAX_TRAIN_OP = torch.ops.vitattn.entmax15_attention_cpu_train.default
 
 
 def _case(seed: int, grid=(3, 4), prefix=1, initial=(3, 4), heads=2, broadcast=False, dtype=torch.float32):
@@ -98,7 +104,7 @@ def test_training_op_gradcheck(prefix, broadcast):
     q, k, v, sigma, alpha = _train_case(1, prefix=prefix, broadcast=broadcast)
 
     def f(q, k, v, sigma, alpha):
-        return gaussian_attention_train_op(q, k, v, 0.4, GaussianBias(sigma, alpha, (3, 4), prefix))
+        return gaussian_softmax_train_op(q, k, v, 0.4, GaussianBias(sigma, alpha, (3, 4), prefix))
 
     assert torch.autograd.gradcheck(f, (q, k, v, sigma, alpha))
 
@@ -107,7 +113,7 @@ def test_training_op_matches_the_autograd_function():
     q, k, v, sigma, alpha = _train_case(2)
     grad = torch.randn(q.shape[0], q.shape[1], q.shape[2], v.shape[-1], dtype=q.dtype)  # B = 2, H = 3
     results = []
-    for fn in (gaussian_attention_train_op, gaussian_softmax_attention_train):
+    for fn in (gaussian_softmax_train_op, gaussian_softmax_attention_train):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sigma, alpha)]
         out = fn(*leaves[:3], 0.4, GaussianBias(leaves[3], leaves[4], (3, 4), 1))
         out.backward(grad)
@@ -118,10 +124,10 @@ def test_training_op_matches_the_autograd_function():
 
 def test_training_opcheck():
     """torch.library's checks of the training op with inputs that need gradients (its autograd
-    registration included), on the operands _prepare gives it."""
+    registration included), on the operands prepare gives it."""
     q, k, v, sigma, alpha = _train_case(3)
-    qq, kk, vv, ra_t, c_t, rows = _prepare(q, k, v, GaussianBias(sigma, alpha, (3, 4), 1), None)
-    args = (qq, kk, vv, ra_t, c_t, 0.4, 3, 4, 1, rows)
+    qq, kk, vv, ra_t, c_t = prepare(q, k, v, GaussianBias(sigma, alpha, (3, 4), 1), eager=False)
+    args = (qq, kk, vv, ra_t, c_t, 0.4, 3, 4, 1)
     torch.library.opcheck(TRAIN_OP, args)
 
 
@@ -175,7 +181,7 @@ def test_entmax_opcheck(with_bias):
     torch.library.opcheck(OP, (q, k, v, sigma, alpha, 0.3, 3, 4, 1, 3, 4, True))
 
 
-def test_compiled_locat_entmax_inference_calls_the_op_training_does_not():
+def test_compiled_locat_entmax_calls_the_inference_op_then_the_training_op():
     torch.manual_seed(0)
     model = timm.create_model("locatvit_tiny", img_size=32, patch_size=8, depth=2, normalizer="entmax15")
     x = torch.randn(2, 3, 32, 32)
@@ -184,8 +190,62 @@ def test_compiled_locat_entmax_inference_calls_the_op_training_does_not():
         want = model(x)
     assert "\n".join(g.code for g in graphs).count("vitattn.blocked_attention_cpu") == 2
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    _, graphs = _compiled_graphs(model.train(), x)
-    assert "vitattn.blocked_attention_cpu" not in "\n".join(g.code for g in graphs)
+    out, graphs = _compiled_graphs(model.train(), x)
+    code = "\n".join(g.code for g in graphs)
+    assert "vitattn.blocked_attention_cpu" not in code
+    assert code.count("vitattn.entmax15_attention_cpu_train") == 2
+    out.sum().backward()
+    got_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    want_out = model(x)
+    want_out.sum().backward()
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    assert "blocks.0.attn.gaug.log_alpha.weight" in got_grads
+    for name, g in got_grads.items():
+        torch.testing.assert_close(g, model.get_parameter(name).grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# ---- entmax-1.5 (training ops) -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_bias, prefix", [(False, 1), (True, 1), (True, 0)])
+def test_entmax_training_op_gradcheck(with_bias, prefix):
+    """float64 gradients of the entmax op pair, to q, k, v and (through the traced factors) σ and α."""
+    q, k, v, sigma, alpha = _train_case(8, prefix=prefix)
+
+    def f(q, k, v, sigma, alpha):
+        bias = GaussianBias(sigma, alpha, (3, 4), prefix) if with_bias else None
+        return entmax15_train_op(q, k, v, 0.6, bias)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, sigma, alpha) if with_bias else (q, k, v, sigma.detach(),
+                                                                                  alpha.detach()))
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_entmax_training_op_matches_the_eager_path_and_the_package(with_bias):
+    q, k, v, sigma, alpha = _train_case(9)
+    grad = torch.randn(q.shape[0], q.shape[1], q.shape[2], v.shape[-1], dtype=q.dtype)
+    results = []
+    for fn in (entmax15_train_op, entmax15_attention):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sigma, alpha)]
+        bias = GaussianBias(leaves[3], leaves[4], (3, 4), 1) if with_bias else None
+        out = fn(*leaves[:3], 0.6, bias)
+        out.backward(grad)
+        results.append((out.detach(), *(t.grad for t in leaves[: 5 if with_bias else 3])))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    dense = naive_gaug_bias(sigma, alpha, (3, 4), 1, (3, 4)) if with_bias else None
+    ref, _ = plain_attention(q, k, v, "entmax15", scale=0.6, bias=dense)
+    torch.testing.assert_close(results[0][0], ref, atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_entmax_training_opcheck(with_bias):
+    q, k, v, sigma, alpha = _train_case(10)
+    ra = c = None
+    if with_bias:
+        ra, c = flat_factors(GaussianBias(sigma, alpha, (3, 4), 1), 2, 3, q.dtype, eager=False)
+    torch.library.opcheck(ENTMAX_TRAIN_OP, (q, k, v, ra, c, 0.6, 3, 4, 1))
 
 
 def test_softmax_without_a_bias_is_refused():

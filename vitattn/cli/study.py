@@ -7,11 +7,14 @@ import json
 import sys
 from pathlib import Path
 
-from .config import ATTENTIONS, PRESETS, StudyConfig, make_config
-from .datasets import DATASETS
-from .protocols import PROTOCOLS
+from ..study.config import ATTENTIONS, PRESETS, StudyConfig, make_config
+from ..study.datasets import DATASETS
+from ..study.protocols import PROTOCOLS
 
-__all__ = ["add_arguments", "config_from_args", "run_command"]
+__all__ = ["HELP", "NAME", "add_arguments", "config_from_args", "run"]
+
+NAME = "study"
+HELP = "training-protocol locality study (default: quick, on built-in digits)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -178,11 +181,11 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
     )
 
 
-def run_command(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Run ``vitattn study``; 0 on success (also when stopped on purpose), 2 on a usage / data error,
     130 when interrupted with Ctrl-C (rerun to resume)."""
-    from .datasets import DatasetMissingError
-    from .runner import StudyConfigMismatch, run_study
+    from ..study.datasets import DatasetMissingError
+    from ..study.runner import StudyConfigMismatch, run_study
 
     try:
         config = config_from_args(args)

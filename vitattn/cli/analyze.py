@@ -3,47 +3,42 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+from .options import parse_layers, parse_model_args
 
-from .checkpoint import load_checkpoint
-from .data import digits_images, find_images, image_folder_batches, input_spec, load_image
-from .layout import model_grid_size, model_num_prefix_tokens, resolve_layout
-from .maps import attention_maps
-from .report import LocalityReport, locality_report
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
-__all__ = ["build_model", "parse_layers", "parse_model_args", "parse_query", "run_analyze"]
+__all__ = ["DATASETS", "HELP", "NAME", "add_arguments", "parse_query", "run"]
 
+NAME = "analyze"
+HELP = "attention locality (MAD, entropy per head): table, JSON, plots"
 DATASETS = ("digits",)
 
 
-def parse_model_args(items: list[str] | None) -> dict[str, Any]:
-    """``["img_size=32", "depth=2", "global_pool=avg"]`` -> kwargs (Python literals, else strings)."""
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise ValueError(f"--model-arg expects KEY=VALUE, got {item!r}")
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key] = value
-    return out
-
-
-def parse_layers(text: str | None) -> list[int] | None:
-    """``"0,3,-1"`` or ``"0 3 -1"`` -> ``[0, 3, -1]``; None / ``"all"`` -> None."""
-    if text is None or text.strip().lower() == "all":
-        return None
-    try:
-        return [int(t) for t in text.replace(",", " ").split()]
-    except ValueError as err:
-        raise ValueError(f"--layers expects block indices like '0,3,-1', got {text!r}") from err
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``vitattn analyze``."""
+    p.add_argument("model", help="timm model name, e.g. vit_tiny_patch16_224 or locatvit_tiny")
+    p.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="builder kwarg (repeatable)")
+    p.add_argument("--attention", choices=("softmax", "entmax15", "locat"), help="vitattn.patch the model")
+    p.add_argument("--checkpoint", metavar="PATH", help=".safetensors or weights-only torch state dict")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--images", metavar="DIR", help="image folder (ImageFolder layout or flat)")
+    src.add_argument("--dataset", choices=DATASETS, default="digits", help="built-in data (default)")
+    p.add_argument("--max-images", type=int, default=64, help="images to average over (default 64)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--layers", help="block indices, e.g. '0,5,-1' (default: all)")
+    p.add_argument("--map-layer", type=int, help="block of the attention-map plot (default: last analysed)")
+    p.add_argument("--query", help="query of the map plot: ROW,COL, patch index or 'cls' (default: centre)")
+    p.add_argument("--compare", metavar="REPORT_JSON", help="an earlier report to diff against and plot")
+    p.add_argument("--out", default="vitattn-analysis", metavar="DIR", help="output folder")
+    p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random init (default 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def parse_query(text: str | None) -> int | tuple[int, int] | str | None:
@@ -62,35 +57,18 @@ def parse_query(text: str | None) -> int | tuple[int, int] | str | None:
     raise ValueError(f"--query expects ROW,COL, a patch index or 'cls', got {text!r}")
 
 
-def build_model(
-    name: str,
-    model_args: dict[str, Any] | None = None,
-    attention: Literal["softmax", "entmax15", "locat"] | None = None,
-    checkpoint: str | Path | None = None,
-) -> nn.Module:
-    """A timm model (vitattn's ``locatvit_*`` included) with random init, optionally patched with
-    vitattn attention (``attention``: softmax / entmax15 / locat) and loaded from ``checkpoint``."""
-    import timm
-
-    from .. import models as _models  # noqa: F401  (registers locatvit_* with timm)
-    from ..patch import patch
-
+def run(args: argparse.Namespace) -> int:
+    """``vitattn analyze``: 0, or 2 with a one-line message on a usage, file or missing-extra error."""
     try:
-        model = timm.create_model(name, pretrained=False, **(model_args or {}))
-    except RuntimeError as err:
-        if "Unknown model" in str(err):
-            raise ValueError(
-                f"unknown model {name!r}: give a timm model name (see timm.list_models())"
-            ) from err
-        raise
-    if attention is not None:
-        patch(model, attention)
-    if checkpoint is not None:
-        load_checkpoint(model, checkpoint)
-    return model.eval()
+        return run_analyze(args)
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        print(f"vitattn analyze: {err}", file=sys.stderr)
+        return 2
 
 
 def _first_image(args: argparse.Namespace, model: nn.Module) -> torch.Tensor:
+    from ..analysis.data import digits_images, find_images, input_spec, load_image
+
     spec = input_spec(model)
     if args.images:
         return load_image(find_images(args.images)[0][0], spec)
@@ -98,8 +76,15 @@ def _first_image(args: argparse.Namespace, model: nn.Module) -> torch.Tensor:
 
 
 def run_analyze(args: argparse.Namespace) -> int:
-    """Build the model, run :func:`locality_report`, print it, write JSON and PNGs to ``args.out``."""
-    from .plots import plot_locality_plane, plot_mad_per_layer, plot_query_attention
+    """Build the model, run ``locality_report``, print it, write JSON and PNGs to ``args.out``."""
+    import torch
+
+    from ..analysis.data import digits_images, image_folder_batches, input_spec
+    from ..analysis.maps import attention_maps
+    from ..analysis.model import build_model
+    from ..analysis.plots import plot_locality_plane, plot_mad_per_layer, plot_query_attention
+    from ..analysis.report import LocalityReport, locality_report
+    from ..models.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

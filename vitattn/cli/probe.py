@@ -16,13 +16,26 @@ from torch import nn
 from torch.utils.data import Dataset, Subset
 
 from ..datasets.sized import dataset_length
-from .api import METHODS, ProbeResult, probe_features
-from .diagnostics import pca_images
-from .extract import extract_dense_features, resolve_num_classes
-from .features import patch_features
+from ..probe.api import METHODS, ProbeResult, probe_features
+from ..probe.diagnostics import pca_images
+from ..probe.extract import extract_dense_features, resolve_num_classes
+from ..probe.features import patch_features
+from .options import parse_layers, parse_model_args
 
-__all__ = ["Backbone", "add_arguments", "load_backbone", "load_datasets", "run_probe"]
+__all__ = [
+    "HELP",
+    "NAME",
+    "Backbone",
+    "add_arguments",
+    "load_backbone",
+    "load_datasets",
+    "results_table",
+    "run",
+    "run_probe",
+]
 
+NAME = "probe"
+HELP = "dense evaluation: linear / kNN segmentation probes per block (mIoU)"
 DATASETS = ("scenes", "voc", "ade20k")
 DEFAULT_IMAGE_SIZE = {"scenes": 32, "voc": 448, "ade20k": 448}
 PCA_IMAGES = 8
@@ -107,7 +120,7 @@ def _study_root(path: Path) -> tuple[Path, str | None, Path | None]:
 
 
 def _load_study(path: Path) -> Backbone:
-    from ..analysis import load_checkpoint
+    from ..analysis.checkpoint import load_checkpoint
     from ..study.config import StudyConfig
     from ..study.datasets import DATASETS as STUDY_DATASETS
     from ..study.model import build_model
@@ -152,7 +165,7 @@ def load_backbone(name_or_path: str, model_args: dict[str, Any], checkpoint: str
         return _load_study(path)
     import timm.data
 
-    from ..analysis.command import build_model
+    from ..analysis.model import build_model
 
     model = build_model(name_or_path, model_args, None, checkpoint)
     cfg = timm.data.resolve_data_config({}, model=model)
@@ -217,6 +230,16 @@ def load_datasets(args: argparse.Namespace, size: int) -> tuple[Dataset, Dataset
     )
 
 
+def run(args: argparse.Namespace) -> int:
+    """``vitattn probe``: 0, or 2 with a one-line message on a usage, data or missing-extra error."""
+    try:
+        return run_probe(args)
+    except (ValueError, OSError, ImportError) as err:
+        message = " ".join(str(err).split())
+        print(f"vitattn probe: {message}", file=sys.stderr)
+        return 2
+
+
 def results_table(results: Sequence[ProbeResult]) -> str:
     """One Markdown table of several :meth:`ProbeResult.table` (method × block rows)."""
     lines = results[0].table().splitlines()
@@ -227,10 +250,9 @@ def results_table(results: Sequence[ProbeResult]) -> str:
 
 def run_probe(args: argparse.Namespace) -> int:
     """Build the backbone and data, extract features once, run each method, print and write results."""
-    from ..analysis.command import parse_layers, parse_model_args
     from ..models.blocks import block_indices
-    from .features import backbone_depth
-    from .plots import plot_pca_images
+    from ..probe.features import backbone_depth
+    from ..probe.plots import plot_pca_images
 
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from ..functional import grid_pair
-from ..models._grid import feat_size
+from ._grid import feat_size
 
 __all__ = ["model_grid_size", "model_num_prefix_tokens", "resolve_layout"]
 

@@ -1,0 +1,84 @@
+"""``vitattn bench``: benchmark suites side by side, printed as ratio tables."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["HELP", "NAME", "add_arguments", "run"]
+
+NAME = "bench"
+HELP = "benchmark suites, side by side, printed as ratios"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``vitattn bench``."""
+    p.add_argument("suites", nargs="*", help="suites to run (default: all; see --list)")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, noisier numbers)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--list", action="store_true", help="list the suites and exit")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--keep-heap",
+        action="store_true",
+        help="keep freed memory in the heap (glibc): no page-fault noise from the allocator",
+    )
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run each suite in N fresh processes and print min / median / max of the per-process ratios",
+    )
+    p.add_argument(
+        "--import-module",
+        action="append",
+        metavar="MODULE",
+        help="import MODULE first, here and in every child process (it may register more suites; repeatable)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run benchmark suites side by side and print ratio tables."""
+    import importlib
+
+    from ..bench import keep_heap, run_suites, suites
+
+    for module in args.import_module or []:
+        importlib.import_module(module)  # may register more suites
+    known = suites()
+    if args.list:
+        for name, help in known.items():
+            print(f"{name:<10} {help}")
+        return 0
+    names = args.suites or list(known)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        print(f"vitattn bench: unknown suite(s) {unknown}; known: {sorted(known)}", file=sys.stderr)
+        return 2
+    if args.processes < 1:
+        print(f"vitattn bench: --processes must be >= 1, got {args.processes}", file=sys.stderr)
+        return 2
+    if args.processes > 1:  # threads and heap are the children's business
+        try:
+            run_suites(
+                names,
+                quick=args.quick,
+                json_path=args.json,
+                processes=args.processes,
+                threads=args.threads,
+                keep_heap=args.keep_heap,
+                imports=args.import_module or (),
+            )
+        except (ValueError, RuntimeError) as err:
+            print(f"vitattn bench: {err}", file=sys.stderr)
+            return 2
+        return 0
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.keep_heap and not keep_heap():
+        print("vitattn bench: --keep-heap needs glibc; the allocator is left as it is", file=sys.stderr)
+    run_suites(names, quick=args.quick, json_path=args.json)
+    return 0

@@ -1,0 +1,57 @@
+"""The steps every attention converter shares: timm classes by name, a new layer on the meta device
+shaped like the old one, and the finish (GAug heads, train / eval mode, no meta leftovers)."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+__all__ = ["finish_conversion", "importable_classes", "new_like"]
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def importable_classes(first: type, *names: tuple[str, str]) -> tuple[type, ...]:
+    """``first`` and each ``(module, class name)`` that this timm version has, without repeats
+    (timm moves and renames its attention classes between releases)."""
+    import importlib
+
+    classes: list[type] = [first]
+    for module, name in names:
+        try:
+            classes.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):  # pragma: no cover - depends on the timm version
+            pass
+    return tuple(dict.fromkeys(classes))
+
+
+def new_like(old: nn.Module, cls: type[M], dim: int, **kwargs: Any) -> M:
+    """``cls(dim, old.num_heads, **kwargs)`` on the meta device, for a converter to fill with ``old``'s
+    submodules. ``old``'s dropout rates (``attn_drop`` / ``proj_drop``) and a vitattn layer's
+    ``backend`` carry over unless ``kwargs`` sets them (timm's layers have no ``backend``: "auto")."""
+    for name in ("attn_drop", "proj_drop"):
+        drop = getattr(old, name, None)
+        kwargs.setdefault(name, drop.p if isinstance(drop, nn.Dropout) else 0.0)
+    kwargs.setdefault("backend", getattr(old, "backend", "auto"))
+    return cls(dim, int(old.num_heads), device="meta", **kwargs)  # type: ignore[arg-type]
+
+
+def finish_conversion(new: M, old: nn.Module, weight: torch.Tensor, converter: str) -> M:
+    """The last step of every converter: ``new``'s GAug heads (if it has them) kept from ``old`` when it
+    has the same kind, else fresh on ``weight``'s device and dtype; ``old``'s train / eval mode.
+
+    Raises ``TypeError`` (naming ``converter``) when a parameter or buffer of ``new`` is still a meta
+    placeholder while ``weight`` is not on the meta device.
+    """
+    gaug: nn.Module | None = getattr(new, "gaug", None)
+    if gaug is not None:  # as in a new model: kept from a LocAt layer, else freshly initialised
+        old_gaug = getattr(old, "gaug", None)
+        if not isinstance(old_gaug, type(gaug)):
+            old_gaug = type(gaug)(new.head_dim, device=weight.device, dtype=weight.dtype)
+        new.gaug = old_gaug
+    if weight.device.type != "meta" and any(t.is_meta for t in (*new.parameters(), *new.buffers())):
+        raise TypeError(f"{converter} cannot create the extra parameters of {type(new).__name__}")
+    new.train(old.training)
+    return new
