@@ -152,7 +152,7 @@ def test_every_launch_of_forward_and_backward_is_guarded(monkeypatch, normalizer
     out.sum().backward()
     fwd = "fwd_softmax" if normalizer == "softmax" else "fwd_entmax15"
     assert seen == [(fwd, 1), ("bwd_delta", 1), ("bwd_dkdv", 1), ("bwd_dq", 1)]
-    ref = attention(q.detach(), k.detach(), v.detach(), normalizer=normalizer, scale=0.25, backend="torch")
+    ref = attention(q.detach(), k.detach(), v.detach(), normalizer=normalizer, scale=0.25, backend="reference")
     torch.testing.assert_close(out.detach(), ref, atol=2e-5, rtol=0)
 
 
@@ -231,7 +231,7 @@ def test_run_casts_to_the_autocast_dtype():
     with torch.autocast("cpu", dtype=BF16):
         out, _ = TritonBackend().run(_call(q, k, v))
     assert out.dtype == BF16
-    ref = attention(*(t.detach().to(BF16).double() for t in (q, k, v)), scale=0.5, backend="torch")
+    ref = attention(*(t.detach().to(BF16).double() for t in (q, k, v)), scale=0.5, backend="reference")
     assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 2.5e-2
     grads = torch.autograd.grad(out.float().sum(), [q, k, v])
     assert all(g.dtype == F32 and torch.isfinite(g).all() for g in grads)
@@ -242,7 +242,7 @@ def test_run_computes_mixed_dtypes_in_the_common_dtype():
     q, k, v = _leaves(F32, F32, BF16)
     out, _ = TritonBackend().run(_call(q, k, v))
     assert out.dtype == F32  # the call's dtype (the promoted one), as attention() promises
-    ref = attention(q.detach().double(), k.detach().double(), v.detach().double(), scale=0.5, backend="torch")
+    ref = attention(q.detach().double(), k.detach().double(), v.detach().double(), scale=0.5, backend="reference")
     assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5  # float32 throughout
     grads = torch.autograd.grad(out.float().sum(), [q, k, v])
     assert [g.dtype for g in grads] == [F32, F32, BF16]
@@ -252,13 +252,13 @@ def test_run_computes_mixed_dtypes_in_the_common_dtype():
 @pytest.mark.parametrize("autocast", [None, BF16], ids=["no-autocast", "autocast-bf16"])
 @pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
 def test_both_backends_follow_the_one_dtype_rule(normalizer, autocast):
-    """float32 q, k with a bfloat16 v: the Triton and torch backends cast to the same dtype
+    """float32 q, k with a bfloat16 v: the Triton and reference backends cast to the same dtype
     (``AttentionCall.dtype``) and agree."""
     q, k, v = _leaves(F32, F32, BF16)
     ctx = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
     with ctx:
         ours = attention(q, k, v, normalizer=normalizer, backend="triton")
-        ref = attention(q, k, v, normalizer=normalizer, backend="torch")
+        ref = attention(q, k, v, normalizer=normalizer, backend="reference")
     assert ours.dtype == ref.dtype == (autocast or F32)
     tol = 1e-5 if autocast is None else 2.5e-2  # bf16: tests/test_kernels.py's forward tolerance
     assert ((ours.double() - ref.double()).abs().max() / ref.double().abs().max()).item() < tol

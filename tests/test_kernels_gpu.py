@@ -1,5 +1,5 @@
 """The Triton kernels on a real GPU (skipped without CUDA): bf16 / fp16 / fp32 at ViT sequence lengths
-(197, 785, 1025 = a class token + 14², 28², 32² patches) against the torch path in float64, plus dispatch,
+(197, 785, 1025 = a class token + 14², 28², 32² patches) against the reference backend in float64, plus dispatch,
 dead rows and linear memory. ``benchmarks/gpu_check.sh`` runs this file.
 
 Most cases run with ``VITATTN_TRITON_TILES=first`` (one config per kernel, so the suite compiles in
@@ -77,7 +77,7 @@ def _kwargs(leaves, normalizer, n, mask):
 def _check(normalizer, kind, n, d, dtype, backend="triton"):
     ours, ref, mask = _leaves(normalizer, kind, n, d, dtype)
     out = attention(ours["q"], ours["k"], ours["v"], backend=backend, **_kwargs(ours, normalizer, n, mask))
-    want = attention(ref["q"], ref["k"], ref["v"], backend="torch", **_kwargs(ref, normalizer, n, mask))
+    want = attention(ref["q"], ref["k"], ref["v"], backend="reference", **_kwargs(ref, normalizer, n, mask))
     fwd_tol, grad_tol = TOL[dtype]
     err = ((out.double() - want).abs().max() / want.abs().max()).item()
     assert out.dtype == dtype and err <= fwd_tol, f"out: {err:.2e}"

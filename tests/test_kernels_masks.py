@@ -5,7 +5,7 @@ How the interpreter flag is read, and why the tests carry ``@pytest.mark.triton_
 triton was imported earlier without the flag).
 
 * Additive masks drawn by hypothesis from ``0, -1e4, -65504, -1e6, finfo(float32).min, -inf``, with rows
-  masked entirely by one of them, against ``backend="torch"`` in float64 on the same inputs. q and k
+  masked entirely by one of them, against ``backend="reference"`` in float64 on the same inputs. q and k
   are dyadic (multiples of 1/2, scale 1/4), so ``q kᵀ * scale + mask`` is exact in float32 for every
   mask value and the reference sees the very scores the kernel sees.
 * The entmax-1.5 threshold search runs on max-shifted scores: a row masked by ``-1e6`` converges in a
@@ -74,11 +74,11 @@ def _check_masked(normalizer: str, dtype: torch.dtype, data: st.DataObject) -> N
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
     out = attention(*leaves, normalizer=normalizer, mask=mask.float(), scale=0.25, backend="triton")
-    ref = attention(*ref_leaves, normalizer=normalizer, mask=mask, scale=0.25, backend="torch")
+    ref = attention(*ref_leaves, normalizer=normalizer, mask=mask, scale=0.25, backend="reference")
     assert not out.isnan().any()
     fwd_tol, grad_tol = (2e-6, 2e-5) if dtype == torch.float32 else (2e-3, 4e-3)
     # Softmax works in base 2 (log2(e) folded into the scale): on a row masked entirely by a finite
-    # fill M its exponents are rounded at |M| log2(e), as the torch path's float32 scores are at |M|.
+    # fill M its exponents are rounded at |M| log2(e), as the reference backend's float32 scores are at |M|.
     # entmax-1.5 halves the scores (exact) and shifts them by the row max: exact on such rows too.
     tol = torch.full(out.shape[:-1], fwd_tol, dtype=torch.float64)
     if normalizer == "softmax":
@@ -121,7 +121,7 @@ def test_large_finite_masks(normalizer, dtype, data):
 @interpreted
 @pytest.mark.parametrize("fill", FINITE_FILLS, ids=["-1e4", "-65504", "-1e6", "finfo.min"])
 def test_entmax_fully_masked_row_matches_the_entmax_package(fill):
-    """A row masked entirely by a finite value is the entmax of its (shifted) scores, as in the torch path."""
+    """A row masked entirely by a finite value is the entmax of its (shifted) scores, as in the reference backend."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (_dyadic((1, 1, 21, 16), g).float() for _ in range(3))
     mask = torch.zeros(1, 1, 21, 21)
@@ -131,7 +131,7 @@ def test_entmax_fully_masked_row_matches_the_entmax_package(fill):
     z = (q.double() @ k.double().transpose(-1, -2)) * 0.25 + mask.double()
     z[0, 0, 4] = (q.double() @ k.double().transpose(-1, -2))[0, 0, 4] * 0.25  # shift invariance
     if fill == torch.finfo(torch.float32).min:
-        z[0, 0, 4] = 0.0  # the scores vanish next to finfo.min: a uniform row, as in the torch path
+        z[0, 0, 4] = 0.0  # the scores vanish next to finfo.min: a uniform row, as in the reference backend
     want = entmax.entmax15(z, dim=-1) @ v.double()
     torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=0)
 
@@ -174,7 +174,7 @@ def test_entmax_masked_row_does_not_run_newton_to_the_cap(fill, monkeypatch):
     # the other rows against the reference (row 7's scores are rounded in float32 at the mask's
     # magnitude, so it is checked on exact scores in the test above)
     ref = attention(q.double(), k.double(), v.double(), normalizer="entmax15", mask=mask.double(),
-                    backend="torch")
+                    backend="reference")
     rows = torch.arange(20) != 7
     torch.testing.assert_close(out[0, 0, rows].double(), ref[0, 0, rows], atol=2e-5, rtol=0)
 
@@ -182,13 +182,13 @@ def test_entmax_masked_row_does_not_run_newton_to_the_cap(fill, monkeypatch):
 @interpreted
 def test_softmax_row_masked_by_finfo_min_is_uniform():
     """Softmax scales an additive mask by log2(e) in base 2: finfo.min must not overflow to -inf there
-    (a row masked entirely by it is uniform in the torch path, not dead)."""
+    (a row masked entirely by it is uniform in the reference backend, not dead)."""
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 1, 9, 16, generator=g) for _ in range(3))
     mask = torch.zeros(1, 1, 9, 9)
     mask[0, 0, 2] = torch.finfo(torch.float32).min
     mask[0, 0, 5, 4:] = torch.finfo(torch.float32).min
     out = attention(q, k, v, mask=mask, backend="triton")
-    ref = attention(q.double(), k.double(), v.double(), mask=mask.double(), backend="torch")
+    ref = attention(q.double(), k.double(), v.double(), mask=mask.double(), backend="reference")
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=0)
     torch.testing.assert_close(out[0, 0, 2], v[0, 0].mean(0), atol=2e-6, rtol=0)

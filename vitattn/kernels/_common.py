@@ -25,15 +25,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..functional.gaussian import _EXPONENT_FLOOR
+from ..functional import gaussian
 
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LOG2E: tl.constexpr = tl.constexpr(gaussian.LOG2E)
 # Newton's stopping tolerance for the entmax threshold: sqrt(float32 eps), as in the torch path.
 NEWTON_TOL: tl.constexpr = tl.constexpr(3.4526698e-04)
 # A bound on the Newton passes over the keys (typically 2-4 are needed), not a tuning knob.
 NEWTON_MAX_STEPS: tl.constexpr = tl.constexpr(32)
-# The per-axis floor of the Gaussian exponent (natural log units), the one of vitattn.functional.gaussian.
-EXP_FLOOR: tl.constexpr = tl.constexpr(_EXPONENT_FLOOR)
+# The per-axis floor of the Gaussian exponent (natural log units): gaussian_exponent's.
+EXP_FLOOR: tl.constexpr = tl.constexpr(gaussian.EXPONENT_FLOOR)
 # softmax scales an additive mask by log2(e): values below -2^127 are raised to it first (no overflow).
 ADD_FLOOR: tl.constexpr = tl.constexpr(-1.7014118346046923e38)
 # 1.5 * 2^23: adding it to a float32 |x| < 2^22 rounds x to an integer held in the low mantissa bits.

@@ -68,7 +68,10 @@ def tf32_allowed() -> bool:
         warnings.simplefilter("ignore")
         if getattr(matmul, "fp32_precision", None) == "tf32":
             return True
-        return bool(getattr(matmul, "allow_tf32", False))
+        try:
+            return bool(getattr(matmul, "allow_tf32", False))
+        except RuntimeError:  # torch refuses the legacy flag once both APIs were used: the new one said no
+            return False
 
 
 def launch_dtype(
