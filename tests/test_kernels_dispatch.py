@@ -152,7 +152,9 @@ def test_every_launch_of_forward_and_backward_is_guarded(monkeypatch, normalizer
     out.sum().backward()
     fwd = "fwd_softmax" if normalizer == "softmax" else "fwd_entmax15"
     assert seen == [(fwd, 1), ("bwd_delta", 1), ("bwd_dkdv", 1), ("bwd_dq", 1)]
-    ref = attention(q.detach(), k.detach(), v.detach(), normalizer=normalizer, scale=0.25, backend="reference")
+    ref = attention(
+        q.detach(), k.detach(), v.detach(), normalizer=normalizer, scale=0.25, backend="reference"
+    )
     torch.testing.assert_close(out.detach(), ref, atol=2e-5, rtol=0)
 
 
@@ -171,7 +173,7 @@ def test_one_reader_of_triton_interpret_and_kernels_resolved_once(monkeypatch):
     monkeypatch.setattr(ops.importlib, "import_module", no_import)
     monkeypatch.setattr(ops.importlib, "reload", no_import)
     assert ops.kernels() is first
-    assert set(first) == {"fwd_softmax", "fwd_entmax15", "bwd_delta", "bwd_dkdv", "bwd_dq"}
+    assert set(first) == {"fwd_softmax", "fwd_entmax15", "bwd_delta", "bwd_rows", "bwd_dkdv", "bwd_dq"}
 
 
 # ---- 2. one launch dtype -----------------------------------------------------------------------------
@@ -242,7 +244,7 @@ def test_run_computes_mixed_dtypes_in_the_common_dtype():
     q, k, v = _leaves(F32, F32, BF16)
     out, _ = TritonBackend().run(_call(q, k, v))
     assert out.dtype == F32  # the call's dtype (the promoted one), as attention() promises
-    ref = attention(q.detach().double(), k.detach().double(), v.detach().double(), scale=0.5, backend="reference")
+    ref = attention(*(t.detach().double() for t in (q, k, v)), scale=0.5, backend="reference")
     assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5  # float32 throughout
     grads = torch.autograd.grad(out.float().sum(), [q, k, v])
     assert [g.dtype for g in grads] == [F32, F32, BF16]
@@ -363,9 +365,11 @@ _NO_I32_MULTIPLY = textwrap.dedent(
     fns = kernels()
     bad = []
     for pass_, normalizer in [("fwd", "softmax"), ("fwd", "entmax15"), ("bwd_dkdv", "entmax15"),
-                              ("bwd_dq", "softmax"), ("delta", "-")]:
+                              ("bwd_dq", "softmax"), ("delta", "-"), ("rows", "-")]:
         if pass_ == "delta":
             fn, consts = fns["bwd_delta"], {"BLOCK_M": configs.DELTA_ROWS, "BLOCK_DV": 64}
+        elif pass_ == "rows":
+            fn, consts = fns["bwd_rows"], {"BLOCK_M": configs.ROW_TERMS_ROWS}
         else:
             build = aot.Build(80, normalizer, "additive", pass_, configs.TileConfig(32, 32, 4, 1), 64, "bf16")
             fn, consts = fns[build.kernel], aot._flags(build)

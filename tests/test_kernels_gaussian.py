@@ -1,5 +1,5 @@
-"""The Gaussian-bias helpers of the Triton kernels (``vitattn/kernels/_common.py``) in the interpreter, against
-the library's one statement of the exponent, :func:`vitattn.functional.gaussian.gaussian_exponent`
+"""The Gaussian-bias helpers of the Triton kernels (``vitattn/kernels/_common.py``) in the interpreter,
+against the library's one statement of the exponent, :func:`vitattn.functional.gaussian.gaussian_exponent`
 (the per-axis exponent ``max(max(-offset^2 / 2, clamp) / den, -40)``, floor included), and the float
 grid coordinates the key loops carry from tile to tile, against integer division.
 """
@@ -58,9 +58,11 @@ def test_axis_exponent_is_gaussian_exponent(initial_grid):
     g = torch.Generator().manual_seed(0)
     offset = torch.arange(-150, 151, dtype=torch.float32)
     den = torch.exp(torch.empty(offset.numel()).uniform_(math.log(0.05), math.log(200.0), generator=g))
-    offset, den = offset.repeat(4), torch.cat([den, den.flip(0), den * 0 + 0.1, den * 0 + 50.0])
+    offset = offset.repeat(5)
+    den = torch.cat([den, den.flip(0), den * 0 + 0.1, den * 0 + 50.0, den * 0 + 200.0])
     out = torch.empty_like(offset)
-    _exponent_kernel[(1,)](offset, den, out, clamp, offset.numel(), BLOCK=triton.next_power_of_2(offset.numel()))
+    block = triton.next_power_of_2(offset.numel())
+    _exponent_kernel[(1,)](offset, den, out, clamp, offset.numel(), BLOCK=block)
     want = gaussian_exponent(offset.double(), den.double(), clamp)
     floored = want == EXPONENT_FLOOR
     clamped = (-0.5 * offset.double() ** 2) < clamp

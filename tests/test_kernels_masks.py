@@ -121,7 +121,8 @@ def test_large_finite_masks(normalizer, dtype, data):
 @interpreted
 @pytest.mark.parametrize("fill", FINITE_FILLS, ids=["-1e4", "-65504", "-1e6", "finfo.min"])
 def test_entmax_fully_masked_row_matches_the_entmax_package(fill):
-    """A row masked entirely by a finite value is the entmax of its (shifted) scores, as in the reference backend."""
+    """A row masked entirely by a finite value is the entmax of its (shifted) scores (the reference
+    backend's)."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (_dyadic((1, 1, 21, 16), g).float() for _ in range(3))
     mask = torch.zeros(1, 1, 21, 21)

@@ -34,7 +34,7 @@ NEWTON_TOL: tl.constexpr = tl.constexpr(3.4526698e-04)
 NEWTON_MAX_STEPS: tl.constexpr = tl.constexpr(32)
 # The per-axis floor of the Gaussian exponent (natural log units): gaussian_exponent's.
 EXP_FLOOR: tl.constexpr = tl.constexpr(gaussian.EXPONENT_FLOOR)
-# softmax scales an additive mask by log2(e): values below -2^127 are raised to it first (no overflow).
+# An additive mask enters the q kᵀ dot as add / scale, raised to -2^127 / max(scale, 1) (finite once scaled).
 ADD_FLOOR: tl.constexpr = tl.constexpr(-1.7014118346046923e38)
 # 1.5 * 2^23: adding it to a float32 |x| < 2^22 rounds x to an integer held in the low mantissa bits.
 ROUND_MAGIC: tl.constexpr = tl.constexpr(12582912.0)
@@ -58,6 +58,17 @@ def _dot(a, b, F32_DOT: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _dot_acc(a, b, acc, F32_DOT: tl.constexpr):
+    """``acc + a @ b`` (``acc`` a float32 tile) with the operands of :func:`_dot`."""
+    if F32_DOT == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32")
+    elif F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -258,30 +269,22 @@ def gauss_tile(qr, qc, cr, fr, cc, fc, kr, kc, TRANS: tl.constexpr):
 
 
 @triton.jit
-def _scores(
-    qk, gbias, offs_m, offs_n, n_q, n_k, scale,
-    add_base, s_am, s_an, keep_base, s_km, s_kn,
-    GAUSS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_KEEP: tl.constexpr, ENTMAX: tl.constexpr,
-    TRANS: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+def _mask_tile(
+    offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_km, s_kn,
+    HAS_ADD: tl.constexpr, HAS_KEEP: tl.constexpr, TRANS: tl.constexpr, EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):
-    """``z = qk * scale (+ gbias) (+ unit * additive)``, ``-inf`` where a key is masked or out of range.
-
-    The tile is in the normalizer's unit (see :func:`_probs`): ``scale`` and the Gaussian ``gbias``
-    come pre-multiplied by it (``0.5`` for entmax-1.5, ``log2(e)`` for softmax). For softmax an
-    additive mask below ``-2^127`` is raised to ``-2^127`` first (``-inf`` stays), so ``log2(e)``
-    times it stays finite: ``torch.finfo(torch.float32).min`` masks rows as the torch path does.
-    Queries past ``n_q`` are not masked here (their row statistic is ``+inf``: zero probabilities),
-    only their mask loads. Keys along rows (``qk`` is ``k qᵀ``) if ``TRANS``.
-    """
-    if GAUSS:
-        z = qk * scale + gbias
-    else:
-        z = qk * scale
-    if (HAS_ADD or HAS_KEEP) and not (EVEN_M and EVEN_N):
+    """The masks of a tile as one additive tile in units of ``q kᵀ``: ``add / scale`` (raised to
+    ``-2^127 / max(scale, 1)`` where below it, ``-inf`` kept) and ``-inf`` where the keep-mask is 0. It
+    is the accumulator of the tile's ``q kᵀ`` dot, so the mask tiles are converted to the dot's layout
+    once instead of the score tile's arithmetic running in the load layout. ``scale`` is the unscaled
+    softmax scale (> 0). Queries past ``n_q`` load nothing (their rows are never used)."""
+    if not (EVEN_M and EVEN_N):
         if TRANS:
             inside = _bounds(offs_n, offs_m, n_k, n_q, EVEN_N, EVEN_M)
         else:
             inside = _bounds(offs_m, offs_n, n_q, n_k, EVEN_M, EVEN_N)
+    pen = 0.0
     if HAS_ADD:
         if TRANS:
             ptrs = _tile_ptrs(add_base, offs_n, offs_m, s_an, s_am)
@@ -291,11 +294,8 @@ def _scores(
             add = tl.load(ptrs).to(tl.float32)
         else:
             add = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
-        if ENTMAX:
-            z += add * 0.5
-        else:
-            add = tl.where((add < ADD_FLOOR) & (add > float("-inf")), ADD_FLOOR, add)
-            z += add * LOG2E
+        floor = ADD_FLOOR / tl.maximum(scale, 1.0)
+        pen = tl.where(add == float("-inf"), add, tl.maximum(add * (1.0 / scale), floor))
     if HAS_KEEP:
         if TRANS:
             ptrs = _tile_ptrs(keep_base, offs_n, offs_m, s_kn, s_km)
@@ -305,15 +305,13 @@ def _scores(
             keep = tl.load(ptrs)
         else:
             keep = tl.load(ptrs, mask=inside, other=0)
-        z = tl.where(keep != 0, z, float("-inf"))
-    if not EVEN_N:
-        z = tl.where(_kv(offs_n < n_k, TRANS), z, float("-inf"))
-    return z
+        pen = tl.where(keep != 0, pen, float("-inf"))
+    return pen
 
 
 @triton.jit
 def _probs(z, stat, ENTMAX: tl.constexpr, TRANS: tl.constexpr):
-    """``(p, g)`` of a score tile ``z`` (in the normalizer's unit, see :func:`_scores`) from the row
+    """``(p, g)`` of a score tile ``z`` (in the normalizer's unit, see :func:`_score_tile`) from the row
     statistic ``stat`` in the same unit.
 
     softmax: ``z`` and ``stat`` (the log-sum-exp) in base 2, ``p = 2^(z - stat)``, ``g = p``.
@@ -330,29 +328,38 @@ def _probs(z, stat, ENTMAX: tl.constexpr, TRANS: tl.constexpr):
 
 @triton.jit
 def _score_tile(
-    a, b, offs_m, offs_n, n_q, n_k, scale,
+    a, b, offs_m, offs_n, n_q, n_k, scale, unit,
     add_base, s_am, s_an, keep_base, s_mm, s_mn,
     qr, qc, cr, fr, cc, fc, alpha, kr, kc,
     GAUSS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_KEEP: tl.constexpr, F32_DOT: tl.constexpr,
-    ENTMAX: tl.constexpr, TRANS: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    TRANS: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """``(z, e)``: the masked score tile (:func:`_scores`) of query tile ``a = q (BLOCK_M, D)`` against key
-    tile ``b = k (BLOCK_N, D)`` (with ``TRANS``, ``a = k``, ``b = q`` and the tile is ``(BLOCK_N,
-    BLOCK_M)``), and the Gaussian factor ``e`` of :func:`gauss_tile` (0 without ``GAUSS``).
+    """``(z, e)``: the masked score tile of query tile ``a = q (BLOCK_M, D)`` against key tile
+    ``b = k (BLOCK_N, D)`` (with ``TRANS``, ``a = k``, ``b = q`` and the tile is ``(BLOCK_N, BLOCK_M)``),
+    and the Gaussian factor ``e`` of :func:`gauss_tile` (0 without ``GAUSS``).
 
-    ``scale`` and ``alpha`` in the normalizer's unit; ``qr, qc, cr, fr, cc, fc`` per query,
-    ``kr, kc`` per key (see :func:`gauss_rows`, :func:`_coords_start`).
+    ``z = (q kᵀ + masks / scale) * scale * unit + alpha * e`` (:func:`_mask_tile`), ``-inf`` where a key
+    is masked or past ``n_k``, in the normalizer's unit ``unit`` (see :func:`_probs`: ``log2(e)`` for
+    softmax, ``1/2`` for entmax-1.5): ``alpha`` comes pre-multiplied by it. ``qr, qc, cr, fr, cc, fc``
+    per query, ``kr, kc`` per key (see :func:`gauss_rows`, :func:`_coords_start`). On a row masked
+    entirely by a finite value ``M`` the scores are rounded at ``|M|``, as the reference's float32
+    scores are (for a power-of-two scale, exactly as there).
     """
-    qk = _dot(a, tl.trans(b), F32_DOT)
+    if HAS_ADD or HAS_KEEP:
+        pen = _mask_tile(
+            offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+            HAS_ADD, HAS_KEEP, TRANS, EVEN_M, EVEN_N,
+        )
+        qk = _dot_acc(a, tl.trans(b), pen, F32_DOT)
+    else:
+        qk = _dot(a, tl.trans(b), F32_DOT)
+    z = qk * (scale * unit)
     e = 0.0
-    gbias = 0.0
     if GAUSS:
         e = gauss_tile(qr, qc, cr, fr, cc, fc, kr, kc, TRANS)
-        gbias = _qv(alpha, TRANS) * e
-    z = _scores(
-        qk, gbias, offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_mm, s_mn,
-        GAUSS, HAS_ADD, HAS_KEEP, ENTMAX, TRANS, EVEN_M, EVEN_N,
-    )
+        z = z + _qv(alpha, TRANS) * e
+    if not EVEN_N:
+        z = tl.where(_kv(offs_n < n_k, TRANS), z, float("-inf"))
     return z, e
 
 

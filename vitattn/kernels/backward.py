@@ -12,11 +12,12 @@ per query row ``d alpha = sum_t dZ e`` and ``d den_m = -alpha / den_m * sum_t dZ
 floored per-axis exponent; where the floor binds its derivative is 0 and the kept term is below
 ``40 e^-40`` of a score's).
 
-Three kernels: ``_bwd_delta_kernel`` (the row term), ``_bwd_dkdv_kernel`` (one program per key block,
-looping over the queries) and ``_bwd_dq_kernel`` (one program per query block, looping over the keys;
-it also writes the mask and Gaussian gradients). The Gaussian bias is built once per tile in each of
-the two (one ``exp2`` per score, plus softmax's own), from per-row terms computed once per query row;
-dQ reuses the tile's ``e`` for the bias gradients and recomputes only the cheap exponents. No loop
+Four kernels: ``_bwd_delta_kernel`` (the row term), ``_bwd_rows_kernel`` (the Gaussian row terms, once
+per query), ``_bwd_dkdv_kernel`` (one program per key block, looping over the queries) and
+``_bwd_dq_kernel`` (one program per query block, looping over the keys; it also writes the mask and
+Gaussian gradients). The Gaussian bias is built once per tile in each of the two (one ``exp2`` per
+score, plus softmax's own), from the row terms (dK/dV loads the saved ones, dQ computes its tile's
+once); dQ reuses the tile's ``e`` for the bias gradients and recomputes only the cheap exponents. No loop
 branches on data: every tile's loads are unconditional. Atomics only for a broadcast additive mask,
 after reducing the tile over the broadcast rows or columns.
 """
@@ -63,8 +64,31 @@ def _bwd_delta_kernel(O, DO, DELTA, n_rows, head_dv, BLOCK_M: tl.constexpr, BLOC
 
 
 @triton.jit
+def _bwd_rows_kernel(
+    DEN, ALPHA, ROWS, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, n_heads, n_q, num_prefix, grid_w, clamp,
+    BLOCK_M: tl.constexpr,
+):
+    """The Gaussian row terms of :func:`~vitattn.kernels._common.gauss_rows` for every query of every
+    ``(b, h)``, once: ``ROWS`` contiguous float32 ``(B * H, 5, Nq)``, planes ``cr, fr, cc, fc, alpha``.
+    The dK/dV kernel reads them per query tile instead of recomputing them (two divisions and a dozen
+    operations per query, repeated by every key block)."""
+    bh, b, h = _program(n_heads)
+    offs_m = _block_offsets(BLOCK_M)
+    cr, fr, cc, fc, alpha = gauss_rows(
+        DEN, ALPHA, b, h, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, offs_m, n_q, num_prefix, grid_w, clamp,
+    )
+    base = ROWS + bh.to(tl.int64) * 5 * n_q + offs_m
+    ok = offs_m < n_q
+    tl.store(base, cr, mask=ok)
+    tl.store(base + n_q, fr, mask=ok)
+    tl.store(base + 2 * n_q, cc, mask=ok)
+    tl.store(base + 3 * n_q, fc, mask=ok)
+    tl.store(base + 4 * n_q, alpha, mask=ok)
+
+
+@triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, STAT, DELTA, DK, DV, ADD, KEEP, DEN, ALPHA,
+    Q, K, V, DO, STAT, DELTA, ROWS, DK, DV, ADD, KEEP, DEN, ALPHA,
     s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
     s_ab, s_ah, s_am, s_an, s_mb, s_mh, s_mm, s_mn, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp,
     n_heads, n_q, n_k, head_d, head_dv, scale, num_prefix, grid_w, clamp,
@@ -76,8 +100,9 @@ def _bwd_dkdv_kernel(
     """``DK``, ``DV`` (contiguous, like K and V) for one block of keys. DO contiguous ``(B, H, Nq, Dv)``.
 
     Keys are the M dimension of every tile (``k qᵀ``, ``(BLOCK_N, BLOCK_M)``), so ``dV += Pᵀ dO`` and
-    ``dK += dSᵀ q`` take the tiles as they come (no transpose of p or dS). The query block's Gaussian
-    terms are loaded per tile; its coordinates are carried from tile to tile in float.
+    ``dK += dSᵀ q`` take the tiles as they come (no transpose of p or dS). The query tile's Gaussian
+    terms are loaded from ``ROWS`` (:func:`_bwd_rows_kernel`; DEN and ALPHA are not read here); its
+    coordinates are carried from tile to tile in float.
     """
     bh, b, h = _program(n_heads)
     offs_n = _block_offsets(BLOCK_N)
@@ -96,10 +121,10 @@ def _bwd_dkdv_kernel(
     else:
         unit = LOG2E
         stat_unit = LOG2E
-    scale_u = scale * unit
     kr, kc = _coords_start(offs_n, num_prefix, grid_w)
     qr, qc = _coords_start(tl.arange(0, BLOCK_M), num_prefix, grid_w)
     step_r, step_c, gw = _coords_step(BLOCK_M, grid_w)
+    rows_base = ROWS + bh.to(tl.int64) * 5 * n_q
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
@@ -108,15 +133,17 @@ def _bwd_dkdv_kernel(
         q = _load_tile(q_base, offs_m, offs_d, s_qm, s_qd, n_q, head_d, EVEN_M, EVEN_D)
         stat, delta = _row_stats(STAT, DELTA, row, offs_m, n_q)
         if GAUSS:
-            cr, fr, cc, fc, alpha = gauss_rows(
-                DEN, ALPHA, b, h, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, offs_m, n_q, num_prefix,
-                grid_w, clamp,
-            )
+            ok = offs_m < n_q
+            cr = tl.load(rows_base + offs_m, mask=ok, other=0.0)
+            fr = tl.load(rows_base + n_q + offs_m, mask=ok, other=0.0)
+            cc = tl.load(rows_base + 2 * n_q + offs_m, mask=ok, other=0.0)
+            fc = tl.load(rows_base + 3 * n_q + offs_m, mask=ok, other=0.0)
+            alpha = tl.load(rows_base + 4 * n_q + offs_m, mask=ok, other=0.0)
         else:
             cr, fr, cc, fc, alpha = 0.0, 0.0, 0.0, 0.0, 0.0
         z_t, _e = _score_tile(
-            k, q, offs_m, offs_n, n_q, n_k, scale_u, add_base, s_am, s_an, keep_base, s_mm, s_mn,
-            qr, qc, cr, fr, cc, fc, alpha * unit, kr, kc, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, ENTMAX, True,
+            k, q, offs_m, offs_n, n_q, n_k, scale, unit, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+            qr, qc, cr, fr, cc, fc, alpha * unit, kr, kc, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, True,
             EVEN_M, EVEN_N,
         )
         p_t, g_t = _probs(z_t, stat * stat_unit, ENTMAX, True)
@@ -203,7 +230,6 @@ def _bwd_dq_kernel(
     else:
         unit = LOG2E
         stat_u = stat * LOG2E
-    scale_u = scale * unit
     kr, kc = _coords_start(tl.arange(0, BLOCK_N), num_prefix, grid_w)
     step_r, step_c, gw = _coords_step(BLOCK_N, grid_w)
 
@@ -215,8 +241,8 @@ def _bwd_dq_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
         z, e = _score_tile(
-            q, k, offs_m, offs_n, n_q, n_k, scale_u, add_base, s_am, s_an, keep_base, s_mm, s_mn,
-            qr, qc, cr, fr, cc, fc, alpha * unit, kr, kc, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, ENTMAX, False,
+            q, k, offs_m, offs_n, n_q, n_k, scale, unit, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+            qr, qc, cr, fr, cc, fc, alpha * unit, kr, kc, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, False,
             EVEN_M, EVEN_N,
         )
         p, g = _probs(z, stat_u, ENTMAX, False)

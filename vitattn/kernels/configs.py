@@ -16,11 +16,14 @@ class TileConfig:
     num_warps: int
     num_stages: int
     max_head_dim: int = 128  # used only for padded head dims up to this (larger ones spill)
-    max_head_dim_masked: int | None = None  # the same with an additive / boolean mask tile to load
+    max_head_dim_masked: int | None = None  # the same with an additive / boolean mask tile (0: never)
     max_head_dim_fp32: int | None = None  # the same with float32 (TF32) operands: twice the shared memory
 
     def head_dim_limit(self, masked: bool, fp32: bool = False) -> int:
-        limit = self.max_head_dim_masked if masked and self.max_head_dim_masked else self.max_head_dim
+        """The largest padded head dim this config serves (0: none, with a mask tile)."""
+        limit = self.max_head_dim
+        if masked and self.max_head_dim_masked is not None:
+            limit = self.max_head_dim_masked
         if fp32 and self.max_head_dim_fp32:
             limit = min(limit, self.max_head_dim_fp32)
         return limit
@@ -29,27 +32,55 @@ class TileConfig:
         return f"M{self.block_m}xN{self.block_n} w{self.num_warps} s{self.num_stages}"
 
 
-def _tiles(*rows: tuple[int, ...], **limits: int) -> tuple[TileConfig, ...]:
-    return tuple(TileConfig(*row, **limits) for row in rows)
-
-
 # arch (compute capability 80 or 90, see arch_of) -> kernel name -> autotune list, in the style of the
-# Triton fused-attention tutorial: 64- and 128-row tiles, 4 warps unless a tile holds 128 x 128 scores,
-# 3-4 stages on sm_90. ``python -m vitattn.kernels._build.aot --report`` compiles every entry for its arch
-# and reports registers, spills and the loops' machine code (docs/kernels.md); every entry the
-# autotuner can pick on sm_90 has no spills (tests/test_kernels_static.py).
+# Triton fused-attention tutorial: 64- and 128-row tiles, 4 warps per 64 query rows, 3-4 stages on sm_90
+# (2-3 on sm_80), the larger tiles for head dims <= 64 only. ``python -m vitattn.kernels._build.aot
+# --report`` compiles every entry for its arch at the largest head dim it serves and reports registers,
+# spills and the loops' machine code (docs/kernels.md); no entry the autotuner can pick on sm_90 spills
+# (tests/test_kernels_static.py). ``max_head_dim_fp32``: float32 (TF32) operands take twice the shared
+# memory; the entries that would not fit at head dim 128 serve 64 (tests/test_kernels_static.py compiles
+# the float32 ones).
 AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
     90: {
-        "fwd_softmax": _tiles((64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)),
-        "fwd_entmax15": _tiles((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4)),
-        "bwd_dkdv": _tiles((32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4)),
-        "bwd_dq": _tiles((128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 4)),
+        "fwd_softmax": (
+            TileConfig(128, 64, 8, 3, max_head_dim_fp32=64), TileConfig(64, 64, 4, 3, max_head_dim_fp32=64),
+            TileConfig(128, 64, 8, 4, max_head_dim_fp32=64), TileConfig(64, 32, 4, 3),
+        ),
+        "fwd_entmax15": (
+            TileConfig(128, 64, 8, 3, max_head_dim=64), TileConfig(64, 64, 4, 3, max_head_dim=64),
+            TileConfig(128, 32, 8, 3), TileConfig(64, 32, 4, 3),
+        ),
+        # 4 warps: with 8, the M = 64 key rows of the wgmma tiles are split over two warpgroups along the
+        # queries, and Triton recomputes p in the second dot's operand layout (1.33x the exps)
+        "bwd_dkdv": (
+            TileConfig(32, 64, 4, 3, max_head_dim=64), TileConfig(64, 32, 4, 3), TileConfig(32, 32, 4, 3),
+            TileConfig(64, 32, 4, 4, max_head_dim_fp32=64),
+        ),
+        # a mask's gradient tile (its 64-bit pointers, the atomics) spills the 64-key tiles at any head dim
+        "bwd_dq": (
+            TileConfig(64, 64, 4, 3, max_head_dim=64, max_head_dim_masked=0),
+            TileConfig(128, 64, 8, 3, max_head_dim=64, max_head_dim_masked=0),
+            TileConfig(64, 32, 4, 3), TileConfig(128, 32, 8, 3, max_head_dim_fp32=64),
+        ),
     },
     80: {
-        "fwd_softmax": _tiles((64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)),
-        "fwd_entmax15": _tiles((64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 4, 2)),
-        "bwd_dkdv": _tiles((32, 128, 4, 2), (64, 64, 4, 2), (32, 64, 4, 3), (64, 32, 4, 2)),
-        "bwd_dq": _tiles((128, 32, 4, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2)),
+        "fwd_softmax": (
+            TileConfig(128, 64, 8, 2, max_head_dim_fp32=64), TileConfig(64, 64, 4, 2, max_head_dim_fp32=64),
+            TileConfig(64, 32, 4, 3, max_head_dim_fp32=64), TileConfig(64, 32, 4, 2),
+        ),
+        "fwd_entmax15": (
+            TileConfig(128, 64, 8, 2, max_head_dim=64), TileConfig(64, 64, 4, 2, max_head_dim=64),
+            TileConfig(128, 32, 8, 2, max_head_dim_fp32=64), TileConfig(64, 32, 4, 2),
+        ),
+        "bwd_dkdv": (
+            TileConfig(32, 64, 4, 2, max_head_dim=64), TileConfig(64, 32, 4, 2), TileConfig(32, 32, 4, 2),
+            TileConfig(64, 32, 4, 3, max_head_dim_fp32=64),
+        ),
+        "bwd_dq": (
+            TileConfig(64, 64, 4, 2, max_head_dim=64, max_head_dim_masked=0),
+            TileConfig(128, 64, 8, 2, max_head_dim=64, max_head_dim_masked=0),
+            TileConfig(64, 32, 4, 2), TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
+        ),
     },
 }
 DEFAULT_ARCH = 90  # the arch of the lists when no CUDA device tells (fake tensors, no driver)
@@ -73,8 +104,9 @@ def autotune_list(
     return tuple(c for c in tiles if block_d <= c.head_dim_limit(masked, fp32))
 
 
-# The row-term kernel of the backward needs no tuning.
+# The row-term kernels of the backward (delta, the Gaussian row terms) need no tuning.
 DELTA_ROWS = 64
+ROW_TERMS_ROWS = 128
 
 # Under TRITON_INTERPRET=1 (CPU, numpy) small tiles keep the tests fast and every edge ragged.
 INTERPRET = TileConfig(32, 32, 4, 1)

@@ -114,7 +114,6 @@ def _fwd_entmax15_kernel(
         )
     )
     # every tile is y = z / 2 (the 1/2 of entmax-1.5 folded into the scale and the Gaussian amplitude)
-    scale_y = scale * 0.5
     alpha_y = alpha * 0.5
     kr0, kc0 = _coords_start(tl.arange(0, BLOCK_N), num_prefix, grid_w)
     step_r, step_c, gw = _coords_step(BLOCK_N, grid_w)
@@ -135,8 +134,8 @@ def _fwd_entmax15_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
         y, _e = _score_tile(
-            q, k, offs_m, offs_n, n_q, n_k, scale_y, add_base, s_am, s_an, keep_base, s_mm, s_mn,
-            qr, qc, cr, fr, cc, fc, alpha_y, kr, kc, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, True, False,
+            q, k, offs_m, offs_n, n_q, n_k, scale, 0.5, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+            qr, qc, cr, fr, cc, fc, alpha_y, kr, kc, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, False,
             EVEN_M, EVEN_N,
         )
         m = tl.maximum(m, tl.max(y, 1))
@@ -182,8 +181,8 @@ def _fwd_entmax15_kernel(
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
             y, _e = _score_tile(
-                q, k, offs_m, offs_n, n_q, n_k, scale_y, add_base, s_am, s_an, keep_base, s_mm, s_mn,
-                qr, qc, cr, fr, cc, fc, alpha_y, kr, kc, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, True, False,
+                q, k, offs_m, offs_n, n_q, n_k, scale, 0.5, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+                qr, qc, cr, fr, cc, fc, alpha_y, kr, kc, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, False,
                 EVEN_M, EVEN_N,
             )
             d = (y - m[:, None]) - tau[:, None]
@@ -222,8 +221,8 @@ def _fwd_entmax15_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
         y, _e = _score_tile(
-            q, k, offs_m, offs_n, n_q, n_k, scale_y, add_base, s_am, s_an, keep_base, s_mm, s_mn,
-            qr, qc, cr, fr, cc, fc, alpha_y, kr, kc, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, True, False,
+            q, k, offs_m, offs_n, n_q, n_k, scale, 0.5, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+            qr, qc, cr, fr, cc, fc, alpha_y, kr, kc, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, False,
             EVEN_M, EVEN_N,
         )
         g = tl.maximum((y - m[:, None]) - tau_fin[:, None], 0.0)

@@ -39,6 +39,7 @@ _KERNEL_ATTRS = {
     "fwd_softmax": ("softmax", "_fwd_softmax_kernel"),
     "fwd_entmax15": ("entmax15", "_fwd_entmax15_kernel"),
     "bwd_delta": ("backward", "_bwd_delta_kernel"),
+    "bwd_rows": ("backward", "_bwd_rows_kernel"),
     "bwd_dkdv": ("backward", "_bwd_dkdv_kernel"),
     "bwd_dq": ("backward", "_bwd_dq_kernel"),
 }
@@ -316,6 +317,19 @@ def block_dim(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
+def _run_or_warm(
+    fn: Any, grid: tuple[int, ...], args: Sequence[Any], device_of: Sequence[Any], **meta: Any
+) -> None:
+    """Launch an untuned kernel (one fixed block size) under its tensors' device, or only compile it
+    (:func:`compile_only`; nothing to compile in the interpreter)."""
+    with device_guard(device_of):
+        if compile_only():
+            if not interpret_requested():
+                fn.warmup(*args, grid=grid, **meta)
+        else:
+            fn[grid](*args, **meta)
+
+
 def _bcast_strides(t: torch.Tensor) -> list[int]:
     """Strides of a 4-D operand with 0 on its size-1 (broadcast) dims."""
     return [0 if size == 1 else stride for size, stride in zip(t.shape, t.stride(), strict=True)]
@@ -360,9 +374,12 @@ class KernelLaunch:
         out = [*self.q.stride(), *self.k.stride(), *self.v.stride()]
         out += _bcast_strides(self.add) if self.add is not None else [0] * 4
         out += _bcast_strides(self.keep) if self.keep is not None else [0] * 4
-        out += list(self.den.stride()) if self.den is not None else [0] * 4
-        out += list(self.alpha.stride()) if self.alpha is not None else [0] * 3
-        return out
+        return out + self.gauss_strides()
+
+    def gauss_strides(self) -> list[int]:
+        """The strides of ``den`` (4) and ``alpha`` (3), zeros without a Gaussian bias."""
+        out = list(self.den.stride()) if self.den is not None else [0] * 4
+        return out + (list(self.alpha.stride()) if self.alpha is not None else [0] * 3)
 
     def scalars(self) -> list[Any]:
         q, v = self.q, self.v
@@ -424,14 +441,19 @@ def _backward(
 
     delta = torch.empty(b, h, n_q, device=q.device, dtype=torch.float32)
     rows = configs.INTERPRET_DELTA_ROWS if interpret_requested() else configs.DELTA_ROWS
-    with device_guard([o_or_og]):
-        delta_fn, delta_grid = kernels()["bwd_delta"], (triton.cdiv(b * h * n_q, rows),)
-        delta_args = (o_or_og, do, delta, b * h * n_q, dv)
-        if compile_only():
-            if not interpret_requested():
-                delta_fn.warmup(*delta_args, grid=delta_grid, BLOCK_M=rows, BLOCK_DV=block_dim(dv))
-        else:
-            delta_fn[delta_grid](*delta_args, BLOCK_M=rows, BLOCK_DV=block_dim(dv))
+    delta_args = (o_or_og, do, delta, b * h * n_q, dv)
+    _run_or_warm(kernels()["bwd_delta"], (triton.cdiv(b * h * n_q, rows),), delta_args, [o_or_og],
+                 BLOCK_M=rows, BLOCK_DV=block_dim(dv))
+
+    rows_buf = dummy
+    if launch.den is not None:  # the Gaussian row terms, once per query (read by dK/dV)
+        assert launch.alpha is not None
+        rows_buf = torch.empty(b * h, 5, n_q, device=q.device, dtype=torch.float32)
+        block = configs.INTERPRET_DELTA_ROWS if interpret_requested() else configs.ROW_TERMS_ROWS
+        rows_args = (launch.den, launch.alpha, rows_buf, *launch.gauss_strides(), h, n_q, launch.num_prefix,
+                     launch.grid_w, launch.clamp)
+        _run_or_warm(kernels()["bwd_rows"], (triton.cdiv(n_q, block), b * h), rows_args, [launch.den],
+                     BLOCK_M=block)
 
     dq = torch.empty(b, h, n_q, d, device=q.device, dtype=q.dtype)
     dk = torch.empty(b, h, n_k, d, device=q.device, dtype=k.dtype)
@@ -455,7 +477,8 @@ def _backward(
     strides, scalars, operands = launch.strides(), launch.scalars(), launch.operands(dummy)
     _launch(
         "bwd_dkdv", lambda bm, bn: (triton.cdiv(n_k, bn), b * h),
-        [q, k, v, do, stat, delta, dk, dvv, *operands, *strides, *scalars], meta, launch.shape, launch.even_d,
+        [q, k, v, do, stat, delta, rows_buf, dk, dvv, *operands, *strides, *scalars], meta, launch.shape,
+        launch.even_d,
     )
     zero_dadd = dadd.zero_ if add_mode == 2 else None  # atomics accumulate: reset after benchmarking
     _launch(

@@ -57,7 +57,6 @@ def _fwd_softmax_kernel(
         )
     )
     # every tile is in base 2: log2(e) folded once into the scale and the Gaussian amplitude
-    scale2 = scale * LOG2E
     alpha2 = alpha * LOG2E
     kr, kc = _coords_start(tl.arange(0, BLOCK_N), num_prefix, grid_w)
     step_r, step_c, gw = _coords_step(BLOCK_N, grid_w)
@@ -65,8 +64,8 @@ def _fwd_softmax_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
         z, _e = _score_tile(
-            q, k, offs_m, offs_n, n_q, n_k, scale2, add_base, s_am, s_an, keep_base, s_mm, s_mn,
-            qr, qc, cr, fr, cc, fc, alpha2, kr, kc, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, False, False,
+            q, k, offs_m, offs_n, n_q, n_k, scale, LOG2E, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+            qr, qc, cr, fr, cc, fc, alpha2, kr, kc, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, False,
             EVEN_M, EVEN_N,
         )
         m_new = tl.maximum(m_i, tl.max(z, 1))

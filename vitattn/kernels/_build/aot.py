@@ -2,7 +2,8 @@
 read their machine code.
 
 Usage: ``python -m vitattn.kernels._build.aot --arch 80 90 [--head-dim 128] [--dtype bf16] [--jobs 2]
-[--quick] [--ragged] [--all-configs] [--variants PATTERN ...] [--report PATH] [--expect-triton 3.6.0]``
+[--quick] [--ragged] [--all-configs] [--variants PATTERN ...] [--report PATH] [--expect-triton 3.6.0]``;
+``python -m vitattn.kernels._build.aot --markdown REPORT`` prints a report's sm_90 table (docs/kernels.md).
 
 A *variant* is normalizer (softmax, entmax15) x bias kind (none, gaussian, additive, bool) x pass (fwd,
 bwd_dkdv, bwd_dq); each is compiled with every entry of its arch's autotune list
@@ -14,7 +15,8 @@ with every bound mask on. For each build it reads the cubin: registers and local
 the spill traffic (``LDL`` / ``STL`` bytes) and, per inner key loop, the instructions of one iteration
 per score element: ``MUFU.EX2``, integer-to-float conversions (``I2F``), asynchronous tile loads
 (``LDGSTS`` / TMA), tensor-core instructions (see :mod:`vitattn.kernels._build.sass` for the method).
-The backward's row-term kernel is compiled too (one extra line per arch, not counted as a variant).
+The backward's two row kernels (the row term, the Gaussian row terms) are compiled too (two extra lines
+per arch, not counted as variants).
 
 ``--report PATH`` writes the table as JSON (one row per build, see :func:`report_row`) and checks the
 goals of :func:`goal_failures` on the pickable sm_90 builds (no spills; in the Gaussian loops at most
@@ -48,8 +50,9 @@ SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 GOAL_ARCH = 90  # the goals hold for every build the autotuner can pick there
 MAX_EX2_PER_SCORE = 2.0  # the Gaussian loops: the bias' exp and softmax's own
 SOURCES = ("_common.py", "softmax.py", "entmax15.py", "backward.py", "configs.py")
+ROW_PASSES = ("delta", "rows")  # the backward's row kernels: no tiles, no loop, no tensor cores
 
-_FP32_POINTERS = {"STAT", "DELTA", "OG", "DEN", "ALPHA", "DADD", "DDEN", "DALPHA"}
+_FP32_POINTERS = {"STAT", "DELTA", "ROWS", "OG", "DEN", "ALPHA", "DADD", "DDEN", "DALPHA"}
 _UNIT_STRIDES = {"s_qd", "s_kd", "s_vd"}  # contiguous head dim, as the JIT specializes them
 _ALIGNED_INTS = {"head_d", "head_dv", "s_qb", "s_qh", "s_qm", "s_kb", "s_kh", "s_kn", "s_vb", "s_vh", "s_vn"}
 
@@ -109,6 +112,8 @@ def _flags(build: Build) -> dict[str, object]:
     )
     if build.pass_ == "delta":
         return {"BLOCK_M": configs.DELTA_ROWS, "BLOCK_DV": build.head_dim}
+    if build.pass_ == "rows":
+        return {"BLOCK_M": configs.ROW_TERMS_ROWS}
     flags.update(EVEN_M=build.even, EVEN_N=build.even, EVEN_D=build.even)
     if build.pass_ != "fwd":
         flags["ENTMAX"] = build.normalizer == "entmax15"
@@ -158,7 +163,7 @@ def compile_one(build: Build) -> Result:
 
     res = Result(build)
     try:
-        fn = kernels()["bwd_delta" if build.pass_ == "delta" else build.kernel]
+        fn = kernels()[{"delta": "bwd_delta", "rows": "bwd_rows"}.get(build.pass_, build.kernel)]
         src = _source(fn, build.dtype, _flags(build))
         compiled = triton.compile(
             src, target=GPUTarget("cuda", build.arch, 32),
@@ -177,7 +182,7 @@ def compile_one(build: Build) -> Result:
         res.tensor_core = ", ".join(
             s for s in (f"HGMMA x{n_wgmma}" if n_wgmma else "", f"HMMA x{n_mma}" if n_mma else "") if s
         ) or "none"
-        if build.pass_ != "delta":
+        if build.pass_ not in ROW_PASSES:
             cfg = build.config
             reports, others = sass.loop_reports(
                 text, cfg.block_m, cfg.block_n, cfg.num_warps, build.head_dim, build.dots
@@ -189,10 +194,10 @@ def compile_one(build: Build) -> Result:
         if limit is not None and res.shared > limit:
             res.ok = False
             res.notes.append(f"shared memory {res.shared} B > {limit} B")
-        if build.pass_ != "delta" and res.tensor_core == "none":
+        if build.pass_ not in ROW_PASSES and res.tensor_core == "none":
             res.ok = False
             res.notes.append("no tensor-core instruction in the SASS")
-        if build.pass_ != "delta" and len(res.loops) != len(build.dots):
+        if build.pass_ not in ROW_PASSES and len(res.loops) != len(build.dots):
             res.notes.append(f"{len(res.loops)} inner loops with tensor-core instructions, {len(build.dots)} "
                              "expected")
     except Exception as exc:  # report every failure, keep going
@@ -227,6 +232,8 @@ def plan(
                     if all_configs:
                         for other in configs.AUTOTUNE_BY_ARCH.values():
                             tiles += [(cfg, False) for cfg in other[kernel] if cfg not in own[kernel]]
+                    # a config never used for this variant (a head-dim limit under 16) is not built
+                    tiles = [(c, p) for c, p in tiles if c.head_dim_limit(masked, fp32=fp32) >= 16]
                     if quick:
                         tiles = tiles[:1]
                     for cfg, pickable in tiles:
@@ -235,6 +242,8 @@ def plan(
                             builds.append(Build(arch, normalizer, bias, pass_, cfg, dim, dtype, even, pickable))
         delta_cfg = configs.TileConfig(configs.DELTA_ROWS, 16, 4, 1)
         builds.append(Build(arch, "-", "-", "delta", delta_cfg, head_dim, dtype))
+        rows_cfg = configs.TileConfig(configs.ROW_TERMS_ROWS, 16, 4, 1)
+        builds.append(Build(arch, "-", "-", "rows", rows_cfg, head_dim, dtype))
     return builds
 
 
@@ -277,7 +286,7 @@ def goal_failures(rows: list[dict[str, Any]], arch: int = GOAL_ARCH) -> list[str
     integer-to-float conversion per score; in every loop of an entmax-1.5 build asynchronous loads."""
     bad = []
     for row in rows:
-        if row["arch"] != arch or not row["pickable"] or row["pass"] == "delta":
+        if row["arch"] != arch or not row["pickable"] or row["pass"] in ROW_PASSES:
             continue
         name = (f"sm_{row['arch']} {row['normalizer']}/{row['bias']}/{row['pass']} M{row['block_m']}xN"
                 f"{row['block_n']} w{row['num_warps']} s{row['num_stages']} D{row['head_dim']}"
@@ -329,6 +338,30 @@ def write_report(path: Path, results: list[Result], args: argparse.Namespace) ->
     return payload
 
 
+def markdown_table(payload: dict[str, Any], arch: int = GOAL_ARCH) -> str:
+    """The report's pickable builds on ``arch`` as a markdown table (docs/kernels.md): per build the
+    registers, spill bytes, shared KiB, and per loop the MUFU.EX2 / I2F per score, instructions per score,
+    the tensor-core instructions and whether the tile loads are asynchronous."""
+    head = ("| variant | tile (M×N, warps, stages) | D | regs | spill B | smem KiB | EX2 / score | I2F / score "
+            "| instr / score | HGMMA+HMMA | async |")
+    lines = [head, "|" + "---|" * 11]
+    for r in payload["rows"]:
+        if r["arch"] != arch or not r["pickable"] or r["pass"] in ROW_PASSES or not r["even"]:
+            continue
+        loops = r["loops"]
+        per = [loop["per_score"] for loop in loops]
+        ex2 = " / ".join(f"{p['ex2']:.2f}" for p in per)
+        cvt = " / ".join(f"{p['i2f']:.2f}" for p in per)
+        ins = " / ".join(f"{p['instructions']:.1f}" for p in per)
+        tile = f"{r['block_m']}×{r['block_n']}, {r['num_warps']}, {r['num_stages']}"
+        lines.append(
+            f"| {r['normalizer']}/{r['bias']}/{r['pass']} | {tile} | {r['head_dim']} | {r['registers']} | "
+            f"{r['spill_bytes']} | {r['shared_bytes'] / 1024:.0f} | {ex2} | {cvt} | {ins} | {r['hgmma'] + r['hmma']} | "
+            f"{'yes' if r['async_loads'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
 # ---- the printed table -----------------------------------------------------------------------------------
 
 _HEADER = ("arch", "variant (normalizer/bias/pass)", "config", "D", "smem KiB", "regs", "spill B",
@@ -367,11 +400,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", default=[], metavar="PATTERN",
                         help="only these normalizer/bias/pass variants (fnmatch patterns, e.g. 'entmax15/*/fwd')")
     parser.add_argument("--report", metavar="PATH", help="write the static machine-code report (JSON)")
+    parser.add_argument("--markdown", metavar="REPORT",
+                        help="print the pickable sm_90 builds of a report as a markdown table (no compile)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     parser.add_argument("--fresh", action="store_true", help="compile into an empty triton cache")
     parser.add_argument("--expect-triton", metavar="VERSION",
                         help="exit 2 unless the imported triton is this version (CI's second Triton)")
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown_table(json.loads(Path(args.markdown).read_text())))
+        return 0
 
     import triton
 
@@ -401,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
             print(_row(results[-1]), flush=True)
 
     failed = [r for r in results if not r.ok]
-    real = [r for r in results if r.build.pass_ != "delta"]
+    real = [r for r in results if r.build.pass_ not in ROW_PASSES]
     for arch in args.arch:
         rows = [r for r in real if r.build.arch == arch and not r.error]
         if rows:
