@@ -41,6 +41,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_RUNS] = InterpreterRuns(config.rootpath)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests run in Triton's interpreter are slow: they belong to the slow tier (``-m "not slow"`` skips
+    them; CI runs every tier)."""
+    for item in items:
+        if item.get_closest_marker(INTERPRETER_MARK) is not None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     """A ``triton_interpreter`` test runs here if triton is interpreted here, else in the child run."""

@@ -158,6 +158,7 @@ def test_backend_names_are_validated(registry):
         Attention(16, num_heads=2)(torch.randn(1, 5, 16))
 
 
+@pytest.mark.slow
 def test_env_var_is_read_at_import_and_routes_layers():
     code = textwrap.dedent(
         """

@@ -111,12 +111,14 @@ def test_info_prints_versions_and_backends(capsys):
     machine = ("python", "cpu threads", "cuda")  # facts about this machine, not distributions
     rows = dict(line.strip().split(maxsplit=1) for line in lines[1:] if not line.strip().startswith(machine))
     backends = rows.pop("backends").split(", ")
-    assert backends == available_backends() and "torch" in backends
+    assert backends == available_backends() and "reference" in backends
+    assert rows.pop("group") == "torch = cpu_blocked, sdpa, reference"
     assert {"torch", "timm", "entmax", "triton"} <= set(rows)
     assert rows == {dist: _installed_version(dist) for dist in rows}
     assert rows["torch"] == importlib.metadata.version("torch") != "not installed"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 def test_keep_heap_removes_allocator_page_faults():
     script = """
@@ -163,6 +165,7 @@ def test_combine_processes_reports_the_spread_of_per_process_ratios():
         combine_processes([runs[0], _result("s", {("c", "ref"): 1.0})])
 
 
+@pytest.mark.slow
 def test_bench_processes_runs_fresh_children_and_prints_the_spread(tmp_path, capsys, monkeypatch):
     import vitattn.bench.harness as harness
 

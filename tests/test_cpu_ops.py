@@ -80,6 +80,7 @@ def _compiled_graphs(model, x):
     return out, graphs
 
 
+@pytest.mark.slow
 def test_compiled_locat_inference_calls_the_op_and_matches_eager():
     torch.manual_seed(0)
     model = timm.create_model("locatvit_tiny", img_size=32, patch_size=8, depth=2).eval()
@@ -98,6 +99,7 @@ def _train_case(seed: int, prefix=1, grid=(3, 4), broadcast=False):
     return leaves
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix, broadcast", [(1, False), (0, True), (3, False)])
 def test_training_op_gradcheck(prefix, broadcast):
     """float64 gradients of the op pair, to q, k, v and (through the traced factors) sigma and alpha."""
@@ -131,6 +133,7 @@ def test_training_opcheck():
     torch.library.opcheck(TRAIN_OP, args)
 
 
+@pytest.mark.slow
 def test_compiled_training_calls_the_training_op_and_matches_eager():
     torch.manual_seed(0)
     model = timm.create_model("locatvit_tiny", img_size=32, patch_size=8, depth=1).train()
@@ -181,6 +184,7 @@ def test_entmax_opcheck(with_bias):
     torch.library.opcheck(OP, (q, k, v, sigma, alpha, 0.3, 3, 4, 1, 3, 4, True))
 
 
+@pytest.mark.slow
 def test_compiled_locat_entmax_calls_the_inference_op_then_the_training_op():
     torch.manual_seed(0)
     model = timm.create_model("locatvit_tiny", img_size=32, patch_size=8, depth=2, normalizer="entmax15")
@@ -208,6 +212,7 @@ def test_compiled_locat_entmax_calls_the_inference_op_then_the_training_op():
 # ---- entmax-1.5 (training ops) -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_bias, prefix", [(False, 1), (True, 1), (True, 0)])
 def test_entmax_training_op_gradcheck(with_bias, prefix):
     """float64 gradients of the entmax op pair, to q, k, v and (through the traced factors) σ and α."""

@@ -348,6 +348,7 @@ def test_dispatch_alpha_one_and_a_half() -> None:
     torch.testing.assert_close(entmax(x, 1.5, dim=1), general, atol=1e-10, rtol=0)
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph() -> None:
     # The eager backend traces with dynamo (fixed iteration counts, no graph break) but skips
     # inductor codegen, which would take ~20 s per function on CPU.

@@ -275,6 +275,7 @@ def _inductor_cpu_unavailable() -> str | None:
     return None if ok else "inductor's probe kernel computed a wrong value"
 
 
+@pytest.mark.slow
 def test_torch_compile_matches_eager() -> None:
     reason = _inductor_cpu_unavailable()
     if reason is not None:

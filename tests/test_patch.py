@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import timm
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 import vitattn
-from vitattn.layers import Attention, EntmaxAttention, LocAtAttention
+from vitattn.layers import Attention, EntmaxAttention, GaussianAugment, LocAtAttention
+from vitattn.layers.locat import IDENTITY_ALPHA
 from vitattn.models import LocAtViT
 
 from .helpers import stress_gaug
@@ -216,3 +221,103 @@ def test_repatch_changes_normalizer_keeps_gaug() -> None:
     gaug = model.blocks[0].attn.gaug
     vitattn.patch(model, "locat", normalizer="entmax15")
     assert model.blocks[0].attn.gaug is gaug and model.blocks[0].attn.normalizer == "entmax15"
+
+
+# ---- the identity start (gaug_init="identity") -------------------------------------------------------------
+def _scaled_up(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Weights drawn at 1 / sqrt(fan in) (timm's init is far smaller), norms near 1, other vectors
+    at 0.1: activations stay near unit scale while attention is far from uniform, so that a small
+    change of the scores shows in the outputs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in ([""] + name.split("."))[-2]:  # the module of a norm's weight or bias
+                p.copy_(1.0 + 0.1 * noise if name.endswith("weight") else 0.1 * noise)
+            elif p.dim() >= 2 and "pos_embed" not in name and "token" not in name:
+                p.copy_(noise * p[0].numel() ** -0.5)
+            else:
+                p.copy_(0.1 * noise if p.dim() == 1 else 0.5 * noise)
+    return model.eval()
+
+
+IDENTITY_CASES = {
+    "vit": lambda: tiny_vit(reg_tokens=2),
+    "eva": lambda: timm.create_model(
+        "vit_small_patch16_rope_mixed_224", img_size=32, patch_size=8, depth=2, num_classes=5
+    ),
+    "swin": lambda: timm.create_model(
+        "swin_tiny_patch4_window7_224",
+        img_size=64,
+        window_size=4,
+        embed_dim=48,
+        depths=(2, 2),
+        num_heads=(3, 6),
+        num_classes=5,
+    ),
+}
+
+
+@pytest.mark.parametrize("family", IDENTITY_CASES)
+def test_identity_start_keeps_outputs(family: str) -> None:
+    """``gaug_init="identity"`` keeps a model's outputs to 1e-4 at patch time; ``"paper"`` moves them."""
+    model = _scaled_up(IDENTITY_CASES[family]())
+    size = 64 if family == "swin" else 32
+    x = torch.randn(2, 3, size, size)
+    with torch.no_grad():
+        before = model(x)
+        identity = vitattn.patch(copy.deepcopy(model), "locat", gaug_init="identity")
+        paper = vitattn.patch(copy.deepcopy(model), "locat")
+        torch.testing.assert_close(identity(x), before, atol=1e-4, rtol=0)
+        assert (paper(x) - before).abs().max() > 5e-4  # the paper's start changes the function
+    for m in identity.modules():
+        if isinstance(m, GaussianAugment):
+            assert torch.equal(m.log_alpha.weight, torch.zeros_like(m.log_alpha.weight))
+            torch.testing.assert_close(F.softplus(m.log_alpha.bias), torch.tensor([IDENTITY_ALPHA]))
+    with pytest.raises(ValueError, match="gaug_init must be one of"):
+        vitattn.patch(model, "locat", gaug_init="zeros")
+
+
+def test_identity_start_keeps_existing_heads() -> None:
+    model = vitattn.patch(tiny_vit(), "locat")
+    heads = [b.attn.gaug for b in model.blocks]
+    vitattn.patch(model, "locat", gaug_init="identity", normalizer="entmax15")
+    assert [b.attn.gaug for b in model.blocks] == heads
+
+
+REGISTERED_FROM_PLAIN = {
+    "locatvit_tiny": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, depth=2, num_classes=5), 32),
+    "locatvit_tiny_rope_mixed": (
+        "vit_small_patch16_rope_mixed_224",
+        dict(img_size=32, patch_size=8, depth=2, embed_dim=192, num_heads=3, num_classes=5),
+        32,
+    ),
+    "locatswin_tiny": (
+        "swin_tiny_patch4_window7_224",
+        dict(img_size=64, window_size=4, embed_dim=48, depths=(2, 2), num_heads=(3, 6), num_classes=5),
+        64,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", REGISTERED_FROM_PLAIN)
+def test_registered_model_from_a_plain_checkpoint(name: str, tmp_path) -> None:
+    """A registered LocAt model loads a plain (GAug-free) timm checkpoint; with ``gaug_init="identity"``
+    (and no PRR) it computes what the plain model does, to 1e-4."""
+    from safetensors.torch import save_file
+
+    plain_name, kwargs, size = REGISTERED_FROM_PLAIN[name]
+    plain = _scaled_up(timm.create_model(plain_name, **kwargs))
+    path = tmp_path / "plain.safetensors"
+    save_file({k: v.contiguous() for k, v in plain.state_dict().items()}, str(path))
+    overlay = dict(file=str(path))
+    x = torch.randn(2, 3, size, size)
+    model = timm.create_model(
+        name, pretrained=True, pretrained_cfg_overlay=overlay, gaug_init="identity", prr=False, **kwargs
+    ).eval()
+    paper = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, prr=False, **kwargs)
+    paper.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x), atol=1e-4, rtol=0)
+        assert (paper(x) - plain(x)).abs().max() > 5e-4
+    assert model.gaug_init == "identity" and paper.gaug_init == "paper"

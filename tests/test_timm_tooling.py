@@ -34,6 +34,8 @@ def vitattn_model_names() -> list[str]:
 def small_kwargs(name: str) -> dict:
     if "swin" in name:
         return dict(img_size=64, window_size=4, embed_dim=48, depths=(2, 2), num_heads=(3, 6))
+    if "jumbo" in name:  # the base's J·D-wide shared MLP alone would hold 85 M parameters
+        return dict(img_size=SIZE, patch_size=8, depth=2, embed_dim=48, num_heads=3, J=2)
     return dict(img_size=SIZE, patch_size=8, depth=2)
 
 
@@ -202,6 +204,7 @@ def test_forward_intermediates(case: str) -> None:
 
 
 # ---- torch.compile ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_compile_fullgraph_no_graph_breaks(case: str) -> None:
     """Eval under no_grad: one graph, no breaks (dynamo only: backend "eager" keeps it fast)."""
@@ -216,6 +219,7 @@ def test_compile_fullgraph_no_graph_breaks(case: str) -> None:
         torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_compile_fullgraph_locat_entmax_aot_eager() -> None:
     """GAug-biased entmax-1.5 (a fixed number of Newton steps under compile), through AOT autograd."""
     torch._dynamo.reset()
@@ -234,3 +238,98 @@ def test_compile_fullgraph_locat_entmax_aot_eager() -> None:
 )
 def test_torchscript() -> None:  # pragma: no cover - documented as unsupported
     torch.jit.script(timm.create_model("locatvit_tiny", **small_kwargs("locatvit_tiny")))
+
+
+# ---- timm's AttentionExtract on vitattn layers (fused attention off) -------------------------------------
+EXTRACT_NAMES = ["*attn.softmax", "*attn.entmax*", "*attn.sparsemax"]  # docs/layers.md
+EXTRACT_CASES = [*CASES, "patched-entmax:1.25", "patched-entmax:sparsemax"]
+
+
+def _build_extract_case(case: str) -> torch.nn.Module:
+    """The case's model without PRR (whose attention is no block's)."""
+    kind, what = case.split(":")
+    if kind == "registered":
+        return timm.create_model(what, **small_kwargs(what), prr=False)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=SIZE, patch_size=8, depth=2)
+    if kind == "patched":
+        return vitattn.patch(model, what)
+    return vitattn.patch(model, "softmax", normalizer=float(what) if what[0].isdigit() else what)
+
+
+@pytest.fixture
+def unfused():
+    """timm's fused attention switched off while the test builds its models (restored after)."""
+    from timm.layers import config as timm_config
+
+    before = timm_config._USE_FUSED_ATTN
+    timm.layers.set_fused_attn(False)
+    yield
+    timm_config._USE_FUSED_ATTN = before
+
+
+def _captured_maps(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """Every attention call's weights in one forward, in call order (the reference)."""
+    seen: list[torch.Tensor] = []
+    with torch.no_grad(), vitattn.functional.capture_attention_weights(seen.append):
+        model(x)
+    return seen
+
+
+@pytest.mark.parametrize("case", EXTRACT_CASES)
+def test_attention_extract_hook_and_fx(case: str, unfused) -> None:
+    """With fused attention off, ``AttentionExtract`` returns every block's weights, by hook (its default
+    ``*attn_drop`` names) and by FX (the documented node names)."""
+    from timm.utils import AttentionExtract
+
+    model = _build_extract_case(case).eval()
+    assert all(getattr(m, "fused_attn", True) is False for m in model.modules() if hasattr(m, "attn_drop"))
+    x = torch.randn(2, 3, *image_size(model))
+    want = _captured_maps(model, x)
+    by_hook = AttentionExtract(model, method="hook")(x)
+    assert len(by_hook) == len(want) >= 2
+    for got, ref in zip(by_hook.values(), want, strict=True):
+        assert got.dim() == 4 and got.shape[-1] == got.shape[-2]
+        torch.testing.assert_close(got, ref)
+    by_fx = AttentionExtract(model, names=EXTRACT_NAMES, method="fx")(x)
+    assert len(by_fx) == len(want)
+    for got, ref in zip(by_fx.values(), want, strict=True):
+        torch.testing.assert_close(got, ref)
+
+
+def test_attention_extract_default_names(unfused) -> None:
+    """Softmax layers (LocAt too) answer timm's default ``*attn.softmax``; entmax layers their own name."""
+    from timm.utils import AttentionExtract
+
+    locat = build("registered:locatvit_tiny").eval()
+    assert list(AttentionExtract(locat).names) == ["blocks.0.attn.softmax", "blocks.1.attn.softmax"]
+    entmax = build("patched:entmax15").eval()
+    with pytest.raises(RuntimeError, match="No node names"):
+        AttentionExtract(entmax)
+    assert list(AttentionExtract(entmax, names=["*attn.entmax15"]).names) == [
+        "blocks.0.attn.entmax15",
+        "blocks.1.attn.entmax15",
+    ]
+
+
+@pytest.mark.parametrize("case", ["registered:locatvit_tiny", "patched:entmax15"])
+def test_explicit_path_equals_fused(case: str) -> None:
+    """The explicit path computes what the fused one does: outputs and gradients (float64, eval)."""
+    model = build(case).double().eval()
+    x = torch.randn(2, 3, *image_size(model), dtype=torch.float64)
+    attns = [m for m in model.modules() if hasattr(m, "fused_attn") and hasattr(m, "normalizer")]
+    assert attns and all(a.fused_attn for a in attns)  # timm's default: fused, the fast path
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        out = model(x)
+        out.square().sum().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    fused_out, fused_grads = run()
+    for a in attns:
+        a.fused_attn = False
+    explicit_out, explicit_grads = run()
+    torch.testing.assert_close(explicit_out, fused_out)
+    assert len(explicit_grads) == len(fused_grads) > 10
+    for g, f in zip(explicit_grads, fused_grads, strict=True):
+        torch.testing.assert_close(g, f)

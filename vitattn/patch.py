@@ -1,8 +1,10 @@
-"""``vitattn.patch``: swap the attention of a timm ViT, Eva (RoPE ViT) or Swin in place, weights kept.
+"""``vitattn.patch``: swap the attention of a timm ViT, Eva (RoPE ViT) or Swin, or of a transformers
+vision model, in place, weights kept.
 
 One :class:`~vitattn.models._locat_common.Family` per timm attention family (the ones the LocAt
 models convert with): each says which modules it takes, how to convert one and which vitattn layer
-each ``attention=`` name becomes.
+each ``attention=`` name becomes. transformers models go to :func:`vitattn.hf.patch_transformers`
+(imported only for them).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from torch import nn
 
 from .functional.normalize import Normalizer, resolve_normalizer
 from .layers import PRR, Attention, EntmaxAttention, LocAtAttention
+from .layers.locat import GaugInit, check_gaug_init
 from .layers.prr import PRRPool, PRRPoolNHWC  # re-exported: their home was here
 from .models._grid import attach_grid_sync
 from .models._locat_common import EVA, SWIN, VIT, Family, prr_heads
-from .models.blocks import block_indices, module_items
+from .models.blocks import block_indices, is_transformers_model, module_items
 from .models.locatrope import LocAtRoPEViT
 from .models.locatswin import LocAtSwin
 from .models.locatvit import LocAtViT
@@ -57,7 +60,8 @@ def _attention_slots(model: object) -> tuple[list[tuple[str, nn.Module]], bool]:
             ], True
     raise TypeError(
         f"model must be a timm VisionTransformer or Eva (patch_embed + blocks) or SwinTransformer "
-        f"(patch_embed + layers[i].blocks), got {type(model).__name__}"
+        f"(patch_embed + layers[i].blocks), or a transformers ViT / DeiT / DINOv2 / ViT-MAE / CLIP vision / "
+        f"SigLIP vision model, got {type(model).__name__}"
     )
 
 
@@ -160,13 +164,18 @@ def patch(
     prr: bool = False,
     blocks: int | Iterable[int] | None = None,
     normalizer: Normalizer | None = None,
+    gaug_init: GaugInit = "paper",
 ) -> nn.Module:
-    """Swap the attention of a timm ``VisionTransformer``, ``Eva`` or ``SwinTransformer`` in place; return it.
+    """Swap the attention of a timm ``VisionTransformer``, ``Eva`` or ``SwinTransformer``, or of a
+    transformers vision model, in place; return it.
 
     Args:
         model: a timm ViT whose ``blocks[i].attn`` are timm ``Attention``; an ``Eva`` (EVA-02, the
-            RoPE ViTs) whose ``blocks[i].attn`` are ``AttentionRope`` / ``EvaAttention``; or a Swin
-            whose ``layers[s].blocks[j].attn`` are ``WindowAttention`` (or vitattn layers of those).
+            RoPE ViTs) whose ``blocks[i].attn`` are ``AttentionRope`` / ``EvaAttention``; a Swin
+            whose ``layers[s].blocks[j].attn`` are ``WindowAttention`` (or vitattn layers of those);
+            or a transformers ViT, DeiT, DINOv2 (with or without registers), ViT-MAE, CLIP vision or
+            SigLIP vision model (or one holding such a tower, e.g. ``CLIPModel``): see
+            :func:`vitattn.hf.patch_transformers` and docs/huggingface.md.
         attention: ``"softmax"`` (vitattn :class:`Attention`, :class:`RopeAttention` or
             :class:`WindowAttention`: same outputs), ``"entmax15"`` or ``"locat"`` (GAug; new
             ``gaug`` heads initialised as in a fresh LocAt model). In an Eva, GAug reads q before the
@@ -182,6 +191,11 @@ def patch(
             ``attention="locat", normalizer="entmax15"`` is GAug-biased entmax-1.5 attention, as in
             ``LocAtViT(normalizer="entmax15")``, and ``attention="softmax", normalizer=1.25`` is
             unbiased 1.25-entmax.
+        gaug_init: how new GAug heads start (``"locat"``): ``"paper"`` (default; LocAtViT's init,
+            α ≈ ln 2, which changes a pretrained model's function at once) or ``"identity"`` (α =
+            :data:`vitattn.layers.locat.IDENTITY_ALPHA` for every query: the patched model's outputs
+            match the unpatched ones to about 1e-4 and GAug's heads still get a gradient). Heads kept
+            from a LocAt layer are left as they are.
 
     qkv / proj / norm weights (and a Swin's relative-position tables) are kept: the same parameters
     move into the new layers. Class and register tokens and ``dynamic_img_size`` are handled: the
@@ -192,8 +206,21 @@ def patch(
             message names it and the supported ones), or a block index is not an int.
         ValueError: unknown ``attention`` name or class, an unknown ``normalizer`` (or one other
             than entmax-1.5 with ``attention="entmax15"``), a block index out of range, patch
-            dropout with ``"locat"``, or ``prr=True`` on a model pooling with its own attention pool.
+            dropout with ``"locat"``, ``prr=True`` on a model pooling with its own attention pool, or an
+            unknown ``gaug_init``.
     """
+    gaug_init = check_gaug_init(gaug_init)
+    if is_transformers_model(model):
+        from .hf.patching import patch_transformers
+
+        return patch_transformers(
+            model,
+            _attention_name(attention),
+            prr=prr,
+            blocks=blocks,
+            normalizer=normalizer,
+            gaug_init=gaug_init,
+        )
     slots, swin = _attention_slots(model)
     name = _attention_name(attention)
     layer_normalizer = _layer_normalizer(name, normalizer)
@@ -205,7 +232,7 @@ def patch(
         if family is None:
             raise _unsupported_attention(slots[i][0], getattr(all_blocks[i], "attn", None))
         families[i] = family
-    extra: dict[str, object] = {"normalizer": layer_normalizer}
+    extra: dict[str, object] = {"normalizer": layer_normalizer, "gaug_init": gaug_init}
     if name == "locat" and not swin:  # a Swin's GAug grid is each layer's window
         patch_drop = getattr(model, "patch_drop", None)
         if getattr(patch_drop, "prob", 0.0):

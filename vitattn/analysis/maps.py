@@ -4,12 +4,16 @@ vitattn layers call :func:`vitattn.functional.attention`, so :func:`capture_atte
 over their probabilities (softmax, entmax, GAug bias, any backend). timm's own ``Attention`` runs
 fused SDPA, which returns no weights: for it the probabilities are recomputed beside the forward from
 the module's input with timm's own math, ``softmax(q·scale @ kᵀ + mask)`` after ``qkv``, ``q_norm`` and
-``k_norm``. Either way the model's forward is left to run as it is and every hook is removed after.
+``k_norm``. A transformers vision model computes its attention through vitattn for the length of the
+capture (:func:`vitattn.hf.vitattn_implementation`: its own vitattn implementation, else ``"vitattn"``,
+which for an unpatched model is softmax, the same math as transformers' eager and SDPA paths); its
+vision tower runs with every patch as a token (:func:`vitattn.hf.run_backbone`). Either way the
+model's forward is left to run as it is and every hook is removed after.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -18,16 +22,79 @@ from torch import nn
 
 from ..functional import capture_attention_weights, scores
 from ..layers.attention import TimmStyleAttention, project_qkv, resolve_attn_mask
-from ..models.blocks import block_indices, model_blocks
+from ..models.blocks import block_indices, is_transformers_model, model_blocks
+from ..models.layout import model_grid_size, model_num_prefix_tokens
 
-__all__ = ["attention_maps", "evaluating", "record_attention", "resolve_layers", "timm_attention_probs"]
+__all__ = [
+    "attention_maps",
+    "attention_modules",
+    "evaluating",
+    "forward_images",
+    "record_attention",
+    "resolve_layers",
+    "timm_attention_probs",
+    "token_layout",
+]
 
 MapSink = Callable[[int, torch.Tensor], None]
 
 
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module | None]]:
+    """``(label, attention module)`` per block: ``blocks[i].attn`` of a timm-style ViT, the attention
+    module of each encoder layer of a transformers vision model (None where a block has none)."""
+    if is_transformers_model(model):
+        from ..hf.layout import hf_layout
+
+        layout = hf_layout(model)
+        return list(zip(layout.attention_names, layout.attentions, strict=True))
+    out: list[tuple[str, nn.Module | None]] = []
+    for i, block in enumerate(model_blocks(model)):
+        attn = getattr(block, "attn", None)
+        out.append((f"blocks[{i}].attn", attn if isinstance(attn, nn.Module) else None))
+    return out
+
+
+@contextmanager
+def _attention_through_vitattn(model: nn.Module) -> Iterator[None]:
+    """A transformers model computes its attention through vitattn in the block; others as they are."""
+    if not is_transformers_model(model):
+        yield
+        return
+    from ..hf.patching import vitattn_implementation
+
+    with vitattn_implementation(model):
+        yield
+
+
+def forward_images(model: nn.Module, x: torch.Tensor) -> Any:
+    """The model's forward on images ``x: (B, C, H, W)``: ``model(x)``, or the vision tower of a
+    transformers model with every patch a token (:func:`vitattn.hf.run_backbone`)."""
+    if is_transformers_model(model):
+        from ..hf.layout import hf_layout, run_backbone
+
+        return run_backbone(hf_layout(model), x)
+    return model(x)
+
+
+def token_layout(
+    model: nn.Module, image_size: Sequence[int] | None = None
+) -> tuple[tuple[int, int] | None, int | None]:
+    """``(patch grid, prefix tokens)`` of the model on an ``image_size = (H, W)`` input (None where
+    unknown): :func:`~vitattn.models.layout.model_grid_size` and ``model_num_prefix_tokens`` of a
+    timm-style ViT, or the family's layout of a transformers vision model (:func:`vitattn.hf.hf_layout`:
+    class, distillation and register tokens; the input size over the patch size)."""
+    if is_transformers_model(model):
+        from ..hf.layout import hf_layout
+
+        layout = hf_layout(model)
+        return layout.grid(image_size), layout.num_prefix_tokens
+    return model_grid_size(model, image_size), model_num_prefix_tokens(model)
+
+
 def resolve_layers(model: nn.Module, layers: int | Iterable[int] | None = None) -> list[int]:
-    """Sorted, de-duplicated block indices into ``model.blocks`` (negatives count from the end)."""
-    depth = len(model_blocks(model))
+    """Sorted, de-duplicated block indices into ``model.blocks`` (or the encoder layers of a
+    transformers model); negatives count from the end."""
+    depth = len(attention_modules(model))
     if layers is None:
         return list(range(depth))
     items = [layers] if isinstance(layers, int) else list(layers)
@@ -83,7 +150,7 @@ def record_attention(
     ``Attention`` nor calls :func:`vitattn.functional.attention`, and ``RuntimeError`` for one that
     calls it more than once per forward.
     """
-    blocks = model_blocks(model)
+    modules = attention_modules(model)
     chosen = resolve_layers(model, layers)
     state: dict[str, Any] = {"block": None, "probs": []}
     handles = []
@@ -108,13 +175,13 @@ def record_attention(
                 sink(i, probs[0])
             elif not probs:
                 raise TypeError(
-                    f"blocks[{i}].attn is {type(module).__name__}, which neither is timm's Attention nor "
+                    f"{modules[i][0]} is {type(module).__name__}, which neither is timm's Attention nor "
                     "calls vitattn.functional.attention; its attention maps cannot be read "
                     "(vitattn.patch(model) converts timm-style attention to vitattn layers)"
                 )
             else:
                 raise RuntimeError(
-                    f"blocks[{i}].attn made {len(probs)} vitattn.functional.attention calls in one forward; "
+                    f"{modules[i][0]} made {len(probs)} vitattn.functional.attention calls in one forward; "
                     "attention maps are defined for one call per block"
                 )
 
@@ -122,13 +189,13 @@ def record_attention(
 
     try:
         for i in chosen:
-            attn = getattr(blocks[i], "attn", None)
-            if not isinstance(attn, nn.Module):
-                raise TypeError(f"blocks[{i}] has no `attn` module (got {type(attn).__name__})")
+            label, attn = modules[i]
+            if attn is None:
+                raise TypeError(f"{label.removesuffix('.attn')} has no `attn` module")
             pre_hook, post_hook = make_hooks(i, attn)
             handles.append(attn.register_forward_pre_hook(pre_hook, with_kwargs=True))
             handles.append(attn.register_forward_hook(post_hook, with_kwargs=True))
-        with capture_attention_weights(on_probs):
+        with capture_attention_weights(on_probs), _attention_through_vitattn(model):
             yield chosen
     finally:
         for handle in handles:
@@ -158,9 +225,11 @@ def attention_maps(
     """Attention probabilities of the chosen blocks for the input batch ``x`` (e.g. ``(B, 3, H, W)``).
 
     Args:
-        model: a timm ``VisionTransformer`` (fused attention is fine) or a vitattn model / patched ViT.
-        x: the model's input.
-        layers: block indices into ``model.blocks`` (negatives count from the end); None = all.
+        model: a timm ``VisionTransformer`` (fused attention is fine), a vitattn model / patched ViT,
+            or a transformers vision model (ViT, DeiT, DINOv2, ViT-MAE, CLIP, SigLIP; patched or not).
+        x: the model's input (pixel values for a transformers model: its vision tower runs on them).
+        layers: block indices into ``model.blocks`` (the encoder layers of a transformers model;
+            negatives count from the end); None = all.
         eval_mode: run in eval mode (no dropout); every module's training flag is restored afterwards.
 
     Returns:
@@ -176,7 +245,7 @@ def attention_maps(
         maps[i] = probs
 
     with record_attention(model, sink, layers) as chosen, torch.no_grad(), evaluating(model, eval_mode):
-        model(x)
+        forward_images(model, x)
     missing = [i for i in chosen if i not in maps]
     if missing:
         raise RuntimeError(f"blocks {missing} did not run their attention in the model's forward")

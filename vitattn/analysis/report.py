@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..models.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
-from .maps import evaluating, record_attention
+from ..models.layout import resolve_layout
+from .maps import evaluating, forward_images, record_attention, token_layout
 from .metrics import attention_entropy, grid_diagonal, mean_attention_distance
 
 __all__ = ["LocalityReport", "ReportDiff", "iter_image_batches", "locality_report"]
@@ -334,8 +334,8 @@ def locality_report(
     """MAD and entropy per layer and head of ``model``, averaged over the images of ``data``.
 
     Args:
-        model: a timm ViT or vitattn model (see :func:`attention_maps`); run in eval mode under
-            ``torch.no_grad()``, its training flags restored afterwards.
+        model: a timm ViT, vitattn model or transformers vision model (see :func:`attention_maps`);
+            run in eval mode under ``torch.no_grad()``, its training flags restored afterwards.
         data: a ``(B, C, H, W)`` tensor, an ``(images, labels)`` pair, or an iterable of either
             (a ``DataLoader``). Batches are moved to the model's device and dtype.
         grid_size, num_prefix_tokens: the token layout; read from the model by default
@@ -375,11 +375,10 @@ def locality_report(
                     x = x[: max_images - seen]
                 if param is not None:
                     x = x.to(param.device, param.dtype if x.is_floating_point() else None)
-                layout["grid"] = grid_size if grid_size is not None else model_grid_size(model, x.shape[-2:])
-                layout["prefix"] = (
-                    num_prefix_tokens if num_prefix_tokens is not None else (model_num_prefix_tokens(model))
-                )
-                model(x)
+                grid, prefix = token_layout(model, x.shape[-2:])
+                layout["grid"] = grid_size if grid_size is not None else grid
+                layout["prefix"] = num_prefix_tokens if num_prefix_tokens is not None else prefix
+                forward_images(model, x)
                 seen += x.shape[0]
                 if bar is not None:
                     bar.update(x.shape[0])

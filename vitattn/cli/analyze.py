@@ -1,4 +1,5 @@
-"""``vitattn analyze``: a locality report, its JSON and plots for a timm or vitattn model."""
+"""``vitattn analyze``: a locality report, its JSON and plots for a timm or vitattn model, or a Hugging
+Face transformers model (``hf:<model id or folder>``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from ..analysis.data import InputSpec
+
 __all__ = ["DATASETS", "HELP", "NAME", "add_arguments", "parse_query", "run"]
 
 NAME = "analyze"
@@ -22,7 +25,11 @@ DATASETS = ("digits",)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``vitattn analyze``."""
-    p.add_argument("model", help="timm model name, e.g. vit_tiny_patch16_224 or locatvit_tiny")
+    p.add_argument(
+        "model",
+        help="timm model name, e.g. vit_tiny_patch16_224 or locatvit_tiny, or hf:<model id or folder> "
+        "(a transformers vision model, offline: a local folder or the Hugging Face cache)",
+    )
     p.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="builder kwarg (repeatable)")
     p.add_argument("--attention", choices=("softmax", "entmax15", "locat"), help="vitattn.patch the model")
     p.add_argument("--checkpoint", metavar="PATH", help=".safetensors or weights-only torch state dict")
@@ -35,6 +42,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--map-layer", type=int, help="block of the attention-map plot (default: last analysed)")
     p.add_argument("--query", help="query of the map plot: ROW,COL, patch index or 'cls' (default: centre)")
     p.add_argument("--compare", metavar="REPORT_JSON", help="an earlier report to diff against and plot")
+    p.add_argument(
+        "--rollout", action="store_true", help="also write rollout.png: class-token heat maps over the images"
+    )
+    p.add_argument("--rollout-images", type=int, default=4, help="images in rollout.png (default 4)")
+    p.add_argument(
+        "--discard-ratio",
+        type=float,
+        default=0.0,
+        help="rollout: fraction of each row's patch weights dropped",
+    )
+    p.add_argument(
+        "--head-fusion", choices=("mean", "max", "min"), default="mean", help="rollout: head fusion"
+    )
+    p.add_argument(
+        "--gradient-rollout",
+        action="store_true",
+        help="rollout: Chefer et al.'s gradient-weighted rule for each image's top class",
+    )
     p.add_argument("--out", default="vitattn-analysis", metavar="DIR", help="output folder")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random init (default 0)")
@@ -66,31 +91,93 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-def _first_image(args: argparse.Namespace, model: nn.Module) -> torch.Tensor:
-    from ..analysis.data import digits_images, find_images, input_spec, load_image
+def _first_image(args: argparse.Namespace, spec: InputSpec) -> torch.Tensor:
+    from ..analysis.data import digits_images, find_images, load_image
 
-    spec = input_spec(model)
     if args.images:
         return load_image(find_images(args.images)[0][0], spec)
     return digits_images(spec=spec, max_images=1)[0][0]
+
+
+def load_model_and_spec(args: argparse.Namespace) -> tuple[nn.Module, InputSpec]:
+    """The model to analyse and what it takes: a timm name (``--model-arg``, ``--attention``,
+    ``--checkpoint``), or ``hf:<model id or folder>`` (:func:`vitattn.hf.load_model`, offline; its image
+    processor's normalization; ``--attention`` patches it)."""
+    from ..analysis.data import InputSpec, input_spec
+    from ..analysis.model import build_model
+
+    if not args.model.startswith("hf:"):
+        model = build_model(args.model, parse_model_args(args.model_arg), args.attention, args.checkpoint)
+        return model, input_spec(model)
+    if args.model_arg or args.checkpoint:
+        raise ValueError("--model-arg and --checkpoint apply to timm model names, not to hf: models")
+    from ..hf.loading import load_model
+    from ..patch import patch
+
+    loaded = load_model(args.model)
+    if args.attention is not None:
+        patch(loaded.model, args.attention)
+    return loaded.model.eval(), InputSpec(loaded.image_size, loaded.in_chans, loaded.mean, loaded.std)
+
+
+def _rollout_images(args: argparse.Namespace, spec: InputSpec) -> torch.Tensor:
+    """The first ``--rollout-images`` images of the analysed data, ``(B, C, H, W)``."""
+    import torch
+
+    from ..analysis.data import digits_images, image_folder_batches
+
+    count = args.rollout_images
+    if count < 1:
+        raise ValueError(f"--rollout-images must be >= 1, got {count}")
+    if args.images:
+        batches = image_folder_batches(args.images, spec, count, count)
+        return torch.cat([batch[0] for batch in batches])[:count]
+    return digits_images(spec=spec, max_images=count)[0]
+
+
+def write_rollout(args: argparse.Namespace, model: nn.Module, spec: InputSpec, path: Path) -> Path:
+    """``rollout.png``: each image above its rollout heat map (the class token's, or Jumbo's J tokens')."""
+    from ..analysis.plots import plot_rollout
+    from ..analysis.rollout import model_heatmap, model_rollout
+    from ..models.blocks import is_transformers_model
+
+    if args.gradient_rollout and is_transformers_model(model):
+        raise ValueError(
+            "--gradient-rollout needs a timm or vitattn ViT; for a transformers model use "
+            "vitattn.analysis.gradient_rollout with the gradients of outputs.attentions"
+        )
+    param = next(model.parameters())
+    images = _rollout_images(args, spec).to(param.device, param.dtype)
+    rollout = model_rollout(
+        model,
+        images,
+        discard_ratio=args.discard_ratio,
+        head_fusion=args.head_fusion,
+        gradient=args.gradient_rollout,
+    )
+    kind = (
+        "gradient-weighted rollout"
+        if args.gradient_rollout
+        else f"attention rollout (discard {args.discard_ratio:g}, {args.head_fusion} over heads)"
+    )
+    plot_rollout(images, model_heatmap(model, images, rollout), path, title=f"{args.model}: {kind}")
+    return path
 
 
 def run_analyze(args: argparse.Namespace) -> int:
     """Build the model, run ``locality_report``, print it, write JSON and PNGs to ``args.out``."""
     import torch
 
-    from ..analysis.data import digits_images, image_folder_batches, input_spec
-    from ..analysis.maps import attention_maps
-    from ..analysis.model import build_model
+    from ..analysis.data import digits_images, image_folder_batches
+    from ..analysis.maps import attention_maps, token_layout
     from ..analysis.plots import plot_locality_plane, plot_mad_per_layer, plot_query_attention
     from ..analysis.report import LocalityReport, locality_report
-    from ..models.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
+    from ..models.layout import resolve_layout
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = build_model(args.model, parse_model_args(args.model_arg), args.attention, args.checkpoint)
+    model, spec = load_model_and_spec(args)
     model.to(device)
-    spec = input_spec(model)
     if args.images:
         data: Any = image_folder_batches(args.images, spec, args.batch_size, args.max_images)
         source = str(args.images)
@@ -127,13 +214,11 @@ def run_analyze(args: argparse.Namespace) -> int:
     report.to_json(written[0])
     plot_locality_plane(reports, written[1], title=f"Attention locality per head: {args.model}")
     plot_mad_per_layer(reports, written[2])
-    image = _first_image(args, model).to(device)
+    image = _first_image(args, spec).to(device)
     layer = report.layers[-1] if args.map_layer is None else args.map_layer
     maps = attention_maps(model, image[None].to(next(model.parameters()).dtype), [layer])
     layer = next(iter(maps))
-    grid, prefix = resolve_layout(
-        maps[layer].shape[-1], model_grid_size(model, image.shape[-2:]), model_num_prefix_tokens(model)
-    )
+    grid, prefix = resolve_layout(maps[layer].shape[-1], *token_layout(model, image.shape[-2:]))
     plot_query_attention(
         image,
         maps[layer][0],
@@ -143,6 +228,8 @@ def run_analyze(args: argparse.Namespace) -> int:
         written[3],
         title=f"{args.model}, block {layer}: attention of one query, per head",
     )
+    if args.rollout:
+        written.append(write_rollout(args, model, spec, out / "rollout.png"))
     for path in written:
         print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from .. import __version__
-    from ..functional import available_backends
+    from ..functional import available_backends, backend_groups
 
     print(f"vitattn {__version__}")
     for dist in ("torch", "timm", "entmax", "einops", "triton", "safetensors"):
@@ -38,4 +38,6 @@ def run(args: argparse.Namespace) -> int:
     cuda = torch.cuda.get_device_name() if torch.cuda.is_available() else "not available"
     print(f"  cuda         {cuda}")
     print(f"  backends     {', '.join(available_backends())}")
+    for group, members in backend_groups().items():
+        print(f"  group        {group} = {', '.join(members)}")
     return 0

@@ -1,4 +1,5 @@
-"""``vitattn probe``: dense evaluation (linear and kNN probes per block) of a timm model or a study run."""
+"""``vitattn probe``: dense evaluation (linear and kNN probes per block) of a timm model, a study run or
+a Hugging Face transformers model (``hf:<model id or folder>``)."""
 
 from __future__ import annotations
 
@@ -46,8 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "model",
         metavar="MODEL_OR_CHECKPOINT",
-        help="timm model name (locatvit_* included), or a `vitattn study` output folder, "
-        "OUT/checkpoints/<run> folder or its model.safetensors",
+        help="timm model name (locatvit_* included), a `vitattn study` output folder, "
+        "OUT/checkpoints/<run> folder or its model.safetensors, or hf:<model id or folder> "
+        "(a transformers vision model, offline: a local folder or the Hugging Face cache)",
     )
     p.add_argument("--dataset", choices=DATASETS, default="scenes", help="segmentation data (default scenes)")
     p.add_argument(
@@ -155,7 +157,15 @@ def _load_study(path: Path) -> Backbone:
 
 
 def load_backbone(name_or_path: str, model_args: dict[str, Any], checkpoint: str | None) -> Backbone:
-    """A timm model (with ``model_args``, ``checkpoint``) or a study run, with its normalization."""
+    """A timm model (with ``model_args``, ``checkpoint``), a study run or an ``hf:`` transformers model
+    (:func:`vitattn.hf.load_model`: its image processor's normalization), with its normalization."""
+    if name_or_path.startswith("hf:"):
+        if model_args or checkpoint:
+            raise ValueError("--model-arg and --checkpoint apply to timm model names, not to hf: models")
+        from ..hf.loading import load_model
+
+        loaded = load_model(name_or_path)
+        return Backbone(loaded.model, loaded.mean, loaded.std, loaded.in_chans, loaded.source)
     path = Path(name_or_path)
     if path.exists():
         if model_args or checkpoint:
@@ -261,8 +271,8 @@ def run_probe(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     size = args.image_size or DEFAULT_IMAGE_SIZE[args.dataset]
     parsed = parse_layers(args.layers)
+    bb = load_backbone(args.model, parse_model_args(args.model_arg), args.checkpoint)  # its errors first
     train, test, data_desc = load_datasets(args, size)
-    bb = load_backbone(args.model, parse_model_args(args.model_arg), args.checkpoint)
     model = bb.model.to(device).eval()
     _check_image_size(model, size)
     depth = backbone_depth(model)

@@ -7,14 +7,15 @@ from typing import Any, Literal, Protocol, cast, overload
 
 import torch
 import torch.nn.functional as F
-from timm.layers import register_notrace_function
+from timm.layers import register_notrace_function, use_fused_attn
 from torch import nn
 
 from ..functional import GaussianBias, attention
 from ..functional.dispatch import check_backend_name
 from ..functional.normalize import Normalizer, resolve_normalizer
+from .explicit import explicit_attention, resolve_attn_mask
 
-__all__ = ["Attention", "EntmaxAttention", "attend", "project_qkv", "resolve_attn_mask"]
+__all__ = ["Attention", "EntmaxAttention", "attend", "project_qkv", "resolve_attn_mask", "run_attention"]
 
 
 class TimmStyleAttention(Protocol):
@@ -68,19 +69,6 @@ def project_qkv(
     return attn.q_norm(q), attn.k_norm(k), v
 
 
-def resolve_attn_mask(
-    n: int, attn_mask: torch.Tensor | None, is_causal: bool, device: torch.device
-) -> torch.Tensor | None:
-    """The mask handed to :func:`vitattn.functional.attention`, with timm's semantics.
-
-    ``attn_mask`` is a boolean keep-mask (``True`` = attend) or an additive float mask broadcastable
-    to ``(B, H, N, N)``; ``is_causal=True`` takes precedence and gives a lower-triangular keep-mask.
-    """
-    if is_causal:
-        return torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    return attn_mask
-
-
 @register_notrace_function
 def attend(
     q: torch.Tensor,
@@ -119,6 +107,30 @@ def attend(
 torch.fx.wrap("attend")  # also a leaf for plain torch.fx / torchvision tracers without timm's registry
 
 
+def run_attention(
+    module: nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    bias: torch.Tensor | GaussianBias | None,
+) -> torch.Tensor:
+    """A vitattn layer's attention ``(B, H, Nq, Dv)`` from its q, k, v, mask and bias.
+
+    ``module`` has ``normalizer``, ``scale``, ``backend``, ``attn_drop`` and ``fused_attn``. With
+    ``fused_attn`` (timm's default) this is :func:`attend`, one call that fuses what the backend can;
+    without it, the explicit path of :mod:`vitattn.layers.explicit`: the weights pass through
+    ``attn_drop`` before ``@ v``, where timm's ``AttentionExtract`` finds them.
+    """
+    if getattr(module, "fused_attn", True):
+        dropout_p = module.attn_drop.p if module.training else 0.0  # type: ignore[union-attr]
+        normalizer: Normalizer = module.normalizer  # type: ignore[assignment]
+        scale, backend = float(module.scale), str(module.backend)  # type: ignore[arg-type]
+        return attend(q, k, v, attn_mask, is_causal, bias, normalizer, scale, dropout_p, backend)
+    return explicit_attention(module, q, k, v, attn_mask, is_causal, bias)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention ``proj(normalize(q kᵀ / √d + bias) v)`` on ``(B, N, C)`` tokens.
 
@@ -129,6 +141,10 @@ class Attention(nn.Module):
     :func:`vitattn.functional.attention`; a layer with ``backend="auto"`` follows the global default
     (:func:`vitattn.set_default_backend`, else the ``VITATTN_BACKEND`` environment variable, else the
     automatic choice), a named backend always wins.
+
+    ``fused_attn`` (a plain attribute, as timm's) is timm's :func:`~timm.layers.use_fused_attn` when the
+    layer is built: ``False`` takes the explicit path that ``timm.utils.AttentionExtract`` reads
+    (:mod:`vitattn.layers.explicit`).
     """
 
     def __init__(
@@ -167,6 +183,7 @@ class Attention(nn.Module):
         self.scale = attn_head_dim**-0.5
         self.normalizer = resolve_normalizer(normalizer)
         self.backend = check_backend_name(backend)
+        self.fused_attn = use_fused_attn()
 
         self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias, **dd)
         self.q_norm = make_norm(attn_head_dim, **dd) if qk_norm else nn.Identity()
@@ -191,11 +208,8 @@ class Attention(nn.Module):
         """``x: (B, N, C)`` -> ``(B, N, dim_out)``; ``attn_mask`` as in timm (bool keep-mask or additive)."""
         gate = self.gate(x).sigmoid() if self.gate is not None else None
         q, k, v = project_qkv(self, x)
-        dropout_p = self.attn_drop.p if self.training else 0.0
         bias = self.attention_bias(q)
-        out = attend(
-            q, k, v, attn_mask, is_causal, bias, self.normalizer, self.scale, dropout_p, self.backend
-        )
+        out = run_attention(self, q, k, v, attn_mask, is_causal, bias)
         return self.project_out(out, gate)
 
     def project_out(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:

@@ -8,6 +8,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from .locat import GaugInit, check_gaug_init
+
 __all__ = ["finish_conversion", "importable_classes", "new_like"]
 
 M = TypeVar("M", bound=nn.Module)
@@ -38,20 +40,27 @@ def new_like(old: nn.Module, cls: type[M], dim: int, **kwargs: Any) -> M:
     return cls(dim, int(old.num_heads), device="meta", **kwargs)  # type: ignore[arg-type]
 
 
-def finish_conversion(new: M, old: nn.Module, weight: torch.Tensor, converter: str) -> M:
+def finish_conversion(
+    new: M, old: nn.Module, weight: torch.Tensor, converter: str, gaug_init: GaugInit = "paper"
+) -> M:
     """The last step of every converter: ``new``'s GAug heads (if it has them) kept from ``old`` when it
-    has the same kind, else fresh on ``weight``'s device and dtype; ``old``'s train / eval mode.
+    has the same kind, else fresh on ``weight``'s device and dtype, started as ``gaug_init`` says
+    (:meth:`~vitattn.layers.GaussianAugment.init_weights`); ``old``'s train / eval mode, and timm's
+    explicit attention path (``fused_attn=False``) when ``old`` took it.
 
     Raises ``TypeError`` (naming ``converter``) when a parameter or buffer of ``new`` is still a meta
     placeholder while ``weight`` is not on the meta device.
     """
+    gaug_init = check_gaug_init(gaug_init)
     gaug: nn.Module | None = getattr(new, "gaug", None)
     if gaug is not None:  # as in a new model: kept from a LocAt layer, else freshly initialised
         old_gaug = getattr(old, "gaug", None)
         if not isinstance(old_gaug, type(gaug)):
-            old_gaug = type(gaug)(new.head_dim, device=weight.device, dtype=weight.dtype)
+            old_gaug = type(gaug)(new.head_dim, device=weight.device, dtype=weight.dtype, init=gaug_init)
         new.gaug = old_gaug
     if weight.device.type != "meta" and any(t.is_meta for t in (*new.parameters(), *new.buffers())):
         raise TypeError(f"{converter} cannot create the extra parameters of {type(new).__name__}")
+    if getattr(old, "fused_attn", True) is False:
+        new.fused_attn = False  # type: ignore[assignment]  # a plain bool attribute, as timm's
     new.train(old.training)
     return new

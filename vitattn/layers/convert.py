@@ -8,6 +8,7 @@ from torch import nn
 
 from .attention import Attention
 from .conversion import finish_conversion, importable_classes, new_like
+from .locat import GaugInit
 from .locat_rope import rope_attention_classes
 
 __all__ = ["convertible_attention", "convert_attention"]
@@ -33,15 +34,18 @@ def convertible_attention(module: nn.Module) -> bool:
     )
 
 
-def convert_attention(old: nn.Module, cls: type[Attention], **kwargs: Any) -> Attention:
+def convert_attention(
+    old: nn.Module, cls: type[Attention], *, gaug_init: GaugInit = "paper", **kwargs: Any
+) -> Attention:
     """A ``cls`` layer (e.g. :class:`LocAtAttention`) computing with ``old``'s weights.
 
     ``old`` is a ``timm`` ``Attention`` (either location) or a vitattn :class:`Attention`. Its
     ``qkv``, ``q_norm``, ``k_norm``, ``norm``, ``gate`` and ``proj`` submodules move into the new layer
     (the same parameters, so optimizers and ``requires_grad`` carry over), as do its dropout rates and
     (a vitattn layer's) ``backend``; GAug heads are kept from a LocAt layer, otherwise created fresh on
-    the device and dtype of ``old.qkv.weight``. ``kwargs`` go to ``cls`` (``normalizer``, ``grid_size``,
-    ``backend``, ...). Raises ``TypeError`` for any other module.
+    the device and dtype of ``old.qkv.weight`` and started as ``gaug_init`` says (``"paper"`` or
+    ``"identity"``, see :class:`~vitattn.layers.GaussianAugment`). ``kwargs`` go to ``cls``
+    (``normalizer``, ``grid_size``, ``backend``, ...). Raises ``TypeError`` for any other module.
     """
     if not convertible_attention(old):
         raise TypeError(
@@ -57,4 +61,4 @@ def convert_attention(old: nn.Module, cls: type[Attention], **kwargs: Any) -> At
     new.q_norm, new.k_norm = old.get_submodule("q_norm"), old.get_submodule("k_norm")
     new.norm = getattr(old, "norm", None) or nn.Identity()
     new.gate = getattr(old, "gate", None)
-    return finish_conversion(new, old, qkv.weight, "convert_attention")
+    return finish_conversion(new, old, qkv.weight, "convert_attention", gaug_init)

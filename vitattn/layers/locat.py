@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,33 @@ from ..functional._checks import grid_pair  # re-exported: its home was here
 from ..functional.normalize import Normalizer
 from .attention import Attention
 
-__all__ = ["GaussianAugment", "LocAtAttention", "gaussian_bias_from_queries", "grid_pair"]
+__all__ = [
+    "IDENTITY_ALPHA",
+    "GaugInit",
+    "GaussianAugment",
+    "LocAtAttention",
+    "check_gaug_init",
+    "gaussian_bias_from_queries",
+    "grid_pair",
+]
+
+#: How fresh GAug heads start: ``"paper"`` (LocAtViT's init, α ≈ ln 2) or ``"identity"`` (α =
+#: :data:`IDENTITY_ALPHA` for every query, so a pretrained model keeps its function at patch time).
+GaugInit = Literal["paper", "identity"]
+
+#: The amplitude α of the ``"identity"`` start. The bias a query adds to its scores lies in [0, α], so
+#: each attention row moves by a factor within [e^-α, e^α] and a block's output by about α times the
+#: spread of its values; the gradient reaching ``log_alpha`` is sigmoid(b) ≈ α times the gradient of α
+#: itself, non-zero and far above float32's floor. docs/huggingface.md gives the measured numbers.
+IDENTITY_ALPHA = 1e-5
+
+
+def check_gaug_init(gaug_init: object) -> GaugInit:
+    """``gaug_init`` checked to be ``"paper"`` or ``"identity"`` (a ``ValueError`` naming it otherwise)."""
+    choices = get_args(GaugInit)
+    if gaug_init not in choices:
+        raise ValueError(f"gaug_init must be one of {list(choices)}, got {gaug_init!r}")
+    return gaug_init  # type: ignore[return-value]
 
 
 class GaussianAugment(nn.Module):
@@ -25,21 +51,33 @@ class GaussianAugment(nn.Module):
 
     ``log_var = Linear(head_dim, 2)`` and ``log_alpha = Linear(head_dim, 1)`` are shared across heads
     (the official parameter names). The bias itself is :class:`vitattn.functional.GaussianBias`.
+    ``init`` picks the start (:meth:`init_weights`).
     """
 
     def __init__(
-        self, head_dim: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+        self,
+        head_dim: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        init: GaugInit = "paper",
     ) -> None:
         super().__init__()
         self.log_var = nn.Linear(head_dim, 2, device=device, dtype=dtype)
         self.log_alpha = nn.Linear(head_dim, 1, device=device, dtype=dtype)
-        self.init_weights()
+        self.init_weights(init)
 
-    def init_weights(self) -> None:
-        """timm's ViT init for linears: truncated normal (std 0.02), zero bias; so σ ≈ 1, α ≈ ln 2."""
+    def init_weights(self, init: GaugInit = "paper") -> None:
+        """``"paper"``: timm's ViT init for linears, truncated normal (std 0.02) and zero bias, so
+        σ ≈ 1 and α ≈ ln 2. ``"identity"``: the same σ heads, and ``log_alpha`` with zero weight and
+        bias softplus⁻¹(:data:`IDENTITY_ALPHA`), so α = ``IDENTITY_ALPHA`` for every query: the bias
+        is at most that, and the scores (so the model's outputs) barely move."""
+        init = check_gaug_init(init)
         for layer in (self.log_var, self.log_alpha):
             nn.init.trunc_normal_(layer.weight, std=0.02)
             nn.init.zeros_(layer.bias)
+        if init == "identity":
+            nn.init.zeros_(self.log_alpha.weight)
+            nn.init.constant_(self.log_alpha.bias, math.log(math.expm1(IDENTITY_ALPHA)))
 
     def forward(
         self,

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from timm.layers import apply_rot_embed_cat
 from torch import nn
 
-from .attention import Attention, attend
+from .attention import Attention, run_attention
 from .conversion import finish_conversion, importable_classes, new_like
-from .locat import LocAtAttention
+from .locat import GaugInit, LocAtAttention
 
 __all__ = [
     "LocAtRopeAttention",
@@ -142,10 +142,7 @@ class _Rotary(Attention):
         if self.num_kv_groups > 1:
             k = k.repeat_interleave(self.num_kv_groups, dim=1)
             v = v.repeat_interleave(self.num_kv_groups, dim=1)
-        dropout_p = self.attn_drop.p if self.training else 0.0
-        out = attend(
-            q, k, v, attn_mask, is_causal, bias, self.normalizer, self.scale, dropout_p, self.backend
-        )
+        out = run_attention(self, q, k, v, attn_mask, is_causal, bias)
         return self.project_out(out, gate)
 
 
@@ -199,15 +196,17 @@ def _move_tensor(new: nn.Module, old: nn.Module, name: str) -> None:
         new.register_buffer(name, value, persistent=name not in old._non_persistent_buffers_set)
 
 
-def convert_rope_attention(old: nn.Module, cls: type[R], **kwargs: Any) -> R:
+def convert_rope_attention(
+    old: nn.Module, cls: type[R], *, gaug_init: GaugInit = "paper", **kwargs: Any
+) -> R:
     """A ``cls`` layer (:class:`RopeAttention` or :class:`LocAtRopeAttention`) computing with ``old``'s
     weights (the same parameters move into it).
 
     ``old`` is timm's ``AttentionRope`` or ``EvaAttention`` or a vitattn rotary layer; its projections
     (``qkv`` and Eva's ``q_bias`` / ``k_bias`` / ``v_bias``, or ``q_proj`` / ``k_proj`` / ``v_proj``),
     ``q_norm``, ``k_norm``, ``norm``, ``gate`` and ``proj`` are kept, as are its dropout rates and (a
-    vitattn layer's) ``backend``; GAug heads are kept from a LocAt layer, otherwise created fresh.
-    ``kwargs`` go to ``cls``. Raises ``TypeError`` for other modules.
+    vitattn layer's) ``backend``; GAug heads are kept from a LocAt layer, otherwise created fresh and
+    started as ``gaug_init`` says. ``kwargs`` go to ``cls``. Raises ``TypeError`` for other modules.
     """
     if not convertible_rope_attention(old):
         raise TypeError(
@@ -228,4 +227,4 @@ def convert_rope_attention(old: nn.Module, cls: type[R], **kwargs: Any) -> R:
     new.qkv_bias_separate = bool(getattr(old, "qkv_bias_separate", False))
     new.num_kv_heads = int(getattr(old, "num_kv_heads", new.num_heads))
     new.num_kv_groups = new.num_heads // new.num_kv_heads
-    return finish_conversion(new, old, first.weight, "convert_rope_attention")
+    return finish_conversion(new, old, first.weight, "convert_rope_attention", gaug_init)

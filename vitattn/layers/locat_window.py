@@ -24,9 +24,9 @@ from torch import nn
 from ..functional import GaussianBias
 from ..functional.dispatch import check_backend_name
 from ..functional.normalize import Normalizer, resolve_normalizer
-from .attention import attend
+from .attention import run_attention
 from .conversion import finish_conversion, new_like
-from .locat import GaussianAugment, grid_pair
+from .locat import GaugInit, GaussianAugment, grid_pair
 
 __all__ = [
     "LocAtWindowAttention",
@@ -108,8 +108,7 @@ class WindowAttention(TimmWindowAttention):
         q, k, v = self.qkv(x).reshape(b, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
         bias = self.attention_bias(q)
         additive = window_additive_mask(self._get_rel_pos_bias(), mask, b)
-        dropout_p = self.attn_drop.p if self.training else 0.0
-        out = attend(q, k, v, additive, False, bias, self.normalizer, self.scale, dropout_p, self.backend)
+        out = run_attention(self, q, k, v, additive, False, bias)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(b, n, -1)))
 
 
@@ -149,10 +148,13 @@ def convertible_window_attention(module: nn.Module) -> bool:
     )
 
 
-def convert_window_attention(old: nn.Module, cls: type[W], **kwargs: Any) -> W:
+def convert_window_attention(
+    old: nn.Module, cls: type[W], *, gaug_init: GaugInit = "paper", **kwargs: Any
+) -> W:
     """A ``cls`` layer computing with ``old``'s weights (``qkv``, ``proj``, the relative-position table
     and index move into it), dropout rates and (a vitattn layer's) ``backend``; GAug heads and the
-    initial window are kept from a LocAt layer, else created fresh. ``kwargs`` go to ``cls``. Raises
+    initial window are kept from a LocAt layer, else created fresh (started as ``gaug_init`` says).
+    ``kwargs`` go to ``cls``. Raises
     ``TypeError`` for any other module."""
     if not convertible_window_attention(old):
         raise TypeError(
@@ -175,4 +177,4 @@ def convert_window_attention(old: nn.Module, cls: type[W], **kwargs: Any) -> W:
     new.relative_position_bias_table = old.relative_position_bias_table  # type: ignore[assignment]
     new.relative_position_index = old.relative_position_index
     new.dim = old.dim  # type: ignore[assignment]
-    return finish_conversion(new, old, qkv.weight, "convert_window_attention")
+    return finish_conversion(new, old, qkv.weight, "convert_window_attention", gaug_init)

@@ -17,6 +17,7 @@ from torch import nn
 from ..functional.normalize import Normalizer, resolve_normalizer
 from ..layers import PRR, Attention, EntmaxAttention, LocAtAttention, convert_attention, convertible_attention
 from ..layers.convert import _timm_attention_classes
+from ..layers.locat import GaugInit, check_gaug_init
 from ..layers.locat_rope import (
     LocAtRopeAttention,
     RopeAttention,
@@ -40,6 +41,7 @@ __all__ = [
     "LocAtModelMixin",
     "PRRHeadMixin",
     "build_variant",
+    "keep_fresh_gaug",
     "prr_heads",
     "register_variants",
     "reject_patch_drop",
@@ -117,6 +119,10 @@ class LocAtModelMixin:
         gaug: GAug (LocAt) attention in every block (``*.attn.gaug.*`` params).
         prr: parameter-free patch representation refinement before the model's pooling and head.
         normalizer: the attention normalizer of every block (``"softmax"``, ``"entmax15"``, ...).
+        gaug_init: how the GAug heads start: ``"paper"`` (the release's init) or ``"identity"``
+            (α tiny, so a model loaded from a plain, GAug-free checkpoint keeps that checkpoint's
+            function; see :class:`~vitattn.layers.GaussianAugment`). A checkpoint with GAug weights
+            overwrites them either way.
 
     A subclass names its ``family`` and what it ``needs`` at each block (for the ``TypeError``);
     ``patch_grid`` (ViT, Eva) gives GAug the model's patch grid and prefix tokens and keeps them in
@@ -127,6 +133,7 @@ class LocAtModelMixin:
     needs: ClassVar[str]
     patch_grid: ClassVar[bool] = True
     use_gaug: bool
+    gaug_init: GaugInit
     normalizer: str | float
     prr: PRR | None
 
@@ -136,14 +143,17 @@ class LocAtModelMixin:
         gaug: bool = True,
         prr: bool = True,
         normalizer: Normalizer = "softmax",
+        gaug_init: GaugInit = "paper",
         **kwargs: Any,
     ) -> None:
+        checked_init = check_gaug_init(gaug_init)
         if prr and kwargs.get("global_pool") == "prr":
             raise ValueError("global_pool='prr' already applies PRR: pass prr=False with it, or another pool")
         reject_patch_drop(gaug, kwargs)
         resolved = resolve_normalizer(normalizer)
         super().__init__(*args, **kwargs)
         self.use_gaug = bool(gaug)
+        self.gaug_init = checked_init
         self.normalizer = resolved
         if self.use_gaug or self.normalizer != "softmax":
             self._convert_blocks()
@@ -174,7 +184,9 @@ class LocAtModelMixin:
                 raise TypeError(
                     f"{type(self).__name__} needs {self.needs} at {label}.attn, got {type(attn).__name__}"
                 )
-            block.attn = self.family.convert(attn, cls, normalizer=self.normalizer, **extra)
+            block.attn = self.family.convert(
+                attn, cls, normalizer=self.normalizer, gaug_init=self.gaug_init, **extra
+            )
         if extra:
             attach_grid_sync(self)  # type: ignore[arg-type]
 
@@ -193,6 +205,22 @@ class PRRHeadMixin(LocAtModelMixin):
             token_pool = pool == "token" and getattr(self, "attn_pool", None) is None
             x = self.prr(x, rows=1 if token_pool else None)
         return super().forward_head(x, pre_logits=pre_logits)  # type: ignore[misc]
+
+
+def keep_fresh_gaug(filter_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``filter_fn(state_dict, model)`` of a LocAt variant, extended to plain checkpoints: when the
+    filtered checkpoint has no GAug weight at all (a timm ViT / Eva / Swin checkpoint), the model's own
+    ``gaug`` tensors (started as its ``gaug_init`` says) fill their keys, so timm's strict load passes
+    and the heads keep their start. A checkpoint with some GAug weights is left as it is."""
+
+    def filtered(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+        out = filter_fn(state_dict, model)
+        if any(".gaug." in key for key in out):
+            return out
+        own = {k: v for k, v in model.state_dict().items() if ".gaug." in k}
+        return {**out, **own}
+
+    return filtered
 
 
 def release_cfg(**kwargs: Any) -> dict[str, Any]:
@@ -264,7 +292,7 @@ def build_variant(
         variant,
         pretrained,
         pretrained_cfg_overlay=overlay or None,
-        pretrained_filter_fn=filter_fn,
+        pretrained_filter_fn=keep_fresh_gaug(filter_fn),
         feature_cfg=features,
         **kwargs,
     )

@@ -7,7 +7,18 @@ from typing import cast
 
 from torch import nn
 
-__all__ = ["block_indices", "model_blocks", "module_items"]
+__all__ = ["block_indices", "is_transformers_model", "model_blocks", "module_items"]
+
+
+def is_transformers_model(obj: object) -> bool:
+    """Whether ``obj`` is a module of a class defined in ``transformers`` (or a subclass of one).
+
+    Reads class module names only, so it never imports transformers (``import vitattn`` must not);
+    such models go through :mod:`vitattn.hf`.
+    """
+    return isinstance(obj, nn.Module) and any(
+        cls.__module__.split(".", 1)[0] == "transformers" for cls in type(obj).__mro__
+    )
 
 
 def module_items(container: nn.Module) -> list[nn.Module]:

@@ -1,14 +1,19 @@
 """Patch features of a frozen backbone, per block: ``(B, C, gh, gw)`` plus the class token.
 
-Three kinds of backbone:
+Four kinds of backbone:
 
 1. a timm-style ViT with ``forward_intermediates`` (timm ``VisionTransformer``, vitattn's
    ``LocAtViT``, ViTs patched by :func:`vitattn.patch`): the block outputs it returns, through the
    final norm when ``norm=True``, split into prefix and patch tokens by timm;
 2. a model with ``.blocks`` but no ``forward_intermediates``: forward hooks on the blocks, the token
-   layout from :func:`vitattn.models.layout.model_grid_size` / ``model_num_prefix_tokens``, ``model.norm``
-   applied when ``norm=True`` and present;
-3. any other callable ``(B, 3, H, W) -> (B, C, gh, gw)``: its output is the one "layer" (index 0,
+   layout from :func:`vitattn.models.layout.model_grid_size` / ``model_num_prefix_tokens``,
+   ``model.norm`` applied when ``norm=True`` and present;
+3. a transformers vision model (ViT, DeiT, DINOv2 with or without registers, ViT-MAE, CLIP, SigLIP;
+   see :mod:`vitattn.hf`): forward hooks on its encoder layers while its vision tower runs with every
+   patch a token, the tower's final norm (``layernorm``, or ``post_layernorm`` for CLIP and SigLIP)
+   applied when ``norm=True``, the prefix tokens (class, distillation, register tokens) split off;
+   SigLIP has no class token;
+4. any other callable ``(B, 3, H, W) -> (B, C, gh, gw)``: its output is the one "layer" (index 0,
    so ``layers`` must be ``(-1,)`` or ``(0,)``) and there is no class token.
 
 PRR (LocAtViT's refinement after the final norm) is not part of any block output, so it is not applied.
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models.blocks import block_indices
+from ..models.blocks import block_indices, is_transformers_model, module_items
 from ..models.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
 
 __all__ = ["FeatureMaps", "backbone_depth", "patch_features"]
@@ -44,7 +49,12 @@ def _blocks(backbone: Backbone) -> nn.Sequential | nn.ModuleList | None:
 
 
 def backbone_depth(backbone: Backbone) -> int:
-    """Number of blocks the ``layers`` index into (1 for a plain feature callable)."""
+    """Number of blocks the ``layers`` index into (encoder layers of a transformers model; 1 for a
+    plain feature callable)."""
+    if is_transformers_model(backbone):
+        from ..hf.layout import hf_layout
+
+        return hf_layout(backbone).depth  # type: ignore[arg-type]
     blocks = _blocks(backbone)
     return len(blocks) if blocks is not None else 1
 
@@ -84,11 +94,10 @@ def _from_intermediates(
     return maps
 
 
-def _from_hooks(
-    model: nn.Module, images: torch.Tensor, layers: tuple[int, ...], norm: bool
-) -> dict[int, FeatureMaps]:
-    blocks = _blocks(model)
-    assert blocks is not None
+def _hooked_tokens(
+    blocks: list[nn.Module], layers: tuple[int, ...], run: Callable[[], object]
+) -> dict[int, torch.Tensor]:
+    """The ``(B, N, C)`` outputs of ``blocks[i]`` for ``i`` in ``layers`` during ``run()``."""
     seen: dict[int, torch.Tensor] = {}
 
     def hook(i: int) -> Callable[..., None]:
@@ -102,25 +111,59 @@ def _from_hooks(
 
     handles = [blocks[i].register_forward_hook(hook(i)) for i in layers]
     try:
-        model(images)
+        run()
     finally:
         for h in handles:
             h.remove()
+    return seen
+
+
+def _split_tokens(
+    tokens: torch.Tensor,
+    index: int,
+    final_norm: Callable[[torch.Tensor], torch.Tensor] | None,
+    grid: tuple[int, int] | None,
+    prefix: int | None,
+    class_token: bool,
+) -> FeatureMaps:
+    """One block's ``(B, N, C)`` tokens -> :class:`FeatureMaps` (after ``final_norm`` when given)."""
+    if tokens.ndim != 3:
+        raise ValueError(f"blocks[{index}] returned shape {tuple(tokens.shape)}; expected tokens (B, N, C)")
+    if final_norm is not None:
+        tokens = final_norm(tokens)
+    grid, prefix = resolve_layout(tokens.shape[1], grid, prefix)
+    patches = tokens[:, prefix:].transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], *grid)
+    cls = tokens[:, 0] if prefix > 0 and class_token else None
+    return FeatureMaps(patches.contiguous(), cls)
+
+
+def _from_hooks(
+    model: nn.Module, images: torch.Tensor, layers: tuple[int, ...], norm: bool
+) -> dict[int, FeatureMaps]:
+    blocks = _blocks(model)
+    assert blocks is not None
+    seen = _hooked_tokens(module_items(blocks), layers, lambda: model(images))
     final_norm = getattr(model, "norm", None) if norm else None
-    maps: dict[int, FeatureMaps] = {}
-    for i in layers:
-        tokens = seen[i]
-        if tokens.ndim != 3:
-            raise ValueError(f"blocks[{i}] returned shape {tuple(tokens.shape)}; expected tokens (B, N, C)")
-        if callable(final_norm):
-            tokens = final_norm(tokens)
-        grid, prefix = resolve_layout(
-            tokens.shape[1], model_grid_size(model, images.shape[-2:]), model_num_prefix_tokens(model)
+    grid, prefix = model_grid_size(model, images.shape[-2:]), model_num_prefix_tokens(model)
+    return {
+        i: _split_tokens(
+            seen[i], i, final_norm if callable(final_norm) else None, grid, prefix, _has_class_token(model)
         )
-        patches = tokens[:, prefix:].transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], *grid)
-        cls = tokens[:, 0] if prefix > 0 and _has_class_token(model) else None
-        maps[i] = FeatureMaps(patches.contiguous(), cls)
-    return maps
+        for i in layers
+    }
+
+
+def _from_transformers(
+    model: nn.Module, images: torch.Tensor, layers: tuple[int, ...], norm: bool
+) -> dict[int, FeatureMaps]:
+    """Features of a transformers vision model: its encoder layers' outputs, its final norm."""
+    from ..hf.layout import hf_layout, run_backbone
+
+    layout = hf_layout(model)
+    seen = _hooked_tokens(layout.layers, layers, lambda: run_backbone(layout, images))
+    final_norm = layout.final_norm if norm else None
+    grid, prefix = layout.grid(images.shape[-2:]), layout.num_prefix_tokens
+    return {i: _split_tokens(seen[i], i, final_norm, grid, prefix, layout.has_class_token) for i in layers}
 
 
 def patch_features(
@@ -133,7 +176,7 @@ def patch_features(
     (negative ones count from the end; errors name ``layers``). ``norm``: pass block outputs through
     the model's final norm (timm's ``forward_intermediates(norm=True)``), the usual choice for probes.
     Runs under ``torch.no_grad()`` in eval mode; the backbone's training flag is restored afterwards.
-    See the module docstring for the three kinds of backbone.
+    See the module docstring for the kinds of backbone.
     """
     if images.ndim != 4:
         raise ValueError(f"images must be (B, C, H, W), got shape {tuple(images.shape)}")
@@ -144,6 +187,8 @@ def patch_features(
         module.eval()
     try:
         with torch.no_grad():
+            if module is not None and is_transformers_model(module):
+                return _from_transformers(module, images, idx, norm)
             intermediates = getattr(module, "forward_intermediates", None)
             if module is not None and callable(intermediates):
                 return _from_intermediates(module, intermediates, images, idx, norm)

@@ -3,7 +3,8 @@ kept out of the module registry, the choice of layers, and the teacher's recorde
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -11,12 +12,14 @@ import torch
 from torch import nn
 
 from ..functional.normalize import Normalizer
-from ..models.blocks import block_indices
+from ..models.blocks import block_indices, is_transformers_model
 from .intercept import (
     blocks_of,
     layer_attention,
+    layer_heads,
     layer_normalizer,
     layer_scores,
+    model_forward,
     override_attention,
     plain_rule,
 )
@@ -70,7 +73,15 @@ def select_layers(layers: int | Iterable[int] | None, depth: int, default: Itera
 
 
 def _token_layout(model: nn.Module) -> tuple[int, str] | None:
-    """``(N, description)`` of the tokens a timm-style ViT is built for, or ``None`` if unknown."""
+    """``(N, description)`` of the tokens a timm-style ViT (or transformers vision model) is built for,
+    or ``None`` if unknown."""
+    if is_transformers_model(model):
+        from ..hf.layout import hf_layout
+
+        layout = hf_layout(model)
+        gh, gw = layout.grid()
+        desc = f"{layout.num_prefix_tokens} prefix + {gh * gw} patches, image_size {layout.image_size}"
+        return layout.num_tokens(), desc
     embed = getattr(model, "patch_embed", None)
     patches = getattr(embed, "num_patches", None)
     if patches is None:
@@ -89,11 +100,8 @@ def _check_pair(teacher: nn.Module, student: nn.Module, layers: Iterable[int]) -
             f"teacher and student must have the same depth: teacher has {len(t_blocks)} blocks, "
             f"student has {len(s_blocks)}"
         )
-    for i, (tb, sb) in enumerate(zip(t_blocks, s_blocks, strict=True)):
-        th, sh = (
-            getattr(getattr(tb, "attn", None), "num_heads", None),
-            getattr(getattr(sb, "attn", None), "num_heads", None),
-        )
+    for i in range(len(t_blocks)):
+        th, sh = layer_heads(teacher, i, "teacher"), layer_heads(student, i, "student")
         if th != sh:
             raise ValueError(
                 f"teacher and student must have the same number of heads: blocks[{i}].attn has {th} heads "
@@ -114,6 +122,48 @@ class _TeacherDone(Exception):
     """Raised after the teacher's last needed layer: the rest of its forward is not needed."""
 
 
+def _logits(output: Any) -> Any:
+    """A transformers model output's prediction tensor: ``logits``, ``image_embeds``, ``pooler_output``
+    or ``last_hidden_state``, the first it has (a tensor stays as it is)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    for name in ("logits", "image_embeds", "pooler_output", "last_hidden_state"):
+        value = getattr(output, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    return output
+
+
+@contextmanager
+def _images_in_logits_out(model: nn.Module) -> Iterator[None]:
+    """Within the block, ``model(x)`` of a transformers model runs on ``pixel_values=x`` with every patch
+    a token (the keyword arguments its forward takes) and returns its prediction tensor."""
+    from ..hf.layout import all_patch_tokens, backbone_kwargs, hf_layout
+
+    layout = hf_layout(model)
+
+    def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], Any]:
+        if not args:
+            return args, kwargs
+        images = args[0]
+        extra = backbone_kwargs(layout, images, callee=module)
+        return (), {"pixel_values": images, **extra, **kwargs}
+
+    def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        return _logits(output)
+
+    handles = [
+        model.register_forward_pre_hook(pre, with_kwargs=True),
+        model.register_forward_hook(post, with_kwargs=True),
+    ]
+    try:
+        with all_patch_tokens(layout):
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 class AttentionTransfer(nn.Module):
     """Base of the transfer wrappers: a trainable ``student`` and a frozen ``teacher``.
 
@@ -121,6 +171,11 @@ class AttentionTransfer(nn.Module):
     ``student.*``), ``apply()`` and ``requires_grad_()`` see only it. The teacher is kept outside the
     module registry: set to ``requires_grad_(False)`` and eval mode once, kept in eval by
     :meth:`train`, and moved along by ``.to()`` / ``.cuda()`` / ``.double()``.
+
+    Either model may be a transformers vision model (:mod:`vitattn.hf`) of the same depth, heads and
+    token count: it runs on the pixel values with every patch a token, and a transformers student's
+    output is reduced to its prediction tensor (``logits``, else ``image_embeds``, ``pooler_output``,
+    ``last_hidden_state``).
     """
 
     student: nn.Module
@@ -161,13 +216,22 @@ class AttentionTransfer(nn.Module):
     def extra_repr(self) -> str:
         return f"teacher={type(self.teacher).__name__}, layers={list(self.layers)}"
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not is_transformers_model(self.student):
+            return super().__call__(*args, **kwargs)
+        with _images_in_logits_out(self.student):
+            return super().__call__(*args, **kwargs)
+
     def check_student(self) -> None:
         """Refuse gradient checkpointing in the student: its blocks would be recomputed in backward
         without the transfer (after this forward's overrides are gone), giving wrong gradients."""
-        if getattr(self.student, "grad_checkpointing", False):
+        if getattr(self.student, "grad_checkpointing", False) or getattr(
+            self.student, "is_gradient_checkpointing", False
+        ):
             raise RuntimeError(
                 "attention transfer does not support gradient checkpointing in the student: call "
-                "student.set_grad_checkpointing(False)"
+                "student.set_grad_checkpointing(False) (a transformers student: "
+                "student.gradient_checkpointing_disable())"
             )
 
     def teacher_layers(self, x: torch.Tensor) -> dict[int, TeacherLayer]:
@@ -184,7 +248,7 @@ class AttentionTransfer(nn.Module):
 
         with torch.no_grad(), override_attention(self.teacher, self.layers, rule, name="teacher"):
             try:
-                self.teacher(x)
+                model_forward(self.teacher, x)
             except _TeacherDone:
                 pass
         missing = [i for i in self.layers if i not in records]

@@ -1,0 +1,70 @@
+"""Hugging Face transformers vision models on vitattn (the optional ``hf`` extra).
+
+- :func:`register`: vitattn's attention as transformers ``AttentionInterface`` functions
+  (``vitattn_softmax``, ``vitattn_entmax15``, ``vitattn_sparsemax``, ``vitattn_entmax_<alpha>`` through
+  :func:`attention_name`, and ``vitattn`` for patched models);
+- :func:`vitattn.patch` takes transformers ViT, DeiT, DINOv2 (with and without registers), ViT-MAE,
+  CLIP vision and SigLIP vision models (:func:`patch_transformers`);
+- :func:`from_pretrained` rebuilds a saved patched model; :func:`load_model` resolves
+  ``hf:<model id or folder>`` offline for the command line;
+- :func:`hf_layout` finds the vision tower, its layers and attention modules, the token layout.
+
+Importing this package registers the attention functions with transformers (importing it), so
+``AutoModel.from_pretrained(path, attn_implementation="vitattn_entmax15")`` works right after
+``import vitattn.hf``; ``import vitattn`` itself never imports transformers.
+"""
+
+from ..models.blocks import is_transformers_model
+from .functions import (
+    ATTENTION_NAMES,
+    PATCHED_NAME,
+    HFAttentionSettings,
+    attention_name,
+    hf_attention,
+    is_vitattn_implementation,
+    normalizer_of_name,
+    register,
+)
+from .layout import FAMILIES, HFFamily, HFLayout, hf_layout, run_backbone
+from .loading import (
+    HF_PREFIX,
+    LoadedModel,
+    from_pretrained,
+    image_normalization,
+    load_gaug_weights,
+    load_model,
+)
+from .patching import RECORD_KEY, apply_record, patch_transformers, set_implementation, vitattn_implementation
+
+__all__ = [
+    "ATTENTION_NAMES",
+    "FAMILIES",
+    "HF_PREFIX",
+    "PATCHED_NAME",
+    "RECORD_KEY",
+    "HFAttentionSettings",
+    "HFFamily",
+    "HFLayout",
+    "LoadedModel",
+    "apply_record",
+    "attention_name",
+    "from_pretrained",
+    "hf_attention",
+    "hf_layout",
+    "image_normalization",
+    "is_transformers_model",
+    "is_vitattn_implementation",
+    "load_gaug_weights",
+    "load_model",
+    "normalizer_of_name",
+    "patch_transformers",
+    "register",
+    "run_backbone",
+    "set_implementation",
+    "vitattn_implementation",
+]
+
+try:
+    register()
+except ImportError:  # without transformers the package still imports; register() then says what to install
+    pass

@@ -1,0 +1,290 @@
+""":func:`vitattn.patch` on transformers vision models: settings and GAug heads on the attention
+modules, the ``vitattn`` attention implementation, PRR before the pooler / head, and a record in the
+config so that a saved model can be rebuilt (:func:`vitattn.hf.from_pretrained`).
+
+Nothing is replaced: each chosen attention module gets ``module.vitattn`` (an
+:class:`~vitattn.hf.functions.HFAttentionSettings`: normalizer, backend, token layout) and, for LocAt,
+``module.gaug`` (a :class:`~vitattn.layers.GaussianAugment`: state-dict keys ``...gaug.log_var.*``,
+``...gaug.log_alpha.*``, the official names), and the model's attention implementation becomes
+``"vitattn"``, which reads them. A forward pre-hook on the vision tower's embeddings sets the patch
+grid of each input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..functional.normalize import Normalizer, resolve_normalizer
+from ..layers import PRR, GaussianAugment
+from ..layers.locat import GaugInit, check_gaug_init
+from ..models.blocks import block_indices
+from .functions import (
+    PATCHED_NAME,
+    SETTINGS_ATTR,
+    HFAttentionSettings,
+    is_vitattn_implementation,
+    register,
+)
+from .layout import HFLayout, attention_head_dim, hf_layout
+
+__all__ = [
+    "RECORD_KEY",
+    "apply_record",
+    "current_implementation",
+    "patch_transformers",
+    "set_implementation",
+    "vitattn_implementation",
+]
+
+RECORD_KEY = "vitattn"  # config attribute: what vitattn.patch did, saved with the config
+_GRID_HOOK = "_vitattn_grid_hook"
+_PRR_HOOK = "_vitattn_prr_hook"
+_PRR_MODULE = "vitattn_prr"
+
+
+def current_implementation(model: nn.Module) -> str | None:
+    """The model's ``config._attn_implementation`` (None when it has none)."""
+    value = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return value if isinstance(value, str) else None
+
+
+def set_implementation(model: nn.Module, name: str) -> None:
+    """Switch the model's attention implementation to ``name`` (vitattn's names are registered first)."""
+    if is_vitattn_implementation(name):
+        register(name)
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        setter(name)
+    else:  # pragma: no cover - transformers without set_attn_implementation
+        model.config._attn_implementation = name  # type: ignore[union-attr]
+
+
+@contextmanager
+def vitattn_implementation(model: nn.Module) -> Iterator[None]:
+    """Within the block the model computes its attention through vitattn (``"vitattn"`` unless it
+    already uses one of vitattn's implementations: then nothing changes); restored on exit."""
+    before = current_implementation(model)
+    if is_vitattn_implementation(before):
+        yield
+        return
+    set_implementation(model, PATCHED_NAME)
+    try:
+        yield
+    finally:
+        if before is not None:
+            set_implementation(model, before)
+
+
+class GridHook:
+    """Forward pre-hook on the vision tower's embeddings: the patch grid of each ``pixel_values`` input
+    goes to every GAug-patched attention module; a ViT-MAE keeping every patch (``mask_ratio`` 0)
+    gets ``noise`` in position order, so its tokens stay in grid order."""
+
+    def __init__(self, layout: HFLayout) -> None:
+        self.layout = layout
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        pixels = args[0] if args else kwargs.get("pixel_values")
+        if not isinstance(pixels, torch.Tensor) or pixels.dim() != 4:
+            return None
+        grid = self.layout.grid(pixels.shape[-2:])
+        for attn in self.layout.attentions:
+            settings: HFAttentionSettings | None = getattr(attn, SETTINGS_ATTR, None)
+            if settings is not None and getattr(attn, "gaug", None) is not None:
+                settings.grid_size = grid
+        if (
+            self.layout.family.model_type == "vit_mae"
+            and kwargs.get("noise") is None
+            and len(args) < 2
+            and float(self.layout.config.mask_ratio) == 0.0
+        ):
+            n = grid[0] * grid[1]
+            noise = torch.arange(n, device=pixels.device, dtype=torch.float32).expand(pixels.shape[0], -1)
+            return args, {**kwargs, "noise": noise}
+        return None
+
+
+def _attach_grid_hook(layout: HFLayout) -> None:
+    embeddings = layout.backbone.get_submodule("embeddings")
+    handle = embeddings.__dict__.get(_GRID_HOOK)
+    if handle is not None:
+        handle.remove()
+    handle = embeddings.register_forward_pre_hook(GridHook(layout), with_kwargs=True)
+    embeddings.__dict__[_GRID_HOOK] = handle
+
+
+class PRRHook:
+    """Forward hook refining a module's output tokens with ``prr``: tokens, a tuple led by them, or a
+    model output with ``last_hidden_state`` (a class, not a closure, so a patched model pickles)."""
+
+    def __init__(self, prr: PRR) -> None:
+        self.prr = prr
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return self.prr(output)
+        if isinstance(output, tuple):
+            return (self.prr(output[0]), *output[1:])
+        output.last_hidden_state = self.prr(output.last_hidden_state)
+        return output
+
+
+def _attach_prr(layout: HFLayout) -> None:
+    """PRR on the final tokens before the pooler / head: on the output of the final norm over all
+    tokens (ViT, DeiT, DINOv2, ViT-MAE, SigLIP), or on the encoder's output for CLIP (whose
+    ``post_layernorm`` sees only the pooled class token)."""
+    backbone = layout.backbone
+    if isinstance(getattr(backbone, _PRR_MODULE, None), PRR):
+        return
+    heads = layout.num_heads(layout.depth - 1)
+    prr = PRR(int(layout.config.hidden_size), heads)
+    setattr(backbone, _PRR_MODULE, prr)  # no parameters: nothing in the state dict
+    if layout.family.model_type == "clip_vision_model":
+        target = backbone.get_submodule("encoder")
+    elif layout.final_norm is not None:
+        target = layout.final_norm
+    else:  # pragma: no cover - every supported family has a final norm
+        raise TypeError(f"prr=True needs the final norm {layout.family.final_norm!r} of {layout.family.name}")
+    target.__dict__[_PRR_HOOK] = target.register_forward_hook(PRRHook(prr))
+
+
+def _check_all_patches(layout: HFLayout) -> None:
+    if layout.family.model_type == "vit_mae" and float(layout.config.mask_ratio) > 0.0:
+        raise ValueError(
+            f"attention='locat' needs every patch as a token, but this ViT-MAE masks "
+            f"mask_ratio={layout.config.mask_ratio} of them: set model.config.mask_ratio = 0.0 first "
+            "(vitattn then keeps the patches in grid order)"
+        )
+
+
+def _projection_weight(attn: nn.Module) -> torch.Tensor:
+    for name in ("q_proj", "query"):
+        layer = getattr(attn, name, None)
+        if isinstance(layer, nn.Linear):
+            return layer.weight
+    raise TypeError(f"{type(attn).__name__} has no q_proj / query linear")  # pragma: no cover
+
+
+def _patch_layer(
+    layout: HFLayout, index: int, normalizer: Normalizer, gaug: bool, gaug_init: GaugInit
+) -> None:
+    """One attention module set up: its normalizer, and GAug heads kept / created (or removed)."""
+    attn = layout.attentions[index]
+    settings: HFAttentionSettings = getattr(attn, SETTINGS_ATTR, None) or HFAttentionSettings()
+    settings.normalizer = normalizer
+    if gaug:
+        grid = layout.grid()
+        settings.num_prefix_tokens = layout.num_prefix_tokens
+        settings.initial_grid_size = settings.initial_grid_size or grid
+        settings.grid_size = settings.grid_size or grid
+        if not isinstance(getattr(attn, "gaug", None), GaussianAugment):
+            weight = _projection_weight(attn)
+            heads = GaussianAugment(attention_head_dim(attn), weight.device, weight.dtype, init=gaug_init)
+            attn.gaug = heads.train(attn.training)
+    elif isinstance(getattr(attn, "gaug", None), nn.Module):
+        del attn.gaug
+    setattr(attn, SETTINGS_ATTR, settings)
+
+
+def _write_record(layout: HFLayout, prr: bool) -> None:
+    """``config.vitattn``: each patched layer's normalizer and GAug flag, and PRR (JSON-ready)."""
+    layers: dict[str, dict[str, Any]] = {}
+    for i, attn in enumerate(layout.attentions):
+        settings: HFAttentionSettings | None = getattr(attn, SETTINGS_ATTR, None)
+        if settings is not None:
+            layers[str(i)] = {
+                "normalizer": settings.normalizer,
+                "gaug": getattr(attn, "gaug", None) is not None,
+            }
+    config = getattr(layout.model, "config", layout.config)
+    old = getattr(config, RECORD_KEY, None) or {}
+    setattr(config, RECORD_KEY, {"version": 1, "layers": layers, "prr": bool(prr or old.get("prr", False))})
+
+
+def _layer_normalizer(attention: str, normalizer: Normalizer | None) -> Normalizer:
+    if normalizer is None:
+        return "entmax15" if attention == "entmax15" else "softmax"
+    resolved = resolve_normalizer(normalizer)
+    if attention == "entmax15" and resolved != "entmax15":
+        raise ValueError(
+            f"attention='entmax15' is entmax-1.5 attention, so normalizer={normalizer!r} contradicts it; "
+            "for another normalizer without a bias use attention='softmax', normalizer=..."
+        )
+    return resolved
+
+
+def patch_transformers(
+    model: nn.Module,
+    attention: str = "softmax",
+    prr: bool = False,
+    blocks: int | Iterable[int] | None = None,
+    normalizer: Normalizer | None = None,
+    gaug_init: GaugInit = "paper",
+) -> nn.Module:
+    """:func:`vitattn.patch` for a transformers vision model (arguments as there); returns ``model``.
+
+    ``attention`` is ``"softmax"``, ``"entmax15"`` or ``"locat"``. LocAt's heads read the query
+    before scaling; the grid and prefix tokens (class token, DeiT's distillation token, DINOv2's
+    registers; none for SigLIP) come from each input, so interpolated position encodings and other
+    image sizes work. Raises ``TypeError`` for an unsupported model (naming the supported families),
+    ``ValueError`` for bad arguments or a ViT-MAE that masks patches with ``"locat"``.
+    """
+    if attention not in ("softmax", "entmax15", "locat"):
+        raise ValueError(f"attention must be one of ['entmax15', 'locat', 'softmax'], got {attention!r}")
+    gaug_init = check_gaug_init(gaug_init)
+    layout = hf_layout(model)
+    chosen = _indices(blocks, layout.depth)
+    layer_normalizer = _layer_normalizer(attention, normalizer)
+    locat = attention == "locat"
+    if locat:
+        _check_all_patches(layout)
+    register()
+    for i in chosen:
+        _patch_layer(layout, i, layer_normalizer, locat, gaug_init)
+    _finish(layout, prr)
+    return model
+
+
+def _indices(blocks: int | Iterable[int] | None, depth: int) -> Sequence[int]:
+    if blocks is None:
+        return range(depth)
+    items = [blocks] if isinstance(blocks, int) else list(blocks)
+    return block_indices(items, depth, name="blocks") if items else ()
+
+
+def _finish(layout: HFLayout, prr: bool) -> None:
+    if any(getattr(a, "gaug", None) is not None for a in layout.attentions):
+        _attach_grid_hook(layout)
+    if prr:
+        _attach_prr(layout)
+    set_implementation(layout.model, PATCHED_NAME)
+    _write_record(layout, prr)
+
+
+def apply_record(model: nn.Module, record: dict[str, Any], gaug_init: GaugInit = "paper") -> nn.Module:
+    """Rebuild what :func:`patch_transformers` did from its ``config.vitattn`` record (fresh GAug
+    heads: load their weights after). Raises ``ValueError`` for a record this version cannot read."""
+    if (
+        not isinstance(record, dict)
+        or record.get("version") != 1
+        or not isinstance(record.get("layers"), dict)
+    ):
+        raise ValueError(f"config.{RECORD_KEY} is not a vitattn patch record (version 1): {record!r}")
+    layout = hf_layout(model)
+    if any(entry.get("gaug") for entry in record["layers"].values()):
+        _check_all_patches(layout)
+    register()
+    for key, entry in record["layers"].items():
+        index = block_indices([int(key)], layout.depth, name="layers")[0]
+        _patch_layer(
+            layout, index, resolve_normalizer(entry["normalizer"]), bool(entry.get("gaug")), gaug_init
+        )
+    _finish(layout, bool(record.get("prr", False)))
+    return model
