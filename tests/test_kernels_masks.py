@@ -10,6 +10,8 @@ triton was imported earlier without the flag).
   mask value and the reference sees the very scores the kernel sees.
 * The entmax-1.5 threshold search runs on max-shifted scores: a row masked by ``-1e6`` converges in a
   handful of passes (counted by wrapping the kernel's ``_score_tile``), not at the cap of 32.
+* The gradient of an additive mask that broadcasts over the queries, the keys or both, summed over the
+  tile before the atomic adds.
 
 (The kernels skip no work: every key loop loads its tiles unconditionally, so that they pipeline; the
 passes of the entmax-1.5 search are counted in ``tests/test_kernels_entmax_search.py``.)
@@ -193,3 +195,27 @@ def test_softmax_row_masked_by_finfo_min_is_uniform():
     ref = attention(q.double(), k.double(), v.double(), mask=mask.double(), backend="reference")
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=0)
     torch.testing.assert_close(out[0, 0, 2], v[0, 0].mean(0), atol=2e-6, rtol=0)
+
+
+@interpreted
+@pytest.mark.parametrize("shape", [(2, 1, 1, 37), (2, 1, 37, 1), (1, 1, 37, 37), (1, 1, 1, 1)],
+                         ids=["keys", "queries", "heads-and-batch", "scalar"])
+@pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
+def test_broadcast_additive_mask_gradients(normalizer, shape):
+    """The gradient of an additive mask that broadcasts: summed over the tile's query rows (a per-key mask),
+    its keys (a per-query mask), or both, before the atomic adds; against the reference in float64."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 3, 37, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.randn(shape, generator=g, dtype=torch.float64)
+    leaves = [t.float().requires_grad_() for t in (q, k, v, mask)]
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, mask)]
+    out = attention(*leaves[:3], normalizer=normalizer, mask=leaves[3], backend="triton")
+    ref = attention(*ref_leaves[:3], normalizer=normalizer, mask=ref_leaves[3], backend="reference")
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
+    grad = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, leaves, grad.float())
+    want = torch.autograd.grad(ref, ref_leaves, grad)
+    assert got[3].shape == shape
+    for name, a, w in zip("qkvm", got, want, strict=True):
+        tol = 1e-4 * max(1.0, w.abs().max().item())
+        torch.testing.assert_close(a.double(), w, atol=tol, rtol=0, msg=name)
