@@ -18,14 +18,18 @@ class TileConfig:
     max_head_dim: int = 128  # used only for padded head dims up to this (larger ones spill)
     max_head_dim_masked: int | None = None  # the same with an additive / boolean mask tile (0: never)
     max_head_dim_fp32: int | None = None  # the same with float32 (TF32) operands: twice the shared memory
+    max_head_dim_ragged: int | None = None  # the same with bound masks (ragged lengths or head dim; 0: never)
 
-    def head_dim_limit(self, masked: bool, fp32: bool = False) -> int:
-        """The largest padded head dim this config serves (0: none, with a mask tile)."""
+    def head_dim_limit(self, masked: bool, fp32: bool = False, ragged: bool = False) -> int:
+        """The largest padded head dim this config serves (0: none) with a mask tile (``masked``), float32
+        operands (``fp32``), bound masks on (``ragged``: see :func:`ragged`)."""
         limit = self.max_head_dim
         if masked and self.max_head_dim_masked is not None:
             limit = self.max_head_dim_masked
         if fp32 and self.max_head_dim_fp32:
             limit = min(limit, self.max_head_dim_fp32)
+        if ragged and self.max_head_dim_ragged is not None:
+            limit = min(limit, self.max_head_dim_ragged)
         return limit
 
     def __str__(self) -> str:
@@ -43,8 +47,9 @@ class TileConfig:
 AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
     90: {
         "fwd_softmax": (
-            TileConfig(128, 64, 8, 3, max_head_dim_fp32=64), TileConfig(64, 64, 4, 3, max_head_dim_fp32=64),
-            TileConfig(128, 64, 8, 4, max_head_dim_fp32=64), TileConfig(64, 32, 4, 3),
+            TileConfig(128, 64, 8, 3, max_head_dim_fp32=64, max_head_dim_ragged=64),
+            TileConfig(64, 64, 4, 3, max_head_dim_fp32=64, max_head_dim_ragged=64),
+            TileConfig(128, 64, 8, 4, max_head_dim_fp32=64, max_head_dim_ragged=64), TileConfig(64, 32, 4, 3),
         ),
         "fwd_entmax15": (
             TileConfig(128, 64, 8, 3, max_head_dim=64), TileConfig(64, 64, 4, 3, max_head_dim=64),
@@ -53,14 +58,14 @@ AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
         # 4 warps: with 8, the M = 64 key rows of the wgmma tiles are split over two warpgroups along the
         # queries, and Triton recomputes p in the second dot's operand layout (1.33x the exps)
         "bwd_dkdv": (
-            TileConfig(32, 64, 4, 3, max_head_dim=64), TileConfig(64, 32, 4, 3), TileConfig(32, 32, 4, 3),
-            TileConfig(64, 32, 4, 4, max_head_dim_fp32=64),
+            TileConfig(32, 64, 4, 3, max_head_dim=64), TileConfig(64, 32, 4, 3, max_head_dim_ragged=64),
+            TileConfig(32, 32, 4, 3), TileConfig(64, 32, 4, 4, max_head_dim_fp32=64, max_head_dim_ragged=64),
         ),
         # a mask's gradient tile (its 64-bit pointers, the atomics) spills the 64-key tiles at any head dim
         "bwd_dq": (
-            TileConfig(64, 64, 4, 3, max_head_dim=64, max_head_dim_masked=0),
-            TileConfig(128, 64, 8, 3, max_head_dim=64, max_head_dim_masked=0),
-            TileConfig(64, 32, 4, 3), TileConfig(128, 32, 8, 3, max_head_dim_fp32=64),
+            TileConfig(64, 64, 4, 3, max_head_dim=64, max_head_dim_masked=0, max_head_dim_ragged=0),
+            TileConfig(64, 32, 4, 3, max_head_dim_ragged=64), TileConfig(128, 32, 8, 3, max_head_dim_fp32=64),
+            TileConfig(32, 32, 4, 3),
         ),
     },
     80: {
@@ -95,13 +100,20 @@ def arch_of(capability: int) -> int:
 AUTOTUNE: dict[str, tuple[TileConfig, ...]] = AUTOTUNE_BY_ARCH[DEFAULT_ARCH]
 
 
+def ragged(n_q: int, n_k: int, even_d: bool) -> bool:
+    """Whether a launch runs with bound masks for some tile: a length not a multiple of 128 (every block
+    size divides 128) or a head dim below its padded size."""
+    return n_q % 128 != 0 or n_k % 128 != 0 or not even_d
+
+
 def autotune_list(
-    kernel: str, block_d: int, masked: bool, fp32: bool = False, arch: int = DEFAULT_ARCH
+    kernel: str, block_d: int, masked: bool, fp32: bool = False, arch: int = DEFAULT_ARCH,
+    ragged: bool = False,
 ) -> tuple[TileConfig, ...]:
     """The configs of ``kernel`` on ``arch`` usable at padded head dim ``block_d`` (with a mask tile if
-    ``masked``, with float32 operands if ``fp32``)."""
+    ``masked``, with float32 operands if ``fp32``, with bound masks if ``ragged``)."""
     tiles = AUTOTUNE_BY_ARCH[arch_of(arch)][kernel]
-    return tuple(c for c in tiles if block_d <= c.head_dim_limit(masked, fp32))
+    return tuple(c for c in tiles if block_d <= c.head_dim_limit(masked, fp32, ragged))
 
 
 # The row-term kernels of the backward (delta, the Gaussian row terms) need no tuning.

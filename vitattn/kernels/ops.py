@@ -231,15 +231,19 @@ def device_arch(tensors: Iterable[Any]) -> int:
     return configs.arch_of(10 * major + minor)
 
 
-def tile_candidates(name: str, meta: dict[str, Any], arch: int) -> tuple[configs.TileConfig, ...]:
-    """The autotune list of kernel ``name`` on ``arch`` usable at the launch's padded head dims and flags."""
+def tile_candidates(
+    name: str, meta: dict[str, Any], arch: int, ragged: bool = False
+) -> tuple[configs.TileConfig, ...]:
+    """The autotune list of kernel ``name`` on ``arch`` usable at the launch's padded head dims and flags
+    (``ragged``: :func:`configs.ragged`)."""
     block_d = max(meta["BLOCK_D"], meta["BLOCK_DV"])
     masked = bool(meta["HAS_ADD"] or meta["HAS_KEEP"])
     fp32 = bool(meta["F32_DOT"])  # on a GPU: float32 operands (TF32 or IEEE)
-    tiles = configs.autotune_list(name, block_d, masked, fp32, arch=arch)
+    tiles = configs.autotune_list(name, block_d, masked, fp32, arch=arch, ragged=ragged)
     if not tiles:
         raise RuntimeError(
-            f"no tile config of {name} serves head dim {block_d} (masked={masked}, fp32={fp32}, sm_{arch})"
+            f"no tile config of {name} serves head dim {block_d} (masked={masked}, fp32={fp32}, "
+            f"ragged={ragged}, sm_{arch})"
         )
     return tiles
 
@@ -300,7 +304,7 @@ def _launch(
             return float(triton.testing.do_bench(step, warmup=BENCH_WARMUP_MS, rep=BENCH_REP_MS))
 
         key = tune_key(name, args[0].dtype, *shape, meta)
-        candidates = tile_candidates(name, meta, device_arch(args))
+        candidates = tile_candidates(name, meta, device_arch(args), configs.ragged(n_q, n_k, even_d))
         if compile_only():
             forced = forced_tile(candidates)
             for tile in [forced] if forced is not None else candidates:

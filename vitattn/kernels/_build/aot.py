@@ -2,7 +2,7 @@
 read their machine code.
 
 Usage: ``python -m vitattn.kernels._build.aot --arch 80 90 [--head-dim 128] [--dtype bf16] [--jobs 2]
-[--quick] [--ragged] [--all-configs] [--variants PATTERN ...] [--report PATH] [--expect-triton 3.6.0]``;
+[--quick] [--ragged [ARCH ...]] [--all-configs] [--variants PATTERN ...] [--report PATH] [--expect-triton 3.6.0]``;
 ``python -m vitattn.kernels._build.aot --markdown REPORT`` prints a report's sm_90 table (docs/kernels.md).
 
 A *variant* is normalizer (softmax, entmax15) x bias kind (none, gaussian, additive, bool) x pass (fwd,
@@ -10,7 +10,7 @@ bwd_dkdv, bwd_dq); each is compiled with every entry of its arch's autotune list
 (``configs.AUTOTUNE_BY_ARCH``), at the largest head dim that entry serves (its worst case for registers
 and shared memory), via ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))``, no GPU
 needed, with whole tiles (``EVEN_M = EVEN_N = EVEN_D``: N = 4096, D = 64) and, with ``--ragged``, also
-with every bound mask on. For each build it reads the cubin: registers and local memory
+with every bound mask on (ViT lengths such as 197, head dims such as 80). For each build it reads the cubin: registers and local memory
 (``cuobjdump -res-usage``), the shared memory (``metadata.shared``), and from the SASS (``nvdisasm``)
 the spill traffic (``LDL`` / ``STL`` bytes) and, per inner key loop, the instructions of one iteration
 per score element: ``MUFU.EX2``, integer-to-float conversions (``I2F``), asynchronous tile loads
@@ -206,16 +206,18 @@ def compile_one(build: Build) -> Result:
 
 
 def plan(
-    archs: Iterable[int], head_dim: int, dtype: str, quick: bool = False, ragged: bool = False,
+    archs: Iterable[int], head_dim: int, dtype: str, quick: bool = False, ragged: Iterable[int] = (),
     all_configs: bool = False, variants: Iterable[str] = (),
 ) -> list[Build]:
     """Every (arch, variant, config) at ``min(head_dim, config's limit)``: the arch's own autotune list
     (``pickable``), and with ``all_configs`` the other archs' entries too (not pickable there); ``quick``
-    keeps the first config of each kernel only; ``ragged`` adds each build with every bound mask on;
+    keeps the first config of each kernel only; ``ragged`` (archs) adds each build with every bound mask
+    on (``EVEN_M = EVEN_N = EVEN_D = False``, at the head dims the configs serve then);
     ``variants`` (``fnmatch`` patterns of ``normalizer/bias/pass``) keeps the matching variants only."""
     import fnmatch
 
     patterns = list(variants)
+    ragged = set(ragged)
     builds = []
     fp32 = dtype == "fp32"
     for arch in archs:
@@ -232,13 +234,12 @@ def plan(
                     if all_configs:
                         for other in configs.AUTOTUNE_BY_ARCH.values():
                             tiles += [(cfg, False) for cfg in other[kernel] if cfg not in own[kernel]]
-                    # a config never used for this variant (a head-dim limit under 16) is not built
-                    tiles = [(c, p) for c, p in tiles if c.head_dim_limit(masked, fp32=fp32) >= 16]
-                    if quick:
-                        tiles = tiles[:1]
-                    for cfg, pickable in tiles:
-                        dim = min(head_dim, cfg.head_dim_limit(masked, fp32=fp32))
-                        for even in (True, False) if ragged else (True,):
+                    for even in (True, False) if arch in ragged else (True,):
+                        # a config never used for this variant (a head-dim limit under 16) is not built
+                        limit = [(c, p, c.head_dim_limit(masked, fp32=fp32, ragged=not even)) for c, p in tiles]
+                        usable = [(c, p, lim) for c, p, lim in limit if lim >= 16]
+                        for cfg, pickable, lim in usable[:1] if quick else usable:
+                            dim = min(head_dim, lim)
                             builds.append(Build(arch, normalizer, bias, pass_, cfg, dim, dtype, even, pickable))
         delta_cfg = configs.TileConfig(configs.DELTA_ROWS, 16, 4, 1)
         builds.append(Build(arch, "-", "-", "delta", delta_cfg, head_dim, dtype))
@@ -394,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
                         help="q/k/v element type (fp32: the TF32 kernels)")
     parser.add_argument("--quick", action="store_true", help="only the first autotune config per kernel")
-    parser.add_argument("--ragged", action="store_true", help="also every build with its bound masks on")
+    parser.add_argument("--ragged", type=int, nargs="*", metavar="ARCH",
+                        help="also every build with its bound masks on (on these archs; all without one)")
     parser.add_argument("--all-configs", action="store_true",
                         help="also the other archs' configs on each arch (not pickable there)")
     parser.add_argument("--variants", nargs="+", default=[], metavar="PATTERN",
@@ -425,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.fresh:
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="vitattn-aot-")
-    builds = plan(args.arch, args.head_dim, args.dtype, args.quick, args.ragged, args.all_configs, args.variants)
+    ragged = [] if args.ragged is None else (args.ragged or args.arch)
+    builds = plan(args.arch, args.head_dim, args.dtype, args.quick, ragged, args.all_configs, args.variants)
     print(_fmt(_HEADER))
     results = []
     if args.jobs > 1:
