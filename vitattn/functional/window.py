@@ -6,7 +6,8 @@ interleaved sub-grids (those with the same ``position mod d``). A query at ``i``
 ``r = i mod d`` of ``m = ceil((size - r) / d)`` positions, at index ``i // d``; its window is the ``k``
 consecutive sub-grid positions starting at index ``clamp(i // d - k // 2, 0, m - k)``, i.e. centred on
 the query where it can be and shifted inward at the borders, so that every query sees exactly
-``min(k, m)`` keys along the axis (NATTEN's rule; when ``k > m`` the window is the whole sub-grid).
+``min(k, m)`` keys along the axis (for an odd ``k``, the rule of NATTEN's neighbourhood attention, dilation
+included; when ``k > m`` the window is the whole sub-grid, where NATTEN refuses the call).
 For an even ``k`` the window holds ``k // 2`` positions before the query and ``k // 2 - 1`` after it.
 
 A patch query ``(i, j)`` keeps the patch key ``(a, b)`` when ``a`` is in the row window of ``i`` and
