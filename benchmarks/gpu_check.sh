@@ -4,18 +4,26 @@
 #   bash benchmarks/gpu_check.sh             # on the GPU machine, from anywhere; JSON under $OUT
 #   bash benchmarks/gpu_check.sh --dry-run   # the same steps on the CPU, tiny shapes, TRITON_INTERPRET=1
 #
-# Steps, each under `timeout` and each writing its own JSON under $OUT (8 files in all):
+# Steps, each under `timeout` and each writing its own JSON under $OUT (8 files in all, what one device
+# call brings back):
 #   env.json            versions, device, peers, compute-sanitizer (peers: wheels in .whl/, see README)
-#   tests.json          tests/test_kernels_gpu.py (pytest -v, outcomes per test)
+#   warm.json           benchmarks/warm_kernels.py: every kernel and tile the later steps launch, compiled
+#                       first on all CPU cores into TRITON_CACHE_DIR (no timed step compiles)
+#   tests.json          tests/test_kernels_gpu.py (pytest -v, outcomes per test: every autotune config
+#                       forced in turn, a run-twice bitwise comparison, the reference in float64)
 #   memcheck.json       compute-sanitizer memcheck of benchmarks/memcheck_kernels.py (a few small cases
 #                       per kernel, PYTORCH_NO_CUDA_MEMORY_CACHING=1, one tile config per kernel)
-#   bench_n4096.json, bench_n16384.json, bench_sparse.json, bench_vit_b.json
-#                       benchmarks/bench_kernels.py, one case each (ratio tables printed)
-#   summary.json        the goals (pass / fail / unknown) and each step's status
+#   bench_n4096.json, bench_n16384.json, bench_extra.json (sparse and vit_b)
+#                       benchmarks/bench_kernels.py (ratio tables printed; every row gated on its error
+#                       against the reference backend in the same run)
+#   summary.json        the checks and goals (pass / fail / unknown, rules in gpu_report.py) and each
+#                       step's status
 # A step killed by its timeout loses only itself (gpu_report.py finish records its exit status and log
-# tail). Before each step the remaining budget (GPU_CHECK_BUDGET_S, default 520 s; dry run 300 s) is
-# checked: a step gets min(its own limit, what is left), and is skipped when under 15 s remain.
-# Exit status: 1 if the GPU tests or the memcheck failed, else 0 (speed goals are reported only).
+# tail), and its verdicts are unknown, never pass or fail. Before each step the remaining budget
+# (GPU_CHECK_BUDGET_S, default 520 s; dry run 300 s) is checked: a step gets min(its own limit, what is
+# left), and is skipped when under 15 s remain.
+# Exit status: 1 if a check failed (a kernel that does not compile, a failed GPU test, a memcheck error),
+# else 0 (speed goals are reported only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=0
@@ -91,33 +99,36 @@ else
   SAN="$("${REPORT[@]}" find-sanitizer)" || say "compute-sanitizer: not found (PATH, CUDA toolkit, pip nvidia packages)"
 fi
 
-step env 30 env -- "${REPORT[@]}" env --json "$OUT/env.json" --peers "$PEERS" --sanitizer "$SAN"
+step env 20 env -- "${REPORT[@]}" env --json "$OUT/env.json" --peers "$PEERS" --sanitizer "$SAN"
+
+# compile first, on every core: nothing after this compiles (the Triton cache is shared by the steps)
+CORES="$(nproc 2>/dev/null || echo 2)"
+step warm 170 warm -- "$PY" benchmarks/warm_kernels.py --jobs "$CORES" --out "$OUT/warm.json" "${DRYFLAG[@]}"
 
 if [ "$DRY" = 1 ]; then
   reason="dry run: tests/test_kernels_gpu.py needs CUDA (every test in it skips without a GPU)"
   stamp "tests: skipped ($reason)"
   "${REPORT[@]}" finish tests --json "$OUT/tests.json" --kind pytest --skipped "$reason"
 else
-  step tests 100 pytest -- "$PY" -m pytest -v -rs -p no:cacheprovider tests/test_kernels_gpu.py
+  step tests 90 pytest -- "$PY" -m pytest -v -rs -p no:cacheprovider tests/test_kernels_gpu.py
 fi
 
 MEMCHECK=("$PY" benchmarks/memcheck_kernels.py --out "$OUT/memcheck.json" "${DRYFLAG[@]}")
 if [ -n "$SAN" ]; then
-  step memcheck 80 memcheck --sanitizer "$SAN" -- env PYTORCH_NO_CUDA_MEMORY_CACHING=1 VITATTN_TRITON_TILES=first \
+  step memcheck 70 memcheck --sanitizer "$SAN" -- env PYTORCH_NO_CUDA_MEMORY_CACHING=1 VITATTN_TRITON_TILES=first \
     "$SAN" --tool memcheck --error-exitcode 3 --print-limit 20 "${MEMCHECK[@]}"
 else
-  step memcheck 80 memcheck --note "no compute-sanitizer: cases run unchecked" -- \
+  step memcheck 70 memcheck --note "no compute-sanitizer: cases run unchecked" -- \
     env PYTORCH_NO_CUDA_MEMORY_CACHING=1 VITATTN_TRITON_TILES=first "${MEMCHECK[@]}"
 fi
 
-# n4096 first: it compiles and autotunes every kernel (the later steps hit the Triton cache), and it
-# and n16384 carry the goals.
-for spec in n4096:150 n16384:60 sparse:45 vit_b:45; do
-  case_name=${spec%%:*} limit=${spec##*:}
+# n4096 and n16384 carry the goals; sparse and vit_b share one step (one JSON)
+for spec in n4096:90:n4096 n16384:60:n16384 extra:60:sparse,vit_b; do
+  IFS=: read -r name limit cases <<<"$spec"
   left=$((BUDGET - ($(date +%s) - START) - RESERVE))
   [ "$limit" -gt "$left" ] && limit=$left
-  step "bench_$case_name" "$limit" bench -- "$PY" benchmarks/bench_kernels.py --case "$case_name" \
-    --seconds "$limit" --out "$OUT/bench_$case_name.json" "${DRYFLAG[@]}"
+  step "bench_$name" "$limit" bench -- "$PY" benchmarks/bench_kernels.py --case ${cases//,/ } \
+    --seconds "$limit" --out "$OUT/bench_$name.json" "${DRYFLAG[@]}"
 done
 
 stamp "summary"

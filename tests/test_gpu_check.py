@@ -22,13 +22,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 FILES = {
     "env.json",
+    "warm.json",
     "tests.json",
     "memcheck.json",
     "bench_n4096.json",
     "bench_n16384.json",
-    "bench_sparse.json",
-    "bench_vit_b.json",
+    "bench_extra.json",
     "summary.json",
+}
+BENCH_CASES = {
+    "bench_n4096.json": ["n4096"], "bench_n16384.json": ["n16384"], "bench_extra.json": ["sparse", "vit_b"],
 }
 OUT_FILE_LIMIT = 8  # what one device call brings back
 
@@ -71,18 +74,28 @@ def test_dry_run_writes_one_json_per_step_within_the_file_limit(dry_run):
     assert "compute-sanitizer: skipped (dry run" in res.stdout  # the printed reasons
 
 
+def _bench_cases(out: Path):
+    for name, cases in BENCH_CASES.items():
+        data = json.loads((out / name).read_text())
+        assert data["dry_run"] is True and data["suite"] == "kernels"
+        assert [c["case"] for c in data["cases"]] == cases
+        yield from data["cases"]
+
+
 def test_dry_run_bench_json_has_every_family_and_the_reasons_for_what_it_skipped(dry_run):
     out, _ = dry_run
-    for case in ("n4096", "n16384", "sparse", "vit_b"):
-        data = json.loads((out / f"bench_{case}.json").read_text())
-        assert data["dry_run"] is True and data["suite"] == "kernels"
-        (c,) = data["cases"]
-        assert c["case"] == case and c["complete"] and c["modes_done"] == ["fwd+bwd", "fwd"]
+    for c in _bench_cases(out):
+        case = c["case"]
+        assert c["complete"] and c["modes_done"] == ["fwd+bwd", "fwd"]
         assert c["reference"] == "softmax sdpa"
         impls = {(r["case"].rsplit(" ", 1)[1], r["impl"]) for r in c["rows"]}
         for row in c["rows"]:
             assert row["ms"] > 0 and math.isfinite(row["ratio"]) and "tflops" in row["extra"]
-            assert row["extra"].get("rel_err", 0.0) < 1e-4, row  # every peer computes the same attention
+            # every row is gated against the reference backend in the same run, gradients included
+            extra = row["extra"]
+            assert extra["valid"] == 1.0 and extra["ranked"] == 1.0 and extra["rel_err"] < 1e-4, row
+            if not row["impl"].endswith("flex"):  # the CPU FlexAttention has no backward: forward only
+                assert extra["grad_err"] < 2e-4, row
         wanted = {"entmax15 vitattn", "softmax sdpa"}
         if case == "sparse":
             wanted |= {"entmax15 vitattn random"}
@@ -114,26 +127,26 @@ def test_dry_run_memcheck_and_summary(dry_run):
     assert summary["dry_run"] is True and set(summary["files"]) == FILES
     goals = {g["goal"]: g["status"] for g in summary["goals"]}
     assert set(goals) == {
-        "gaussian_vs_flash",
-        "gaussian_ahead",
-        "entmax_vs_adasplash_n4096",
-        "entmax_vs_flash_n4096",
-        "entmax_vs_adasplash_n16384",
-        "entmax_vs_flash_n16384",
-        "memory_linear",
-        "sanitizer_clean",
-    }
-    # no AdaSplash, no peak memory and no sanitizer on the CPU: unknown, never a pass
-    for name in ("entmax_vs_adasplash_n4096", "memory_linear", "sanitizer_clean", "gaussian_ahead"):
+        f"{goal}_{case}"
+        for case in ("n4096", "n16384")
+        for goal in ("gaussian_vs_flash", "gaussian_vs_dense_sdpa", "gaussian_vs_flex", "entmax_vs_flash",
+                     "entmax_vs_adasplash")
+    } | {"memory_linear", "sanitizer_clean"}
+    # no AdaSplash, no FlexAttention backward, no peak memory and no sanitizer on the CPU: unknown
+    for name in ("entmax_vs_adasplash_n4096", "gaussian_vs_flex_n4096", "memory_linear", "sanitizer_clean"):
         assert goals[name] == "unknown", name
+    checks = {c["goal"]: c["status"] for c in summary["checks"]}
+    assert checks == {"warm_compiles": "pass", "gpu_tests": "unknown", "memcheck_cases": "pass"}
     assert {s: v["status"] for s, v in summary["steps"].items()}["bench_n4096"] == "ok"
+    warm = json.loads((out / "warm.json").read_text())
+    assert warm["jobs"] and warm["compile_errors"] == [] and warm["jobs_total"] == len(warm["jobs"])
 
 
 def test_budget_check_skips_steps_and_still_writes_their_json(tmp_path):
     res = _dry_run(tmp_path, budget=12)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert {p.name for p in tmp_path.iterdir()} == FILES
-    for name in ("env", "memcheck", "bench_n4096", "bench_vit_b"):
+    for name in ("env", "warm", "memcheck", "bench_n4096", "bench_extra"):
         step = json.loads((tmp_path / f"{name}.json").read_text())["step"]
         assert step["status"] == "skipped" and step["reason"].startswith("budget"), (name, step)
 
@@ -183,63 +196,157 @@ def test_pytest_and_sanitizer_logs_are_parsed(tmp_path):
     assert report.parse_sanitizer(str(log)) == {"errors": None, "unsupported": True}
 
 
-def _bench(out: Path, case: str, rows: dict[str, tuple[float, float | None]]) -> None:
-    """A bench JSON with fwd+bwd rows ``impl -> (ms, peak MiB)``."""
-    data = {
-        "cases": [
-            {
-                "case": case,
-                "reference": "softmax sdpa_flash",
-                "rows": [
-                    {
-                        "case": f"{case} B1 fwd+bwd",
-                        "impl": impl,
-                        "ms": ms,
-                        "extra": {} if peak is None else {"peak_mib": peak},
-                    }
-                    for impl, (ms, peak) in rows.items()
-                ],
-            }
-        ]
-    }
-    (out / f"bench_{case}.json").write_text(json.dumps(data))
+def _row(case: str, impl: str, ms: float, peak: float | None = None, valid: bool = True, ranked: bool = True,
+         mode: str = "fwd+bwd") -> dict:
+    extra = {"rel_err": 1e-3 if valid else 0.5, "grad_err": 2e-3}
+    extra.update(valid=float(valid), ranked=float(ranked))
+    if peak is not None:
+        extra["peak_mib"] = peak
+    return {"case": f"{case} B1 {mode}", "impl": impl, "ms": ms, "extra": extra}
 
 
-@pytest.mark.parametrize("ours_ms, passes", [(1.0 / 0.85 - 1e-3, True), (1.0 / 0.85 + 1e-3, False)])
+def _bench(out: Path, name: str, case: str, rows: list[dict]) -> None:
+    """A bench JSON with the given rows (reference: SDPA flash)."""
+    data = {"cases": [{"case": case, "reference": "softmax sdpa_flash", "rows": rows}]}
+    (out / f"bench_{name}.json").write_text(json.dumps(data))
+
+
+def _good_run(out: Path, ours_ms: float = 1.0 / 0.95 - 1e-3) -> None:
+    _bench(out, "n4096", "n4096", [
+        _row("n4096", "softmax sdpa_flash", 1.0, 10.0),
+        _row("n4096", "gaussian vitattn", ours_ms, 20.0),
+        _row("n4096", "gaussian flex", 2.0),
+        _row("n4096", "gaussian dense_sdpa", 1.1),
+        _row("n4096", "entmax15 vitattn", 1.3, 30.0),
+        _row("n4096", "entmax15 adasplash", 2.6),
+    ])
+    _bench(out, "n16384", "n16384", [
+        _row("n16384", "softmax sdpa_flash", 4.0, 10.0),
+        _row("n16384", "gaussian vitattn", 5.0, 29.0),
+        _row("n16384", "entmax15 vitattn", 6.1, 45.1),
+        _row("n16384", "entmax15 adasplash", 6.0),
+    ])
+    (out / "memcheck.json").write_text(json.dumps({
+        "cases": [{"normalizer": "softmax", "kind": "none", "ok": True}],
+        "sanitizer": {"errors": 0, "unsupported": False}, "step": {"status": "ok"},
+    }))
+
+
+@pytest.mark.parametrize("ours_ms, passes", [(1.0 / 0.95 - 1e-3, True), (1.0 / 0.95 + 1e-3, False)])
 def test_goal_thresholds(tmp_path, ours_ms, passes):
     report = _report()
-    _bench(
-        tmp_path,
-        "n4096",
-        {
-            "softmax sdpa_flash": (1.0, 10.0),
-            "gaussian vitattn": (ours_ms, 20.0),
-            "gaussian flex": (2.0, None),
-            "gaussian dense_sdpa": (1.1, None),
-            "entmax15 vitattn": (1.5, 30.0),
-            "entmax15 adasplash": (1.6, 30.0),
-        },
-    )
-    _bench(
-        tmp_path,
-        "n16384",
-        {
-            "softmax sdpa_flash": (4.0, 10.0),
-            "gaussian vitattn": (5.0, 29.0),
-            "entmax15 vitattn": (6.1, 45.1),
-            "entmax15 adasplash": (6.0, 30.0),
-        },
-    )
-    (tmp_path / "memcheck.json").write_text(json.dumps({"sanitizer": {"errors": 0, "unsupported": False}}))
+    _good_run(tmp_path, ours_ms)
     goals = {g["goal"]: g["status"] for g in report.goals(tmp_path)}
-    assert goals["gaussian_vs_flash"] == ("pass" if passes else "fail")
-    assert goals["gaussian_ahead"] == ("pass" if ours_ms < 1.1 else "fail")
+    assert goals["gaussian_vs_flash_n4096"] == ("pass" if passes else "fail")
+    # the Gaussian kernel against the same bias materialized (dense + SDPA) and FlexAttention, both reported
+    assert goals["gaussian_vs_dense_sdpa_n4096"] == ("pass" if ours_ms < 1.1 else "fail")
+    assert goals["gaussian_vs_flex_n4096"] == "pass"
+    assert goals["gaussian_vs_flex_n16384"] == "unknown"  # no flex row at n16384
     assert goals["entmax_vs_adasplash_n4096"] == "pass" and goals["entmax_vs_adasplash_n16384"] == "fail"
-    assert (
-        goals["entmax_vs_flash_n4096"] == "pass" and goals["entmax_vs_flash_n16384"] == "fail"
-    )  # 6.1 > 1.5 * 4
+    assert goals["entmax_vs_flash_n4096"] == "pass"
+    assert goals["entmax_vs_flash_n16384"] == "fail"  # 6.1 > 1.3 * 4
     assert goals["memory_linear"] == "fail"  # entmax15 vitattn: 45.1 / 30 > 1.5 (gaussian: 29 / 20 passes)
     assert goals["sanitizer_clean"] == "pass"
+
+
+def test_a_wrong_vitattn_row_fails_its_goals_and_a_wrong_or_unranked_peer_gives_no_verdict(tmp_path):
+    report = _report()
+    _good_run(tmp_path)
+    _bench(tmp_path, "n4096", "n4096", [
+        _row("n4096", "softmax sdpa_flash", 1.0, 10.0),
+        _row("n4096", "gaussian vitattn", 0.5, 20.0, valid=False),  # fast, but wrong
+        _row("n4096", "gaussian flex", 2.0, ranked=False),  # q, k, v gradients only
+        _row("n4096", "gaussian dense_sdpa", 1.1),
+        _row("n4096", "entmax15 vitattn", 1.3, 30.0),
+        _row("n4096", "entmax15 adasplash", 2.6, valid=False),  # a peer that is wrong
+    ])
+    goals = {g["goal"]: g for g in report.goals(tmp_path)}
+    assert goals["gaussian_vs_flash_n4096"]["status"] == "fail"
+    assert "wrong" in goals["gaussian_vs_flash_n4096"]["detail"]
+    assert goals["gaussian_vs_dense_sdpa_n4096"]["status"] == "fail"
+    assert goals["entmax_vs_adasplash_n4096"]["status"] == "unknown"
+    assert "entmax15 adasplash wrong" in goals["entmax_vs_adasplash_n4096"]["detail"]
+    assert goals["entmax_vs_flash_n4096"]["status"] == "pass"
+    # ours right, the peer ran with fewer gradients: reported, not ranked
+    _bench(tmp_path, "n4096", "n4096", [
+        _row("n4096", "softmax sdpa_flash", 1.0), _row("n4096", "gaussian vitattn", 1.0),
+        _row("n4096", "gaussian flex", 2.0, ranked=False),
+    ])
+    goals = {g["goal"]: g for g in report.goals(tmp_path)}
+    assert goals["gaussian_vs_flex_n4096"]["status"] == "unknown"
+    assert "gaussian flex unranked" in goals["gaussian_vs_flex_n4096"]["detail"]
+    # a row without a gate (an old JSON) is not compared either
+    row = _row("n4096", "gaussian vitattn", 1.0)
+    del row["extra"]["valid"]
+    _bench(tmp_path, "n4096", "n4096", [_row("n4096", "softmax sdpa_flash", 1.0), row])
+    assert {g["goal"]: g["status"] for g in report.goals(tmp_path)}["gaussian_vs_flash_n4096"] == "unknown"
+
+
+def _step(out: Path, name: str, status: str, **data) -> None:
+    (out / f"{name}.json").write_text(json.dumps({**data, "step": {"name": name, "status": status}}))
+
+
+@pytest.mark.parametrize(
+    "status, counts, failed, verdict",
+    [
+        ("ok", {"passed": 40}, [], "pass"),
+        ("timeout", {"passed": 12}, [], "unknown"),  # killed part-way after passes: not a FAIL
+        ("timeout", {"passed": 12, "failed": 1}, ["t::a"], "fail"),  # what it showed failed
+        ("failed", {"passed": 39, "failed": 1}, ["t::a"], "fail"),
+        ("skipped", {}, [], "unknown"),
+        ("ok", {}, [], "unknown"),  # nothing ran
+    ],
+)
+def test_gpu_tests_verdict(tmp_path, status, counts, failed, verdict):
+    report = _report()
+    _step(tmp_path, "tests", status, pytest={"counts": counts, "failed": failed, "tests": {}})
+    assert {c["goal"]: c["status"] for c in report.checks(tmp_path)}["gpu_tests"] == verdict
+
+
+@pytest.mark.parametrize(
+    "status, cases_ok, errors, verdict, clean",
+    [
+        ("ok", [True, True], 0, "pass", "pass"),
+        ("timeout", [True], 0, "unknown", "unknown"),  # killed part-way: never a pass
+        ("timeout", [True, False], 0, "fail", "unknown"),  # a case it reached failed
+        ("ok", [True, True], 2, "fail", "fail"),
+        ("timeout", [True], 3, "fail", "fail"),
+        ("skipped", [], None, "unknown", "unknown"),
+    ],
+)
+def test_memcheck_verdict(tmp_path, status, cases_ok, errors, verdict, clean):
+    report = _report()
+    cases = [{"normalizer": "softmax", "kind": f"k{i}", "ok": ok} for i, ok in enumerate(cases_ok)]
+    _step(tmp_path, "memcheck", status, cases=cases, sanitizer={"errors": errors, "unsupported": False})
+    assert {c["goal"]: c["status"] for c in report.checks(tmp_path)}["memcheck_cases"] == verdict
+    assert {g["goal"]: g["status"] for g in report.goals(tmp_path)}["sanitizer_clean"] == clean
+
+
+@pytest.mark.parametrize(
+    "status, compile_errors, jobs, verdict",
+    [
+        ("ok", [], 10, "pass"),
+        ("ok", ["tests config 2 entmax15 gaussian 197 64"], 10, "fail"),
+        ("timeout", [], 4, "unknown"),  # compiled part of it: the steps after compile the rest
+        ("timeout", ["bench n4096 gaussian vitattn fwd+bwd"], 4, "fail"),
+        ("skipped", [], 0, "unknown"),
+    ],
+)
+def test_warm_verdict(tmp_path, status, compile_errors, jobs, verdict):
+    report = _report()
+    records = [{"name": str(i)} for i in range(jobs)]
+    _step(tmp_path, "warm", status, compile_errors=compile_errors, jobs=records, counts={})
+    assert {c["goal"]: c["status"] for c in report.checks(tmp_path)}["warm_compiles"] == verdict
+
+
+def test_summary_exit_status_follows_the_checks(tmp_path):
+    report = _report()
+    _good_run(tmp_path)
+    _step(tmp_path, "warm", "ok", compile_errors=[], jobs=[{"name": "a"}], counts={})
+    _step(tmp_path, "tests", "timeout", pytest={"counts": {"passed": 3}, "failed": [], "tests": {}})
+    assert report.main(["summary", str(tmp_path)]) == 0  # unknown is not a failure
+    _step(tmp_path, "tests", "failed", pytest={"counts": {"failed": 1}, "failed": ["t::x"], "tests": {}})
+    assert report.main(["summary", str(tmp_path)]) == 1
 
 
 def test_find_sanitizer_in_pips_nvidia_package(tmp_path, monkeypatch):

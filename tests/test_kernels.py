@@ -1,4 +1,4 @@
-"""The Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1) against the torch reference path.
+"""The Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1) against the reference backend.
 
 How the interpreter flag is read (triton 3.8): ``@triton.jit`` reads ``TRITON_INTERPRET`` when a function
 is *defined*, returning an ``InterpretedFunction`` instead of a ``JITFunction``, and that includes
@@ -11,7 +11,7 @@ variable set, and each test here reports its own case's result (``tests/helpers.
 run under TRITON_INTERPRET=1 either way, and none shows as skipped.
 
 Every case checks the forward output and every gradient (q, k, v, and sigma, alpha, the additive mask
-where present) against ``backend="torch"`` run in float64 on the same (rounded) inputs.
+where present) against ``backend="reference"`` run in float64 on the same (rounded) inputs.
 Tolerances, as the max-abs error relative to the reference's max-abs (forward / gradients): float32
 1e-5 / 2e-5 (observed <= 2.5e-6), float16 3e-3 / 4e-3 (observed <= 8e-4), bfloat16 2.5e-2 / 4e-2
 (observed <= 1.2e-2; the interpreter loads bf16 and upcasts, p and dS are rounded to bf16 as on a GPU).
@@ -112,7 +112,7 @@ def _kwargs(leaves, case: Case, mask):
 def check(case: Case) -> None:
     ours, ref, mask = _make(case)
     out = attention(ours["q"], ours["k"], ours["v"], backend="triton", **_kwargs(ours, case, mask))
-    expect = attention(ref["q"], ref["k"], ref["v"], backend="torch", **_kwargs(ref, case, mask))
+    expect = attention(ref["q"], ref["k"], ref["v"], backend="reference", **_kwargs(ref, case, mask))
     assert out.dtype == case.dtype and out.shape == expect.shape
     fwd_tol, grad_tol = TOL[case.dtype]
     err = ((out.double() - expect).abs().max() / expect.abs().max()).item()
@@ -202,7 +202,7 @@ def test_cross_attention_strides_and_value_dim(normalizer):
     leaves = [t.requires_grad_() for t in (q, k, v)]
     out = attention(*leaves, normalizer=normalizer, mask=mask, scale=0.3, backend="triton")
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-    ref = attention(*ref_leaves, normalizer=normalizer, mask=mask, scale=0.3, backend="torch")
+    ref = attention(*ref_leaves, normalizer=normalizer, mask=mask, scale=0.3, backend="reference")
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
     grad = torch.randn(ref.shape, dtype=torch.float64)
     got = torch.autograd.grad(out, leaves, grad.float())
@@ -230,7 +230,7 @@ def test_fully_masked_rows_give_zeros(normalizer, mask_dtype):
     for t in grads:
         assert torch.isfinite(t).all()
     assert torch.equal(grads[0][0, 1, 5], torch.zeros(16))
-    ref = attention(q, k, v, normalizer=normalizer, mask=mask, backend="torch")
+    ref = attention(q, k, v, normalizer=normalizer, mask=mask, backend="reference")
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
 
 
@@ -240,7 +240,7 @@ def test_inference_without_gradients(normalizer):
     q, k, v = (torch.randn(1, 2, 37, 32) * 2 for _ in range(3))
     with torch.no_grad():
         out = attention(q, k, v, normalizer=normalizer, backend="triton")
-    ref = attention(q, k, v, normalizer=normalizer, backend="torch")
+    ref = attention(q, k, v, normalizer=normalizer, backend="reference")
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
 
 
@@ -313,7 +313,7 @@ def test_kernels_are_not_imported_until_used():
         "from vitattn.functional import attention\n"
         "q = torch.randn(1, 2, 5, 8)\n"
         "attention(q, q, q)\n"
-        "loaded = [m for m in sys.modules if m.startswith('vitattn.kernels.')]\n"
-        "assert loaded == ['vitattn.kernels.backend'], loaded\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('vitattn.kernels.'))\n"
+        "assert loaded == ['vitattn.kernels.backend', 'vitattn.kernels.env'], loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -1,17 +1,20 @@
-"""The Triton kernels on a real GPU (skipped without CUDA): bf16 / fp16 / fp32 at ViT sequence lengths
-(197, 785, 1025 = a class token + 14², 28², 32² patches) against the torch path in float64, plus dispatch,
-dead rows and linear memory. ``benchmarks/gpu_check.sh`` runs this file.
+"""The Triton kernels on a real GPU (skipped without CUDA): bf16 / fp16 / fp32 at ViT sequence lengths (197,
+785, 1025 = a class token + 14², 28², 32² patches, and whole tiles at 256) against the reference backend
+in float64, every autotune config forced in turn, a run-twice bitwise comparison, plus dispatch, dead
+rows and linear memory. ``benchmarks/gpu_check.sh`` runs this file, after ``benchmarks/warm_kernels.py``
+compiled every launch of it (:func:`warm_calls`) on all CPU cores.
 
-Most cases run with ``VITATTN_TRITON_TILES=first`` (one config per kernel, so the suite compiles in
-minutes); ``test_autotuned`` runs the full autotune lists. The AOT command and
-``benchmarks/memcheck_kernels.py`` cover every config.
-Tolerances (max-abs error relative to the reference's max-abs, forward / gradients): float32 (IEEE dots)
-1e-5 / 3e-5, float16 3e-3 / 6e-3, bfloat16 2.5e-2 / 5e-2.
+Most cases run with ``VITATTN_TRITON_TILES=first`` (one config per kernel); ``test_every_config`` forces
+each config of the arch's autotune lists (``VITATTN_TRITON_TILES=<index>``), ``test_autotuned`` runs the
+autotuner. Tolerances (max-abs error relative to the reference's max-abs, forward / gradients): float32
+(IEEE dots) 1e-5 / 3e-5, float16 3e-3 / 6e-3, bfloat16 2.5e-2 / 5e-2.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -28,15 +31,17 @@ pytest.importorskip("triton")
 
 DEV = "cuda"
 TOL = {torch.float32: (1e-5, 3e-5), torch.float16: (3e-3, 6e-3), torch.bfloat16: (2.5e-2, 5e-2)}
-GRIDS = {197: (14, 14), 785: (28, 28), 1025: (32, 32)}
+GRIDS = {197: (14, 14), 256: (16, 16), 785: (28, 28), 1025: (32, 32)}
+TILES_ENV = "VITATTN_TRITON_TILES"
+MAX_CONFIGS = 4  # the longest autotune list (configs.AUTOTUNE_BY_ARCH)
 
 
 @pytest.fixture(autouse=True)
 def _one_config(request, monkeypatch):
     from vitattn.kernels import ops
 
-    if "autotuned" not in request.node.name:
-        monkeypatch.setenv("VITATTN_TRITON_TILES", "first")
+    if "autotuned" not in request.node.name and "every_config" not in request.node.name:
+        monkeypatch.setenv(TILES_ENV, "first")
     yield
     ops._TUNED.clear()
 
@@ -48,8 +53,9 @@ def _leaves(normalizer, kind, n, d, dtype, b=2, h=3, seed=0):
         for name in "qkv"
     }
     mask = None
+    prefix = n - GRIDS[n][0] * GRIDS[n][1]
     if kind.startswith("gaussian"):
-        n_p = n - 1
+        n_p = n - prefix
         ours["sigma"] = torch.exp(torch.randn(b, h, n_p, 2, device=DEV, generator=g) * 0.7) * 4
         ours["alpha"] = torch.rand(b, h, n_p, 1, device=DEV, generator=g) * 3
     if kind == "add":
@@ -68,22 +74,30 @@ def _leaves(normalizer, kind, n, d, dtype, b=2, h=3, seed=0):
 def _kwargs(leaves, normalizer, n, mask):
     kw = dict(normalizer=normalizer, mask=mask)
     if "sigma" in leaves:
-        kw["bias"] = GaussianBias(leaves["sigma"], leaves["alpha"], GRIDS[n], num_prefix_tokens=1)
+        prefix = n - GRIDS[n][0] * GRIDS[n][1]
+        kw["bias"] = GaussianBias(leaves["sigma"], leaves["alpha"], GRIDS[n], num_prefix_tokens=prefix)
     if "add" in leaves:
         kw["mask"] = leaves["add"]
     return kw
 
 
-def _check(normalizer, kind, n, d, dtype, backend="triton"):
-    ours, ref, mask = _leaves(normalizer, kind, n, d, dtype)
+def _run(normalizer, kind, n, d, dtype, backend="triton", seed=0):
+    """``(leaves, ref_leaves, mask, out, grads)``: the kernels' forward and every gradient (the upstream
+    gradient drawn from ``seed + 1``)."""
+    ours, ref, mask = _leaves(normalizer, kind, n, d, dtype, seed=seed)
     out = attention(ours["q"], ours["k"], ours["v"], backend=backend, **_kwargs(ours, normalizer, n, mask))
-    want = attention(ref["q"], ref["k"], ref["v"], backend="torch", **_kwargs(ref, normalizer, n, mask))
+    grad = torch.randn(out.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed + 1))
+    grads = torch.autograd.grad(out, list(ours.values()), grad.to(dtype))
+    return ours, ref, mask, out, grads, grad
+
+
+def _check(normalizer, kind, n, d, dtype, backend="triton"):
+    ours, ref, mask, out, got, grad = _run(normalizer, kind, n, d, dtype, backend)
+    want = attention(ref["q"], ref["k"], ref["v"], backend="reference", **_kwargs(ref, normalizer, n, mask))
     fwd_tol, grad_tol = TOL[dtype]
     err = ((out.double() - want).abs().max() / want.abs().max()).item()
     assert out.dtype == dtype and err <= fwd_tol, f"out: {err:.2e}"
-    grad = torch.randn(want.shape, device=DEV, dtype=torch.float64)
-    got = torch.autograd.grad(out, list(ours.values()), grad.to(dtype))
-    exp = torch.autograd.grad(want, list(ref.values()), grad)
+    exp = torch.autograd.grad(want, list(ref.values()), grad.double())
     for name, a, w in zip(ours, got, exp, strict=True):
         assert torch.isfinite(a).all(), name
         err = ((a.double() - w).abs().max() / w.abs().max().clamp_min(1e-6)).item()
@@ -105,11 +119,45 @@ CASES = [
     ("entmax15", "key_padding", 1025, 128, torch.bfloat16),
     ("entmax15", "gaussian", 785, 64, torch.float32),
 ]
+# every config of every kernel: ragged lengths with the Gaussian bias (D 64), whole tiles without (D 128)
+CONFIG_CASES = [
+    (normalizer, kind, n, d)
+    for normalizer in ("softmax", "entmax15")
+    for kind, n, d in (("gaussian", 197, 64), ("none", 256, 128))
+]
+DETERMINISM_CASES = [
+    ("softmax", "gaussian", 197, 64), ("entmax15", "gaussian", 197, 64), ("entmax15", "add", 256, 64),
+]
 
 
-@pytest.mark.parametrize("normalizer, kind, n, d, dtype", CASES, ids=lambda v: str(v).replace("torch.", ""))
+def _ids(v):
+    return str(v).replace("torch.", "")
+
+
+@pytest.mark.parametrize("normalizer, kind, n, d, dtype", CASES, ids=_ids)
 def test_matches_reference(normalizer, kind, n, d, dtype):
     _check(normalizer, kind, n, d, dtype)
+
+
+@pytest.mark.parametrize("index", range(MAX_CONFIGS))
+@pytest.mark.parametrize("normalizer, kind, n, d", CONFIG_CASES, ids=_ids)
+def test_every_config(normalizer, kind, n, d, index, monkeypatch):
+    """Each kernel runs its ``index``-th usable config (the last one past the end of a shorter list)."""
+    monkeypatch.setenv(TILES_ENV, str(index))
+    _check(normalizer, kind, n, d, torch.bfloat16)
+
+
+@pytest.mark.parametrize("normalizer, kind, n, d", DETERMINISM_CASES, ids=_ids)
+def test_run_twice_is_bitwise_equal(normalizer, kind, n, d):
+    """The same call twice gives bitwise the same forward output, and the same gradients where no atomic
+    adds run (the broadcast additive mask's gradient is atomic: its q, k, v gradients still match)."""
+    first = _run(normalizer, kind, n, d, torch.bfloat16)
+    second = _run(normalizer, kind, n, d, torch.bfloat16)
+    assert torch.equal(first[3], second[3])
+    names = list(first[0])
+    for name, a, b in zip(names, first[4], second[4], strict=True):
+        if name != "add":
+            assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
@@ -126,8 +174,7 @@ def test_auto_picks_triton_on_cuda():
         attention(q, q, q, backend="triton", return_weights=True)
 
 
-@pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
-def test_fully_masked_rows(normalizer):
+def _dead_rows(normalizer):
     q, k, v = (
         torch.randn(1, 2, 197, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
     )
@@ -135,15 +182,19 @@ def test_fully_masked_rows(normalizer):
     keep[0, 1, 7] = False
     keep[0, 0, 150:] = False
     out = attention(q, k, v, normalizer=normalizer, mask=keep, backend="triton")
+    return q, out, torch.autograd.grad(out.float().sum(), (q, k, v))
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
+def test_fully_masked_rows(normalizer):
+    _q, out, grads = _dead_rows(normalizer)
     assert not out.isnan().any()
     assert (out[0, 1, 7] == 0).all() and (out[0, 0, 150:] == 0).all()
-    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
     assert all(torch.isfinite(t).all() for t in grads)
     assert (grads[0][0, 1, 7] == 0).all()
 
 
-@pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
-def test_memory_is_linear_in_sequence_length(normalizer):
+def _linear_memory(normalizer):
     n, h, d = 4097, 4, 64
     q, k, v = (
         torch.randn(1, h, n, d, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
@@ -157,6 +208,34 @@ def test_memory_is_linear_in_sequence_length(normalizer):
     out = attention(q, k, v, normalizer=normalizer, bias=bias, backend="triton")
     out.float().sum().backward()
     torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
-    one_score_matrix = h * n * n * 2  # a single bf16 (1, H, N, N) tensor: 134 MB
+    return torch.cuda.max_memory_allocated() - base, h * n * n * 2
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
+def test_memory_is_linear_in_sequence_length(normalizer):
+    extra, one_score_matrix = _linear_memory(normalizer)  # a single bf16 (1, H, N, N) tensor: 134 MB
     assert extra < one_score_matrix / 4, f"{extra / 2**20:.0f} MiB extra"
+
+
+def warm_calls() -> list[tuple[str, dict[str, str], Callable[[], object]]]:
+    """``(name, environment, call)`` of every kernel launch this file makes, without the reference or the
+    comparisons: ``benchmarks/warm_kernels.py`` runs them under ``VITATTN_TRITON_COMPILE_ONLY=1`` (each
+    compiles what it would launch) before the tests run."""
+    first = {TILES_ENV: "first"}
+    calls: list[tuple[str, dict[str, str], Callable[[], object]]] = []
+    for case in CASES:
+        calls.append((f"tests {_ids(case)}", first, functools.partial(_run, *case)))
+    for normalizer, kind, n, d in CONFIG_CASES:
+        for index in range(MAX_CONFIGS):
+            env = {TILES_ENV: str(index)}
+            call = functools.partial(_run, normalizer, kind, n, d, torch.bfloat16)
+            calls.append((f"tests config {index} {normalizer} {kind} {n} {d}", env, call))
+    for normalizer, kind, n, d in DETERMINISM_CASES:
+        call = functools.partial(_run, normalizer, kind, n, d, torch.bfloat16)
+        calls.append((f"tests twice {normalizer} {kind}", first, call))
+    for normalizer in ("softmax", "entmax15"):
+        calls.append((f"tests autotuned {normalizer}", {TILES_ENV: ""},
+                      functools.partial(_run, normalizer, "gaussian", 197, 64, torch.bfloat16, "auto")))
+        calls.append((f"tests dead rows {normalizer}", first, functools.partial(_dead_rows, normalizer)))
+        calls.append((f"tests memory {normalizer}", first, functools.partial(_linear_memory, normalizer)))
+    return calls

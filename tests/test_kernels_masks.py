@@ -1,17 +1,20 @@
-"""The Triton kernels under TRITON_INTERPRET=1: masks by large finite values, and the work the kernels skip.
+"""The Triton kernels under TRITON_INTERPRET=1: masks by large finite values.
 
 How the interpreter flag is read, and why the tests carry ``@pytest.mark.triton_interpreter``: see
 ``tests/test_kernels.py`` (the same header logic; ``conftest.py`` runs them in a child pytest when
 triton was imported earlier without the flag).
 
 * Additive masks drawn by hypothesis from ``0, -1e4, -65504, -1e6, finfo(float32).min, -inf``, with rows
-  masked entirely by one of them, against ``backend="torch"`` in float64 on the same inputs. q and k
+  masked entirely by one of them, against ``backend="reference"`` in float64 on the same inputs. q and k
   are dyadic (multiples of 1/2, scale 1/4), so ``q kᵀ * scale + mask`` is exact in float32 for every
   mask value and the reference sees the very scores the kernel sees.
 * The entmax-1.5 threshold search runs on max-shifted scores: a row masked by ``-1e6`` converges in a
-  handful of Newton passes (counted by wrapping the kernel's ``_score_block``), not at the cap of 32.
-* Skipped work is exact: key blocks dropped from the Newton and output passes, query / key tiles
-  without support skipped in the backward, Gaussian tiles whose bias is exactly 0.
+  handful of passes (counted by wrapping the kernel's ``_score_tile``), not at the cap of 32.
+* The gradient of an additive mask that broadcasts over the queries, the keys or both, summed over the
+  tile before the atomic adds.
+
+(The kernels skip no work: every key loop loads its tiles unconditionally, so that they pipeline; the
+passes of the entmax-1.5 search are counted in ``tests/test_kernels_entmax_search.py``.)
 """
 
 from __future__ import annotations
@@ -30,8 +33,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vitattn.functional import GaussianBias, attention
-from vitattn.kernels import configs
+from vitattn.functional import attention
 
 triton = pytest.importorskip("triton")
 
@@ -74,11 +76,11 @@ def _check_masked(normalizer: str, dtype: torch.dtype, data: st.DataObject) -> N
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
     out = attention(*leaves, normalizer=normalizer, mask=mask.float(), scale=0.25, backend="triton")
-    ref = attention(*ref_leaves, normalizer=normalizer, mask=mask, scale=0.25, backend="torch")
+    ref = attention(*ref_leaves, normalizer=normalizer, mask=mask, scale=0.25, backend="reference")
     assert not out.isnan().any()
     fwd_tol, grad_tol = (2e-6, 2e-5) if dtype == torch.float32 else (2e-3, 4e-3)
     # Softmax works in base 2 (log2(e) folded into the scale): on a row masked entirely by a finite
-    # fill M its exponents are rounded at |M| log2(e), as the torch path's float32 scores are at |M|.
+    # fill M its exponents are rounded at |M| log2(e), as the reference backend's float32 scores are at |M|.
     # entmax-1.5 halves the scores (exact) and shifts them by the row max: exact on such rows too.
     tol = torch.full(out.shape[:-1], fwd_tol, dtype=torch.float64)
     if normalizer == "softmax":
@@ -121,7 +123,8 @@ def test_large_finite_masks(normalizer, dtype, data):
 @interpreted
 @pytest.mark.parametrize("fill", FINITE_FILLS, ids=["-1e4", "-65504", "-1e6", "finfo.min"])
 def test_entmax_fully_masked_row_matches_the_entmax_package(fill):
-    """A row masked entirely by a finite value is the entmax of its (shifted) scores, as in the torch path."""
+    """A row masked entirely by a finite value is the entmax of its (shifted) scores (the reference
+    backend's)."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (_dyadic((1, 1, 21, 16), g).float() for _ in range(3))
     mask = torch.zeros(1, 1, 21, 21)
@@ -131,7 +134,7 @@ def test_entmax_fully_masked_row_matches_the_entmax_package(fill):
     z = (q.double() @ k.double().transpose(-1, -2)) * 0.25 + mask.double()
     z[0, 0, 4] = (q.double() @ k.double().transpose(-1, -2))[0, 0, 4] * 0.25  # shift invariance
     if fill == torch.finfo(torch.float32).min:
-        z[0, 0, 4] = 0.0  # the scores vanish next to finfo.min: a uniform row, as in the torch path
+        z[0, 0, 4] = 0.0  # the scores vanish next to finfo.min: a uniform row, as in the reference backend
     want = entmax.entmax15(z, dim=-1) @ v.double()
     torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=0)
 
@@ -160,10 +163,10 @@ def _kernel_module(name: str) -> types.ModuleType:
 @interpreted
 @pytest.mark.parametrize("fill", FINITE_FILLS, ids=["-1e4", "-65504", "-1e6", "finfo.min"])
 def test_entmax_masked_row_does_not_run_newton_to_the_cap(fill, monkeypatch):
-    """One key block (N = 20 < BLOCK_N = 32): score tiles = 1 (row max) + Newton passes + 1 (output).
+    """One key block (N = 20 < BLOCK_N = 32): score tiles = 1 (row max) + search passes + 1 (output).
     Without the shift, a row at -1e6 has a float32 spacing of 0.06 there, the step never drops below
     the tolerance and the whole query block runs all 32 passes."""
-    counter = _Counter(monkeypatch, _kernel_module("entmax15"), "_score_block")
+    counter = _Counter(monkeypatch, _kernel_module("entmax15"), "_score_tile")
     g = torch.Generator().manual_seed(0)  # the unshifted search (before) ran 32 passes at -1e6 here
     q, k, v = (torch.randn(1, 1, 20, 16, generator=g) for _ in range(3))
     mask = torch.zeros(1, 1, 20, 20)
@@ -174,121 +177,45 @@ def test_entmax_masked_row_does_not_run_newton_to_the_cap(fill, monkeypatch):
     # the other rows against the reference (row 7's scores are rounded in float32 at the mask's
     # magnitude, so it is checked on exact scores in the test above)
     ref = attention(q.double(), k.double(), v.double(), normalizer="entmax15", mask=mask.double(),
-                    backend="torch")
+                    backend="reference")
     rows = torch.arange(20) != 7
     torch.testing.assert_close(out[0, 0, rows].double(), ref[0, 0, rows], atol=2e-5, rtol=0)
-
-
-def _banded(n: int, width: float, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """q, k, v (1, 2, n, 16) and an additive mask ``-|i - j| / width``: entmax rows with local support."""
-    q, k, v = (torch.randn(1, 2, n, 16, generator=gen) for _ in range(3))
-    i = torch.arange(n, dtype=torch.float32)
-    mask = -(i[:, None] - i[None, :]).abs() / width
-    return q, k, v, mask.expand(1, 2, n, n).clone()
-
-
-@interpreted
-def test_entmax_skipped_key_blocks_are_exact(monkeypatch):
-    """Dropping key blocks without support (tau only grows) changes nothing: against the same kernel
-    with every block kept, to 1e-6, and fewer score tiles are computed."""
-    g = torch.Generator().manual_seed(2)
-    q, k, v, mask = _banded(130, 1.0, g)
-    leaves = [t.requires_grad_() for t in (q, k, v)]
-    entmax_mod = _kernel_module("entmax15")
-
-    def run(keep_all: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], int]:
-        if keep_all:
-            monkeypatch.setattr(entmax_mod, "_block_live", lambda *args: True)
-        counter = _Counter(monkeypatch, entmax_mod, "_score_block")
-        out = attention(*leaves, normalizer="entmax15", mask=mask, backend="triton")
-        monkeypatch.undo()
-        return out, torch.autograd.grad(out, leaves, torch.ones_like(out)), counter.calls
-
-    out, grads, tiles = run(keep_all=False)
-    out_all, grads_all, tiles_all = run(keep_all=True)
-    assert tiles < tiles_all, (tiles, tiles_all)
-    torch.testing.assert_close(out, out_all, atol=1e-6, rtol=0)
-    for a, w in zip(grads, grads_all, strict=True):
-        torch.testing.assert_close(a, w, atol=1e-6, rtol=0)
-    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-    ref = attention(*ref_leaves, normalizer="entmax15", mask=mask.double(), backend="torch")
-    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=0)
-    for a, w in zip(grads, torch.autograd.grad(ref, ref_leaves, torch.ones_like(ref)), strict=True):
-        torch.testing.assert_close(a.double(), w, atol=2e-5, rtol=0)
-
-
-@interpreted
-def test_entmax_backward_skips_tiles_without_support(monkeypatch):
-    """The backward passes skip dP and dS (and V, dO) on tiles with no support: fewer dots, same grads."""
-    g = torch.Generator().manual_seed(3)
-    back = _kernel_module("backward")
-
-    def dots(normalizer: str, mask: torch.Tensor) -> int:
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = attention(*leaves, normalizer=normalizer, mask=mask, backend="triton")
-        counter = _Counter(monkeypatch, back, "_dot")
-        got = torch.autograd.grad(out, leaves, torch.ones_like(out))
-        monkeypatch.undo()
-        ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-        ref = attention(*ref_leaves, normalizer=normalizer, mask=mask.double(), backend="torch")
-        for a, w in zip(got, torch.autograd.grad(ref, ref_leaves, torch.ones_like(ref)), strict=True):
-            torch.testing.assert_close(a.double(), w, atol=2e-5, rtol=0)
-        return counter.calls
-
-    q, k, v, mask = _banded(96, 8.0, g)
-    tiles = -(-96 // configs.INTERPRET.block_m) * -(-96 // configs.INTERPRET.block_n)
-    # counted here (the score dots are _common's): dK/dV 3 per tile (dV, dP, dK), dQ 2 (dP, dQ)
-    dense = dots("softmax", mask)
-    assert dense == 5 * tiles * 2  # x 2 heads
-    sparse = dots("entmax15", mask)
-    assert sparse < dense, (sparse, dense)
-
-
-@interpreted
-@pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
-def test_gaussian_bias_skipped_only_where_exactly_zero(normalizer, monkeypatch):
-    """A Gaussian tile whose exponent bound is below -120 is skipped: bit-identical to computing it."""
-    g = torch.Generator().manual_seed(4)
-    grid = (12, 12)
-    n = 1 + grid[0] * grid[1]
-    q, k, v = (torch.randn(1, 1, n, 16, generator=g) for _ in range(3))
-    sigma = torch.exp(torch.randn(1, 1, n - 1, 2, generator=g) * 0.3 - 4.0)  # small: a local bias
-    alpha = torch.rand(1, 1, n - 1, 1, generator=g) * 3
-    common = _kernel_module("_common")
-    back = _kernel_module("backward")
-
-    def run() -> list[torch.Tensor]:
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sigma, alpha)]
-        bias = GaussianBias(leaves[3], leaves[4], grid, 1)
-        out = attention(*leaves[:3], normalizer=normalizer, bias=bias, backend="triton")
-        return [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
-
-    tiles = _Counter(monkeypatch, common, "_gauss_tile")
-    dq_tiles = _Counter(monkeypatch, back, "_gauss_tile")
-    skipped = run()
-    counted = tiles.calls + dq_tiles.calls
-    monkeypatch.undo()
-    for mod in (common, back):
-        monkeypatch.setattr(mod, "_gauss_reaches", lambda *args: True)
-    tiles = _Counter(monkeypatch, common, "_gauss_tile")
-    dq_tiles = _Counter(monkeypatch, back, "_gauss_tile")
-    full = run()
-    assert counted < tiles.calls + dq_tiles.calls
-    monkeypatch.undo()
-    for a, w in zip(skipped, full, strict=True):
-        assert torch.equal(a, w)
 
 
 @interpreted
 def test_softmax_row_masked_by_finfo_min_is_uniform():
     """Softmax scales an additive mask by log2(e) in base 2: finfo.min must not overflow to -inf there
-    (a row masked entirely by it is uniform in the torch path, not dead)."""
+    (a row masked entirely by it is uniform in the reference backend, not dead)."""
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 1, 9, 16, generator=g) for _ in range(3))
     mask = torch.zeros(1, 1, 9, 9)
     mask[0, 0, 2] = torch.finfo(torch.float32).min
     mask[0, 0, 5, 4:] = torch.finfo(torch.float32).min
     out = attention(q, k, v, mask=mask, backend="triton")
-    ref = attention(q.double(), k.double(), v.double(), mask=mask.double(), backend="torch")
+    ref = attention(q.double(), k.double(), v.double(), mask=mask.double(), backend="reference")
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=0)
     torch.testing.assert_close(out[0, 0, 2], v[0, 0].mean(0), atol=2e-6, rtol=0)
+
+
+@interpreted
+@pytest.mark.parametrize("shape", [(2, 1, 1, 37), (2, 1, 37, 1), (1, 1, 37, 37), (1, 1, 1, 1)],
+                         ids=["keys", "queries", "heads-and-batch", "scalar"])
+@pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
+def test_broadcast_additive_mask_gradients(normalizer, shape):
+    """The gradient of an additive mask that broadcasts: summed over the tile's query rows (a per-key mask),
+    its keys (a per-query mask), or both, before the atomic adds; against the reference in float64."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 3, 37, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.randn(shape, generator=g, dtype=torch.float64)
+    leaves = [t.float().requires_grad_() for t in (q, k, v, mask)]
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, mask)]
+    out = attention(*leaves[:3], normalizer=normalizer, mask=leaves[3], backend="triton")
+    ref = attention(*ref_leaves[:3], normalizer=normalizer, mask=ref_leaves[3], backend="reference")
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
+    grad = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, leaves, grad.float())
+    want = torch.autograd.grad(ref, ref_leaves, grad)
+    assert got[3].shape == shape
+    for name, a, w in zip("qkvm", got, want, strict=True):
+        tol = 1e-4 * max(1.0, w.abs().max().item())
+        torch.testing.assert_close(a.double(), w, atol=tol, rtol=0, msg=name)

@@ -34,6 +34,8 @@ def vitattn_model_names() -> list[str]:
 def small_kwargs(name: str) -> dict:
     if "swin" in name:
         return dict(img_size=64, window_size=4, embed_dim=48, depths=(2, 2), num_heads=(3, 6))
+    if "jumbo" in name:  # the base's J·D-wide shared MLP alone would hold 85 M parameters
+        return dict(img_size=SIZE, patch_size=8, depth=2, embed_dim=48, num_heads=3, J=2)
     return dict(img_size=SIZE, patch_size=8, depth=2)
 
 

@@ -16,7 +16,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from vitattn.analysis import attention_maps
-from vitattn.functional import GaussianBias
+from vitattn.functional import GaussianBias, entmax15, fy_loss
 from vitattn.models import LocAtViT
 from vitattn.transfer import (
     AttentionCopy,
@@ -269,9 +269,11 @@ def test_select_layers_rejects(layers, error, message: str) -> None:
 
 
 # ---- the memory-saving loss == the naive one ----------------------------------------------------------
-def _score_inputs(kind: str, seed: int, d: int, requires_grad: bool) -> ScoreInputs:
+def _score_inputs(
+    kind: str, seed: int, d: int, requires_grad: bool, b: int = 2, h: int = 3, grid: tuple[int, int] = (3, 4)
+) -> ScoreInputs:
     g = torch.Generator().manual_seed(seed)
-    b, h, grid, prefix = 2, 3, (3, 4), 1
+    prefix = 1
     n = prefix + grid[0] * grid[1]
 
     def rand(*shape, low=None):
@@ -304,6 +306,7 @@ def test_recomputed_loss_matches_naive_value_and_gradients(student_bias: str, ch
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.slow  # ~1 min: gradcheck perturbs every one of ~900 inputs
 def test_recomputed_loss_gradcheck() -> None:
     student = _score_inputs("gaug", 0, 4, requires_grad=True)
     teacher = _score_inputs("none", 1, 4, requires_grad=False)
@@ -343,3 +346,171 @@ def test_loss_argument_errors_and_half_precision() -> None:
     assert loss.dtype == torch.float64  # the teacher is float64 here; bf16 alone gives float32
     loss.backward()
     assert q.grad.dtype == torch.bfloat16 and torch.isfinite(q.grad.float()).all()
+
+
+# ---- loss="fy": the Fenchel–Young loss of the student's normalizer ------------------------------------
+def entmax_vit(seed: int, normalizer: object = "entmax15") -> nn.Module:
+    """A tiny vitattn ViT (no GAug, no PRR) whose attention normalizes with ``normalizer``, float64."""
+    torch.manual_seed(seed)
+    return LocAtViT(**TINY, gaug=False, prr=False, normalizer=normalizer).double()
+
+
+def plain_scores(model: nn.Module, x: torch.Tensor, layers) -> dict[int, torch.Tensor]:
+    """Each chosen block's scores q kᵀ · d^-0.5, from its attention's input (no bias, no q/k norm)."""
+    inputs: dict[int, torch.Tensor] = {}
+    handles = [
+        model.blocks[i].attn.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0]))
+        for i in layers
+    ]
+    with torch.no_grad():
+        model(x)
+    for h in handles:
+        h.remove()
+    out = {}
+    for i in layers:
+        attn = model.blocks[i].attn
+        b, n, c = inputs[i].shape
+        q, k, _ = attn.qkv(inputs[i]).reshape(b, n, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4)
+        out[i] = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    return out
+
+
+@pytest.mark.parametrize("teacher_kind", ["timm", "entmax15"])
+def test_fy_distill_is_the_fy_loss_of_the_students_normalizer(teacher_kind: str) -> None:
+    teacher = vit("timm", seed=1) if teacher_kind == "timm" else entmax_vit(1)
+    student = entmax_vit(2)
+    x = images()
+    wrapper = AttentionDistill(teacher, student, layers=[0, 2], weight=2.0, loss="fy").train()
+    out = wrapper(x)
+    p_t = attention_maps(teacher, x, [0, 2])  # the teacher's own probabilities: softmax or entmax
+    s = plain_scores(student, x, [0, 2])
+    expected = 2.0 * sum(fy_loss(s[i], p_t[i], "entmax15").mean() for i in (0, 2))
+    torch.testing.assert_close(out.attn_loss, expected, rtol=1e-12, atol=1e-12)
+    ce = AttentionDistill(teacher, student, layers=[0, 2], weight=2.0).train()(x).attn_loss
+    assert not torch.allclose(out.attn_loss, ce)  # not the softmax proxy
+
+
+def test_fy_distill_vanishes_when_the_student_attends_as_the_teacher() -> None:
+    teacher = entmax_vit(1)
+    student = copy.deepcopy(teacher)
+    out = AttentionDistill(teacher, student, weight=1.0, loss="fy").train()(images())
+    assert out.attn_loss.abs() < 1e-12
+    out.attn_loss.backward()
+    assert all(b.attn.qkv.weight.grad.abs().max() < 1e-12 for b in student.blocks)
+    ce = AttentionDistill(entmax_vit(1), copy.deepcopy(teacher), weight=1.0).train()(images())
+    assert ce.attn_loss > 0.1  # the cross-entropy of softmax(S) is not zero there
+
+
+def test_fy_distill_of_softmax_layers_has_the_cross_entropy_gradient() -> None:
+    teacher, student = vit("timm", seed=1), vit("locat", seed=2)
+    x = images()
+    results = {}
+    for loss in ("ce", "fy"):
+        s = copy.deepcopy(student)
+        out = AttentionDistill(teacher, s, weight=3.0, loss=loss).train()(x)
+        out.attn_loss.backward()
+        results[loss] = out.attn_loss.detach(), {k: p.grad for k, p in s.named_parameters()}
+    p_t = attention_maps(teacher, x)
+    entropy = sum((-(p * p.log()).sum(-1)).mean() for p in p_t.values())
+    torch.testing.assert_close(results["fy"][0], results["ce"][0] - 3.0 * entropy, rtol=1e-12, atol=1e-12)
+    for key, grad in results["ce"][1].items():
+        other = results["fy"][1][key]
+        if grad is None:
+            assert other is None, key
+        else:
+            torch.testing.assert_close(other, grad, rtol=1e-10, atol=1e-12, msg=key)
+
+
+FY_NORMALIZERS = ["softmax", "entmax15", "sparsemax", 1.3]
+
+
+@pytest.mark.parametrize("normalizer", FY_NORMALIZERS, ids=str)
+@pytest.mark.parametrize("student_bias", ["none", "gaug"])
+@pytest.mark.parametrize("chunk_elements", [1, 13 * 13 * 2, 1 << 22])
+def test_recomputed_fy_loss_matches_naive_value_and_gradients(
+    normalizer: object, student_bias: str, chunk_elements: int
+) -> None:
+    student = _score_inputs(student_bias, 0, 5, requires_grad=True)
+    teacher = _score_inputs("gaug", 1, 7, requires_grad=False)
+    leaves = student.tensors()
+    kw = dict(loss="fy", normalizer=normalizer, target_normalizer="entmax15")
+    naive = attention_distill_loss(student, teacher, recompute=False, **kw)
+    ours = attention_distill_loss(student, teacher, chunk_elements=chunk_elements, **kw)
+    torch.testing.assert_close(ours, naive, rtol=1e-13, atol=1e-13)
+    rows = fy_loss(student.scores().detach(), entmax15(teacher.scores(), -1), normalizer)
+    torch.testing.assert_close(ours, rows.mean(), rtol=1e-13, atol=1e-13)
+    for a, b in zip(torch.autograd.grad(ours, leaves), torch.autograd.grad(naive, leaves), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("normalizer", ["entmax15", 1.3])
+def test_recomputed_fy_loss_gradcheck(normalizer: object) -> None:
+    small = dict(b=2, h=2, grid=(2, 3))  # 7 tokens: gradcheck perturbs every input
+    student = _score_inputs("gaug", 0, 3, requires_grad=True, **small)
+    teacher = _score_inputs("none", 1, 4, requires_grad=False, **small)
+
+    def loss(*tensors):
+        return attention_distill_loss(
+            student.with_tensors(tensors), teacher, loss="fy", normalizer=normalizer, chunk_elements=2 * 7 * 7
+        )
+
+    assert torch.autograd.gradcheck(loss, student.tensors(), fast_mode=True)  # a random projection
+
+
+@pytest.mark.parametrize("loss", ["ce", "fy"])
+def test_recomputed_losses_save_no_score_maps(loss: str) -> None:
+    """What the loss keeps for backward: q, k and GAug's σ, α; never an N x N map (the naive one does)."""
+    student = _score_inputs("gaug", 0, 5, requires_grad=True)
+    teacher = _score_inputs("gaug", 1, 7, requires_grad=False)
+    n = student.shape[-1]
+    for recompute in (True, False):
+        saved: list[tuple[int, ...]] = []
+
+        def pack(t: torch.Tensor, saved: list[tuple[int, ...]] = saved) -> torch.Tensor:
+            saved.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            attention_distill_loss(student, teacher, loss=loss, normalizer="entmax15", recompute=recompute)
+        maps = [s for s in saved if len(s) >= 2 and s[-2:] == (n, n)]
+        assert bool(maps) != recompute, (recompute, saved)
+
+
+def test_fy_loss_name_is_checked() -> None:
+    with pytest.raises(ValueError, match=r"loss must be one of \('ce', 'fy'\), got 'kl'"):
+        AttentionDistill(vit(seed=1), vit(seed=2), loss="kl")
+    a = _score_inputs("none", 0, 4, requires_grad=False)
+    with pytest.raises(ValueError, match="loss must be one of"):
+        attention_distill_loss(a, a, loss="mse")
+    with pytest.raises(ValueError, match="normalizer must be one of"):
+        attention_distill_loss(a, a, loss="fy", normalizer="relu")
+    assert "loss='fy'" in repr(AttentionDistill(vit(seed=1), vit(seed=2), loss="fy"))
+
+
+def _saved_bytes(run) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``run()`` builds its graph."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("student_kind", ["timm", "entmax15"])
+@pytest.mark.parametrize("loss", ["ce", "fy"])
+def test_distillation_keeps_only_the_teachers_q_k_beyond_the_students_own_graph(
+    student_kind: str, loss: str
+) -> None:
+    """What a distillation step keeps for backward beyond the student's own training graph: the
+    teacher's q, k of the distilled layers, nothing else (no map, no fused qkv buffer of the student)."""
+    student = vit("timm", seed=2) if student_kind == "timm" else entmax_vit(2)
+    x = images()
+    alone = _saved_bytes(lambda: copy.deepcopy(student).train()(x))
+    wrapper = AttentionDistill(vit("timm", seed=1), copy.deepcopy(student), layers=[0, 2], loss=loss).train()
+    b, h, n, d = 3, 2, 17, 8
+    teacher_qk = 2 * 2 * b * h * n * d * 8  # q and k of 2 layers, float64
+    assert _saved_bytes(lambda: wrapper(x)) - alone == teacher_qk

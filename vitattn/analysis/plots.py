@@ -3,6 +3,7 @@
 - :func:`plot_locality_plane`: one point per head in the (MAD, entropy) plane, coloured by depth.
 - :func:`plot_mad_per_layer`: MAD (and entropy) per layer, mean over heads with the head spread.
 - :func:`plot_query_attention`: where one query patch looks, per head, over the input image.
+- :func:`plot_rollout`: rollout heat maps (class token to patches) upsampled over the input images.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import torch
 from ..functional import grid_pair
 from .metrics import grid_distances, mean_attention_distance
 from .report import LocalityReport
+from .rollout import upsample_heatmap
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["plot_locality_plane", "plot_mad_per_layer", "plot_query_attention"]
+__all__ = ["plot_locality_plane", "plot_mad_per_layer", "plot_query_attention", "plot_rollout"]
 
 _MARKERS = "o^sDvP*X"
 Reports = LocalityReport | Mapping[str, LocalityReport] | Sequence[LocalityReport]
@@ -272,4 +274,57 @@ def plot_query_attention(
                 Rectangle((c * cell_w, r * cell_h), cell_w, cell_h, fill=False, color="cyan", lw=1.2)
             )
     fig.suptitle(title or f"attention of {label} (max-normalized per head)", fontsize=10)
+    return save_figure(fig, path)
+
+
+def _shown(image: torch.Tensor) -> Any:
+    """``(C, H, W)`` -> an array for ``imshow``, min–max rescaled (grey for one channel)."""
+    img = image.detach().float().cpu()
+    img = (img - img.min()) / (img.max() - img.min()).clamp_min(1e-12)
+    return (img[0] if img.shape[0] == 1 else img[:3].permute(1, 2, 0)).numpy()
+
+
+def plot_rollout(
+    images: torch.Tensor,
+    heatmaps: torch.Tensor,
+    path: str | Path | None = None,
+    title: str | None = None,
+    labels: Sequence[str] | None = None,
+    alpha: float = 0.55,
+) -> Figure:
+    """Each image beside its heat map (e.g. :func:`~vitattn.analysis.rollout_heatmap`), upsampled
+    bilinearly to the image and overlaid on it.
+
+    Args:
+        images: ``(B, C, H, W)`` (or one ``(C, H, W)``) inputs, any normalization (min–max rescaled).
+        heatmaps: ``(B, gh, gw)`` (or ``(gh, gw)``): one patch-grid map per image, shown scaled by its
+            maximum.
+        labels: a caption per image (e.g. the predicted class).
+        alpha: opacity of the heat map over the image.
+    """
+    if images.dim() == 3:
+        images = images[None]
+    if heatmaps.dim() == 2:
+        heatmaps = heatmaps[None]
+    if images.dim() != 4 or heatmaps.dim() != 3 or images.shape[0] != heatmaps.shape[0]:
+        raise ValueError(
+            f"images must be (B, C, H, W) and heatmaps (B, gh, gw) with the same B, got "
+            f"{tuple(images.shape)} and {tuple(heatmaps.shape)}"
+        )
+    if labels is not None and len(labels) != images.shape[0]:
+        raise ValueError(f"labels has {len(labels)} entries for {images.shape[0]} images")
+    b, (h_px, w_px) = images.shape[0], images.shape[-2:]
+    up = upsample_heatmap(heatmaps.detach().cpu(), (h_px, w_px)).numpy()
+    fig = new_figure(figsize=(2.6 * min(b, 4), 1.45 * 2 * math.ceil(b / 4) + 0.4))
+    axes = fig.subplots(2 * math.ceil(b / 4), min(b, 4), squeeze=False)
+    for ax in axes.ravel():
+        ax.set_axis_off()
+    for k in range(b):
+        r, c = 2 * (k // 4), k % 4
+        shown = _shown(images[k])
+        axes[r, c].imshow(shown, cmap="gray")
+        axes[r, c].set_title(labels[k] if labels is not None else f"image {k}", fontsize=8)
+        axes[r + 1, c].imshow(shown, cmap="gray")
+        axes[r + 1, c].imshow(up[k], cmap="jet", alpha=alpha, vmin=0.0, vmax=1.0)
+    fig.suptitle(title or "attention rollout: class token to patches", fontsize=10)
     return save_figure(fig, path)

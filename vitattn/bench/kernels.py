@@ -19,10 +19,15 @@ vitattn runs through :func:`vitattn.functional.attention` with ``backend="triton
 :func:`vitattn.bench.harness.compare` (interleaved rounds, medians) on callables that each run an
 implementation ``reps`` times, so one sample lasts ~20 ms; the ms are per call. Per row ``extra``:
 ``tflops`` (nominal: ``4 B H N^2 D`` forward, 3.5x that forward + backward), ``peak_mib`` (CUDA peak
-allocation beyond what was allocated before the call), ``rel_err`` (forward, max-abs difference to the
-family's first implementation relative to its max-abs). Peers that would not fit (estimated) or cannot
-run here are listed in ``skipped`` with the reason. ``dry=True`` runs tiny shapes on the CPU (float32;
-the Triton kernels run under ``TRITON_INTERPRET=1``, CUDA-only peers are skipped).
+allocation beyond what was allocated before the call), and the row's gate, checked once per
+implementation in the same run against ``backend="reference"`` on float32 copies of the same inputs
+(forward output and every gradient the family has: q, k, v, and sigma, alpha with the Gaussian bias):
+``rel_err`` / ``grad_err`` (max-abs difference relative to the reference's max-abs, the worst leaf for
+the gradients), ``valid`` (1 when both are within :data:`TOLERANCE`), ``ranked`` (0 for a peer that
+ran with fewer gradients than its family asks for, e.g. FlexAttention falling back to q, k, v only; such
+a row is reported, never compared). Peers that would not fit (estimated) or cannot run here are listed in
+``skipped`` with the reason. ``dry=True`` runs tiny shapes on the CPU (float32; the Triton kernels run
+under ``TRITON_INTERPRET=1``, CUDA-only peers are skipped).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from __future__ import annotations
 import importlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
@@ -65,6 +70,9 @@ CASES: dict[str, Case] = {
     )
 }
 SUPPORT_TILE = 64  # tile side of the reported block sparsity
+# The gate of a speed row (relative max-abs error against the reference backend in float32): bf16 inputs,
+# as tests/test_kernels_gpu.py's bf16 tolerances; a dry run (float32) is held to float32's.
+TOLERANCE = {"bf16": (2.5e-2, 5e-2), "fp32": (1e-4, 2e-4)}
 MODES = ("fwd+bwd", "fwd")  # the goals are about forward + backward: measured first
 TARGET_MS = 20.0  # milliseconds per timed sample
 
@@ -365,6 +373,49 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item()
 
 
+def _family_leaves(family: str) -> int:
+    """How many leaves the family differentiates: q, k, v (+ sigma, alpha with the Gaussian bias)."""
+    return 5 if family.endswith("gaussian") else 3
+
+
+def reference_outputs(family: str, x: Inputs, grad: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Forward output and gradients of ``family`` on float32 copies of ``x`` by ``backend="reference"``
+    (the dense formula), with the upstream gradient ``grad``."""
+    normalizer: Normalizer = "entmax15" if family.startswith("entmax15") else "softmax"
+    gaussian = family.endswith("gaussian")
+    copies: dict[int, torch.Tensor] = {}  # one copy per tensor: q and k are one tensor in the local case
+    leaves = [copies.setdefault(id(t), t.detach().float().requires_grad_()) for t in x.leaves(gaussian)]
+    bias = None
+    if family.endswith("gaussian"):
+        bias = GaussianBias(leaves[3], leaves[4], x.grid, num_prefix_tokens=x.prefix)
+    out = attention(*leaves[:3], normalizer=normalizer, bias=bias, backend="reference")
+    grads = torch.autograd.grad(out, leaves, grad.float())
+    return out.detach(), [g.detach() for g in grads]
+
+
+def check_outputs(
+    out: torch.Tensor, grads: Sequence[torch.Tensor | None], ref: tuple[torch.Tensor, list[torch.Tensor]],
+    family: str, dtype: torch.dtype,
+) -> dict[str, float]:
+    """The gate of an implementation (see the module docstring): ``rel_err``, ``grad_err``, ``valid``,
+    ``ranked``; ``grads`` are the implementation's gradients of the family's leaves (``None`` where it
+    gave none, for the forward-only mode: an empty list)."""
+    ref_out, ref_grads = ref
+    fwd_tol, grad_tol = TOLERANCE["fp32" if dtype == torch.float32 else "bf16"]
+    rel = _rel_err(out, ref_out)
+    extra = {"rel_err": rel}
+    ranked = 1.0
+    ok = rel <= fwd_tol
+    if grads:
+        given = [(g, w) for g, w in zip(grads, ref_grads, strict=False) if g is not None]
+        ranked = float(len(given) == _family_leaves(family))
+        grad_err = max(_rel_err(g, w) for g, w in given) if given else float("inf")
+        extra["grad_err"] = grad_err
+        ok = ok and grad_err <= grad_tol
+    extra.update(valid=float(ok), ranked=ranked)
+    return extra
+
+
 def _failure(exc: BaseException) -> str:
     first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
     return f"failed: {type(exc).__name__}: {first}"
@@ -385,6 +436,11 @@ class CaseResult:
     sparsity: dict[str, float] = field(default_factory=dict)
     modes_done: list[str] = field(default_factory=list)
     deadline: float | None = None  # time.time() after which no further implementation is started
+    # the gates (see _gate): references per (family, inputs), upstream gradients per inputs, per-impl results
+    refs: dict[tuple[str, int], tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    gates: dict[str, dict[str, float]] = field(default_factory=dict)
+    timed_as: dict[str, Impl] = field(default_factory=dict)
 
     def label(self, mode: str) -> str:
         b, h, n, d = self.shape
@@ -425,7 +481,7 @@ def block_support(x: Inputs, tile: int = SUPPORT_TILE) -> dict[str, float]:
     head 0 (torch path, float32); the tile shrinks to ``N // 4`` on tiny inputs."""
     tile = max(1, min(tile, x.q.shape[-2] // 4))
     q, k, v = (t[:1, :1].detach().float() for t in (x.q, x.k, x.v))
-    _, weights = attention(q, k, v, normalizer="entmax15", return_weights=True, backend="torch")
+    _, weights = attention(q, k, v, normalizer="entmax15", return_weights=True, backend="reference")
     n = weights.shape[-1]
     tiles = math.ceil(n / tile)
     padded = F.pad(weights[0, 0] > 0, (0, tiles * tile - n, 0, tiles * tile - n))
@@ -445,34 +501,68 @@ class _Prepared:
     extra: dict[str, float]
 
 
-def _prepare_timed(
-    impl: Impl, inputs: Inputs, mode: str, res: CaseResult, family_ref: dict[str, torch.Tensor], check: bool
-) -> _Prepared:
-    """Build ``impl``'s callable, run it once (compile / autotune), compare its forward output with the
-    family's first one (``check``), take its peak memory and pick the repetitions per timed sample."""
-    fn = _prepare(impl, inputs, mode)
-    if res.dry and not check:  # the interpreter is slow: the one timed call is the only one
-        return _Prepared(fn, 1, {})
+REF_SLICE = (slice(0, 1), slice(0, 2))  # batch 0, heads 0-1: the reference's (B, H, N, N) tensors stay small
+
+
+def _sliced(x: Inputs) -> Inputs:
+    """The inputs of batch 0, heads 0-1 (attention is independent per batch and head)."""
+    b, h = REF_SLICE
+    views: dict[int, torch.Tensor] = {}  # q and k stay one tensor where they are (the local case)
+    q, k, v, sigma, alpha = (views.setdefault(id(t), t[b, h]) for t in (x.q, x.k, x.v, x.sigma, x.alpha))
+    return Inputs(q, k, v, sigma, alpha, x.prefix, x.grid)
+
+
+def _gate(impl: Impl, x: Inputs, mode: str, res: CaseResult) -> tuple[Impl, dict[str, float]]:
+    """Run ``impl`` once with gradients (``mode`` fwd+bwd) or without, and check it against the reference
+    backend on the slice :data:`REF_SLICE` (:func:`check_outputs`). A FlexAttention backward that fails
+    with the Gaussian parameters' gradients is run with q, k, v gradients only (returned as the impl to
+    time, a note added, ``ranked`` 0)."""
+    key = (impl.family, id(x))
+    if key not in res.refs:
+        g = torch.Generator(device=x.q.device).manual_seed(1)
+        grad = torch.randn(x.q.shape, device=x.q.device, generator=g, dtype=torch.float32)
+        res.grads[id(x)] = grad.to(x.q.dtype)
+        res.refs[key] = reference_outputs(impl.family, _sliced(x), grad[REF_SLICE])
+    grad = res.grads[id(x)]
+    b, h = REF_SLICE
+    if mode == "fwd":
+        with torch.no_grad():
+            out = impl.build(x)()
+        return impl, check_outputs(out[b, h], [], res.refs[key], impl.family, x.q.dtype)
+    run = impl
+    leaves = x.leaves(impl.bias_grads)
     try:
-        first = fn()
+        out = impl.build(x)()
+        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
     except Exception:
-        if impl.name != "gaussian flex" or mode == "fwd":
+        if impl.name != "gaussian flex":
             raise
-        fn = _prepare(Impl(impl.name, "softmax", impl.build), inputs, mode)  # q, k, v gradients only
-        first = fn()
-        res.notes.append(f"{impl.name} {mode}: gradients for q, k, v only (none for sigma, alpha)")
-    extra: dict[str, float] = {}
-    if check and isinstance(first, torch.Tensor):
-        if impl.family in family_ref:
-            extra["rel_err"] = _rel_err(first, family_ref[impl.family])
-        else:
-            family_ref[impl.family] = first
-    del first
+        run = Impl(impl.name, "softmax", impl.build)  # q, k, v gradients only
+        leaves = x.leaves(False)
+        out = impl.build(x)()
+        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
+        res.notes.append(f"{impl.name} {mode}: q, k, v gradients only (none for sigma, alpha): not ranked")
+    sliced = [None if t is None else t[b, h] for t in grads]
+    return run, check_outputs(out[b, h], sliced, res.refs[key], impl.family, x.q.dtype)
+
+
+def _prepare_timed(impl: Impl, inputs: Inputs, mode: str, res: CaseResult) -> _Prepared:
+    """Build ``impl``'s callable, gate it (:func:`_gate`, once per implementation and inputs: its first
+    mode, fwd+bwd), run it once more (compile / autotune), take its peak memory and pick the repetitions
+    per timed sample."""
+    gate_key = f"{impl.name}|{id(inputs)}"
+    if gate_key not in res.gates:
+        impl, res.gates[gate_key] = _gate(impl, inputs, mode, res)
+        res.timed_as[gate_key] = impl
+    impl = res.timed_as.get(gate_key, impl)
+    extra = dict(res.gates[gate_key])
+    fn = _prepare(impl, inputs, mode)
+    if res.dry:  # the interpreter is slow: the one timed call is the only one
+        return _Prepared(fn, 1, extra)
+    fn()
     peak = _peak_mib(fn, res.device)
     if peak is not None:
         extra["peak_mib"] = peak
-    if res.dry:
-        return _Prepared(fn, 1, extra)
     _sync(res.device)
     t0 = time.perf_counter()
     fn()
@@ -484,9 +574,7 @@ def _prepare_timed(
 def _measure_mode(res: CaseResult, impls: list[tuple[Impl, Inputs]], mode: str, rounds: int) -> None:
     """Time every implementation of one mode, interleaved, and append the rows (ms per call)."""
     b, h, n, d = res.shape
-    main_inputs = impls[0][1]
     prepared: dict[str, _Prepared] = {}
-    family_ref: dict[str, torch.Tensor] = {}
     for impl, inputs in impls:
         reason = _unavailable(impl, res.device, mode, b * h * n * n)
         if reason is None and res.deadline is not None and time.time() > res.deadline:
@@ -495,13 +583,11 @@ def _measure_mode(res: CaseResult, impls: list[tuple[Impl, Inputs]], mode: str, 
             res.skipped.append({"mode": mode, "impl": impl.name, "reason": reason})
             continue
         try:
-            check = mode == "fwd" and inputs is main_inputs
-            prepared[impl.name] = _prepare_timed(impl, inputs, mode, res, family_ref, check)
+            prepared[impl.name] = _prepare_timed(impl, inputs, mode, res)
         except Exception as exc:  # noqa: BLE001  (a failing implementation is reported, not fatal)
             res.skipped.append({"mode": mode, "impl": impl.name, "reason": _failure(exc)})
             if res.device == "cuda":
                 torch.cuda.empty_cache()
-    family_ref.clear()
     label = res.label(mode)
     timed = {name: _repeated(p.fn, p.reps) for name, p in prepared.items()}
     flops = 4.0 * b * h * n * n * d * (1.0 if mode == "fwd" else 3.5)
@@ -526,6 +612,27 @@ def _measure_mode(res: CaseResult, impls: list[tuple[Impl, Inputs]], mode: str, 
         res.notes.append(f"{label} peak MiB: " + ", ".join(peaks))
     res.notes.append(f"{label} TFLOP/s: " + ", ".join(f"{r.impl} {r.extra['tflops']:.3g}" for r in rows))
     res.modes_done.append(mode)
+
+
+def warm_one(case_name: str, impl_name: str, mode: str, dry: bool = False) -> None:
+    """Run ``impl_name`` of case ``case_name`` once in ``mode`` on the case's shape (the dry shape if
+    ``dry``): under ``VITATTN_TRITON_COMPILE_ONLY=1`` this compiles every kernel and tile the benchmark
+    will launch (``benchmarks/warm_kernels.py``)."""
+    case = CASES[case_name]
+    device, dtype = ("cpu", torch.float32) if dry else ("cuda", torch.bfloat16)
+    x = make_inputs(case.dry_shape if dry else case.shape, device, dtype, local=case.local)
+    impl = next(i for i in implementations(device, case.local) if i.name == impl_name)
+    _prepare(impl, x, mode)()
+
+
+def warm_specs() -> list[tuple[str, str, str]]:
+    """``(case, impl, mode)`` of every vitattn launch of the suite (what :func:`warm_one` takes)."""
+    specs = []
+    for name, case in CASES.items():
+        for impl in implementations("cuda", case.local):
+            if impl.name.endswith("vitattn"):
+                specs += [(name, impl.name, mode) for mode in MODES]
+    return specs
 
 
 def run_case(

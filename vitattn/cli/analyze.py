@@ -42,6 +42,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--map-layer", type=int, help="block of the attention-map plot (default: last analysed)")
     p.add_argument("--query", help="query of the map plot: ROW,COL, patch index or 'cls' (default: centre)")
     p.add_argument("--compare", metavar="REPORT_JSON", help="an earlier report to diff against and plot")
+    p.add_argument(
+        "--rollout", action="store_true", help="also write rollout.png: class-token heat maps over the images"
+    )
+    p.add_argument("--rollout-images", type=int, default=4, help="images in rollout.png (default 4)")
+    p.add_argument(
+        "--discard-ratio",
+        type=float,
+        default=0.0,
+        help="rollout: fraction of each row's patch weights dropped",
+    )
+    p.add_argument(
+        "--head-fusion", choices=("mean", "max", "min"), default="mean", help="rollout: head fusion"
+    )
+    p.add_argument(
+        "--gradient-rollout",
+        action="store_true",
+        help="rollout: Chefer et al.'s gradient-weighted rule for each image's top class",
+    )
     p.add_argument("--out", default="vitattn-analysis", metavar="DIR", help="output folder")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random init (default 0)")
@@ -100,6 +118,50 @@ def load_model_and_spec(args: argparse.Namespace) -> tuple[nn.Module, InputSpec]
     if args.attention is not None:
         patch(loaded.model, args.attention)
     return loaded.model.eval(), InputSpec(loaded.image_size, loaded.in_chans, loaded.mean, loaded.std)
+
+
+def _rollout_images(args: argparse.Namespace, spec: InputSpec) -> torch.Tensor:
+    """The first ``--rollout-images`` images of the analysed data, ``(B, C, H, W)``."""
+    import torch
+
+    from ..analysis.data import digits_images, image_folder_batches
+
+    count = args.rollout_images
+    if count < 1:
+        raise ValueError(f"--rollout-images must be >= 1, got {count}")
+    if args.images:
+        batches = image_folder_batches(args.images, spec, count, count)
+        return torch.cat([batch[0] for batch in batches])[:count]
+    return digits_images(spec=spec, max_images=count)[0]
+
+
+def write_rollout(args: argparse.Namespace, model: nn.Module, spec: InputSpec, path: Path) -> Path:
+    """``rollout.png``: each image above its rollout heat map (the class token's, or Jumbo's J tokens')."""
+    from ..analysis.plots import plot_rollout
+    from ..analysis.rollout import model_heatmap, model_rollout
+    from ..models.blocks import is_transformers_model
+
+    if args.gradient_rollout and is_transformers_model(model):
+        raise ValueError(
+            "--gradient-rollout needs a timm or vitattn ViT; for a transformers model use "
+            "vitattn.analysis.gradient_rollout with the gradients of outputs.attentions"
+        )
+    param = next(model.parameters())
+    images = _rollout_images(args, spec).to(param.device, param.dtype)
+    rollout = model_rollout(
+        model,
+        images,
+        discard_ratio=args.discard_ratio,
+        head_fusion=args.head_fusion,
+        gradient=args.gradient_rollout,
+    )
+    kind = (
+        "gradient-weighted rollout"
+        if args.gradient_rollout
+        else f"attention rollout (discard {args.discard_ratio:g}, {args.head_fusion} over heads)"
+    )
+    plot_rollout(images, model_heatmap(model, images, rollout), path, title=f"{args.model}: {kind}")
+    return path
 
 
 def run_analyze(args: argparse.Namespace) -> int:
@@ -166,6 +228,8 @@ def run_analyze(args: argparse.Namespace) -> int:
         written[3],
         title=f"{args.model}, block {layer}: attention of one query, per head",
     )
+    if args.rollout:
+        written.append(write_rollout(args, model, spec, out / "rollout.png"))
     for path in written:
         print(f"wrote {path}", file=sys.stderr)
     return 0

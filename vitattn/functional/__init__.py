@@ -14,6 +14,7 @@ from .dispatch import (
 from .dtypes import compute_dtype
 from .entmax15 import entmax15
 from .entmax_alpha import entmax, sparsemax
+from .fy_loss import fy_loss
 from .gaussian import GaussianBias, gaussian_clamp, gaussian_eps, gaussian_exponent
 from .normalize import Normalizer, normalize
 from .prr import prr
@@ -33,6 +34,7 @@ __all__ = [
     "entmax",
     "entmax15",
     "explain",
+    "fy_loss",
     "gaussian_clamp",
     "gaussian_eps",
     "gaussian_exponent",

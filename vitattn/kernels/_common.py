@@ -1,12 +1,23 @@
 """Shared ``@triton.jit`` helpers of every attention kernel: tile loads, the score tile (``q kᵀ`` scaled,
-plus the in-kernel Gaussian bias, the additive mask and the boolean mask) and the probabilities from
-the saved row statistic. Every formula of the pipeline lives here once; the kernels only loop.
+plus the in-kernel Gaussian bias, the additive mask and the boolean mask), the probabilities from the
+saved row statistic, and the Gaussian bias' separable row and column terms. Every formula of the
+pipeline lives here once; the kernels only loop.
 
 Conventions: a score tile is ``(BLOCK_M, BLOCK_N)`` float32, queries along rows and keys along columns,
 ``-inf`` wherever a key is masked or out of range (``TRANS``: the transposed ``(BLOCK_N, BLOCK_M)`` tile
 ``k qᵀ`` of the dK/dV kernel). Tiles are in the normalizer's unit: base 2 for softmax (``log2(e)``
 folded into the scale), ``z / 2`` for entmax-1.5. Masked loads fill with 0 (and padded head-dim
-columns are zero in both operands, so they add nothing to ``q kᵀ``).
+columns are zero in both operands, so they add nothing to ``q kᵀ``). ``EVEN_*`` constexprs say a
+dimension is a whole number of tiles (``EVEN_M``: queries, ``EVEN_N``: keys, ``EVEN_D``: both head
+dims equal their padded size): the bound masks of that dimension are then left out. Products of a
+``tl.constexpr`` and a tensor are written tensor first (the interpreter wraps ``constexpr * tensor`` in a
+constexpr).
+
+Nothing inside a key loop branches on data or converts an integer to a float: the Gaussian coordinates
+of a tile's keys (or queries) are float vectors carried from one tile to the next
+(:func:`_coords_start`, :func:`_coords_advance`), and the per-row terms of the bias are computed once
+per row (:func:`gauss_rows`); the per-score work of the bias is a few FMA-class operations and one
+``exp2`` (:func:`gauss_tile`). ``python -m vitattn.kernels._build.aot --report`` checks it in the SASS.
 """
 
 from __future__ import annotations
@@ -14,20 +25,32 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+from ..functional import gaussian
+
+LOG2E: tl.constexpr = tl.constexpr(gaussian.LOG2E)
 # Newton's stopping tolerance for the entmax threshold: sqrt(float32 eps), as in the torch path.
 NEWTON_TOL: tl.constexpr = tl.constexpr(3.4526698e-04)
-# A bound on the Newton passes over the keys (typically 2-8 are needed), not a tuning knob.
+# A bound on the Newton passes over the keys (typically 2-4 are needed), not a tuning knob.
 NEWTON_MAX_STEPS: tl.constexpr = tl.constexpr(32)
-# exp(x) is exactly 0 in float32 below about -103.3; a Gaussian exponent below this bound is 0 with margin.
-GAUSS_ZERO: tl.constexpr = tl.constexpr(-120.0)
-# softmax scales an additive mask by log2(e): values below -2^127 are raised to it first (no overflow).
+# The per-axis floor of the Gaussian exponent (natural log units): gaussian_exponent's.
+EXP_FLOOR: tl.constexpr = tl.constexpr(gaussian.EXPONENT_FLOOR)
+# An additive mask enters the q kᵀ dot as add / scale, raised to -2^127 / max(scale, 1) (finite once scaled).
 ADD_FLOOR: tl.constexpr = tl.constexpr(-1.7014118346046923e38)
+# 1.5 * 2^23: adding it to a float32 |x| < 2^22 rounds x to an integer held in the low mantissa bits.
+ROUND_MAGIC: tl.constexpr = tl.constexpr(12582912.0)
+ROUND_MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B400000)
+# 2^f on [-1/2, 1/2]: degree-6 fit (relative error < 2e-9 in exact arithmetic), highest power first.
+EXP2_C6: tl.constexpr = tl.constexpr(1.5469000e-04)
+EXP2_C5: tl.constexpr = tl.constexpr(1.3333558e-03)
+EXP2_C4: tl.constexpr = tl.constexpr(9.6180390e-03)
+EXP2_C3: tl.constexpr = tl.constexpr(5.5504109e-02)
+EXP2_C2: tl.constexpr = tl.constexpr(2.4022650e-01)
+EXP2_C1: tl.constexpr = tl.constexpr(6.9314718e-01)
 
 
 @triton.jit
 def _dot(a, b, F32_DOT: tl.constexpr):
-    """``a @ b`` accumulated in float32. ``F32_DOT`` (see ``backend.dot_mode``): 0 = the operands' own
+    """``a @ b`` accumulated in float32. ``F32_DOT`` (see ``env.dot_mode``): 0 = the operands' own
     dot (fp16 / bf16 tensor cores), 1 = both upcast, IEEE float32, 2 = float32 operands as TF32."""
     if F32_DOT == 2:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
@@ -35,6 +58,38 @@ def _dot(a, b, F32_DOT: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _dot_acc(a, b, acc, F32_DOT: tl.constexpr):
+    """``acc + a @ b`` (``acc`` a float32 tile) with the operands of :func:`_dot`."""
+    if F32_DOT == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32")
+    elif F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def exp2_fma(x):
+    """``2^x`` for ``x <= 0`` (``-inf`` included) without the special-function unit: Cody-Waite
+    reduction ``x = n + f`` (``n`` an integer by float rounding, ``|f| <= 1/2``), a degree-6 polynomial
+    for ``2^f`` and ``2^n`` written into the exponent bits. Within 2 ulp of ``2^x`` down to ``2^-126``;
+    0 below ``-126.5``. For the per-row rescaling of online softmax: the one ``exp2`` per score keeps
+    the ``MUFU`` pipe (two with the Gaussian bias)."""
+    x = tl.maximum(x, -127.0)
+    big = x + ROUND_MAGIC  # round(x) + 1.5 * 2^23, exact
+    n = big - ROUND_MAGIC
+    f = x - n
+    p = f * EXP2_C6 + EXP2_C5
+    p = p * f + EXP2_C4
+    p = p * f + EXP2_C3
+    p = p * f + EXP2_C2
+    p = p * f + EXP2_C1
+    p = p * f + 1.0
+    bits = big.to(tl.int32, bitcast=True) - ROUND_MAGIC_BITS + 127  # n + 127 in [0, 127]
+    return p * (bits << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -52,16 +107,43 @@ def _tile_ptrs(base, offs_r, offs_c, stride_r, stride_c):
 
 
 @triton.jit
-def _load_tile(base, offs_r, offs_c, stride_r, stride_c, n_r, n_c):
-    """``(len(offs_r), len(offs_c))`` tile with zeros outside ``n_r x n_c``."""
-    ptrs = _tile_ptrs(base, offs_r, offs_c, stride_r, stride_c)
-    return tl.load(ptrs, mask=(offs_r[:, None] < n_r) & (offs_c[None, :] < n_c), other=0.0)
+def _bounds(offs_r, offs_c, n_r, n_c, EVEN_R: tl.constexpr, EVEN_C: tl.constexpr):
+    """The in-bounds mask of a tile whose rows or columns (or both) are ragged (never both even)."""
+    if EVEN_R:
+        return offs_c[None, :] < n_c
+    elif EVEN_C:
+        return offs_r[:, None] < n_r
+    else:
+        return (offs_r[:, None] < n_r) & (offs_c[None, :] < n_c)
 
 
 @triton.jit
-def _store_tile(base, value, offs_r, offs_c, stride_r, stride_c, n_r, n_c):
+def _load_tile(
+    base, offs_r, offs_c, stride_r, stride_c, n_r, n_c, EVEN_R: tl.constexpr, EVEN_C: tl.constexpr,
+):
+    """``(len(offs_r), len(offs_c))`` tile with zeros outside ``n_r x n_c`` (no mask on even dims)."""
     ptrs = _tile_ptrs(base, offs_r, offs_c, stride_r, stride_c)
-    tl.store(ptrs, value.to(base.dtype.element_ty), mask=(offs_r[:, None] < n_r) & (offs_c[None, :] < n_c))
+    if EVEN_R and EVEN_C:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=_bounds(offs_r, offs_c, n_r, n_c, EVEN_R, EVEN_C), other=0.0)
+
+
+@triton.jit
+def _store_tile(base, value, offs_r, offs_c, stride_r, stride_c, n_r, n_c, EVEN_R: tl.constexpr,
+                EVEN_C: tl.constexpr):
+    ptrs = _tile_ptrs(base, offs_r, offs_c, stride_r, stride_c)
+    if EVEN_R and EVEN_C:
+        tl.store(ptrs, value.to(base.dtype.element_ty))
+    else:
+        inside = _bounds(offs_r, offs_c, n_r, n_c, EVEN_R, EVEN_C)
+        tl.store(ptrs, value.to(base.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _block_offsets(BLOCK: tl.constexpr):
+    """``program_id(0) * BLOCK + arange(BLOCK)`` in 64 bits (the product passes 2^31 on long grids)."""
+    return tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
 
 
 @triton.jit
@@ -106,133 +188,130 @@ def _kv(x, TRANS: tl.constexpr):
         return x[None, :]
 
 
+# ---- the Gaussian bias: S_pt = alpha_p exp(t_row + t_col), separable per axis ------------------------
+
+
 @triton.jit
-def _gauss_rows(den_base, alpha_base, offs_m, n_q, num_prefix, s_dp, s_dc, s_ap):
-    """Per query row: ``1 / den_row``, ``1 / den_col`` and ``alpha`` (alpha = 0 on prefix / padded rows).
+def axis_coefs(den, clamp):
+    """``(coef, floor)`` of one axis of the Gaussian exponent, per query row, from ``den = r sigma + eps``
+    (> 0): ``coef = -log2(e) / (2 den)``, ``floor = log2(e) max(clamp / den, -40)``.
+
+    With them :func:`axis_exponent` gives the library's per-axis exponent
+    ``max(max(-offset^2 / 2, clamp) / den, -40)`` (``vitattn.functional.gaussian``) in log2 units: for
+    ``den > 0``, ``max(a, clamp) / den = max(a / den, clamp / den)``, and the floor folds into the same max.
+    """
+    inv = 1.0 / den
+    return inv * (-0.5 * LOG2E), tl.maximum(clamp * inv, EXP_FLOOR) * LOG2E
+
+
+@triton.jit
+def axis_exponent(offset, coef, floor):
+    """One axis of the Gaussian exponent in log2 units from :func:`axis_coefs`: ``max(offset^2 coef,
+    floor)`` (``offset`` a float grid offset; a multiply, a multiply and a max per score)."""
+    return tl.maximum(offset * offset * coef, floor)
+
+
+@triton.jit
+def _coords_start(offs, num_prefix, grid_w):
+    """Float grid coordinates ``(row, col)`` of the tokens ``offs`` (token ``i`` is patch ``i - P``);
+    prefix tokens get a negative row. Integer division on non-negative values only."""
+    lift = (num_prefix + grid_w - 1) // grid_w  # whole grid rows covering the prefix
+    idx = offs - num_prefix + lift * grid_w
+    return (idx // grid_w - lift).to(tl.float32), (idx % grid_w).to(tl.float32)
+
+
+@triton.jit
+def _coords_step(BLOCK: tl.constexpr, grid_w):
+    """The float row / column step of :func:`_coords_advance` for tiles of ``BLOCK`` tokens."""
+    return (BLOCK // grid_w).to(tl.float32), (BLOCK % grid_w).to(tl.float32), grid_w.to(tl.float32)
+
+
+@triton.jit
+def _coords_advance(row, col, step_r, step_c, gw):
+    """The coordinates ``BLOCK`` tokens further (steps from :func:`_coords_step`), in float arithmetic on
+    integers below 2^24 (exact): the column wraps once at most since ``step_c < gw``."""
+    col = col + step_c
+    wrap = col >= gw
+    return row + step_r + tl.where(wrap, 1.0, 0.0), tl.where(wrap, col - gw, col)
+
+
+@triton.jit
+def gauss_rows(
+    DEN, ALPHA, b, h, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, offs_m, n_q, num_prefix, grid_w, clamp,
+):
+    """Per query row of ``offs_m``: ``(cr, fr, cc, fc, alpha)``, the :func:`axis_coefs` of both axes and
+    the amplitude (0 on prefix and padded rows, where the bias is 0).
 
     ``den`` is ``(.., Np, 2)`` = ``r * sigma + eps``; ``alpha`` is ``(.., Np)``; row ``i`` is patch ``i - P``.
     """
     p = offs_m - num_prefix
     ok = (p >= 0) & (offs_m < n_q)
     p = tl.where(ok, p, 0).to(tl.int64)
-    inv_r = 1.0 / tl.load(den_base + p * s_dp, mask=ok, other=1.0).to(tl.float32)
-    inv_c = 1.0 / tl.load(den_base + p * s_dp + s_dc, mask=ok, other=1.0).to(tl.float32)
-    alpha = tl.load(alpha_base + p * s_ap, mask=ok, other=0.0).to(tl.float32)
-    return inv_r, inv_c, alpha
+    den_base = _offset(DEN, b, h, s_db, s_dh)
+    den_r = tl.load(den_base + p * s_dp, mask=ok, other=1.0).to(tl.float32)
+    den_c = tl.load(den_base + p * s_dp + s_dc, mask=ok, other=1.0).to(tl.float32)
+    alpha = tl.load(_offset(ALPHA, b, h, s_alb, s_alh) + p * s_alp, mask=ok, other=0.0).to(tl.float32)
+    cr, fr = axis_coefs(den_r, clamp)
+    cc, fc = axis_coefs(den_c, clamp)
+    return cr, fr, cc, fc, alpha
 
 
 @triton.jit
-def _row_bias(
-    DEN, ALPHA, b, h, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, offs_m, n_q, num_prefix,
-    GAUSS: tl.constexpr,
+def gauss_tile(qr, qc, cr, fr, cc, fc, kr, kc, TRANS: tl.constexpr):
+    """``e = exp(t_row + t_col)`` of a tile (one ``exp2`` per score), zero on prefix keys (``kr < 0``):
+    query coordinates and terms per row, key coordinates per column (swapped if ``TRANS``)."""
+    t_r = axis_exponent(_qv(qr, TRANS) - _kv(kr, TRANS), _qv(cr, TRANS), _qv(fr, TRANS))
+    t_c = axis_exponent(_qv(qc, TRANS) - _kv(kc, TRANS), _qv(cc, TRANS), _qv(fc, TRANS))
+    return tl.where(_kv(kr >= 0.0, TRANS), tl.exp2(t_r + t_c), 0.0)
+
+
+# ---- scores and probabilities --------------------------------------------------------------------------
+
+
+@triton.jit
+def _mask_tile(
+    offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_km, s_kn,
+    HAS_ADD: tl.constexpr, HAS_KEEP: tl.constexpr, TRANS: tl.constexpr, EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):
-    """:func:`_gauss_rows` of this ``(b, h)`` (zeros without a Gaussian bias)."""
-    inv_r, inv_c, alpha = 0.0, 0.0, 0.0
-    if GAUSS:
-        inv_r, inv_c, alpha = _gauss_rows(
-            _offset(DEN, b, h, s_db, s_dh), _offset(ALPHA, b, h, s_alb, s_alh),
-            offs_m, n_q, num_prefix, s_dp, s_dc, s_alp,
-        )
-    return inv_r, inv_c, alpha
-
-
-@triton.jit
-def _gauss_exponent(pm, pn, inv_r, inv_c, grid_w, clamp):
-    """``a_row, a_col`` of query patches ``pm`` against key patches ``pn`` (broadcast tensors):
-    ``a_m = max(-(coord_p,m - coord_t,m)^2 / 2, clamp) / den_p,m``."""
-    d_row = (pm // grid_w - pn // grid_w).to(tl.float32)
-    d_col = (pm % grid_w - pn % grid_w).to(tl.float32)
-    a_row = tl.maximum(-0.5 * d_row * d_row, clamp) * inv_r
-    a_col = tl.maximum(-0.5 * d_col * d_col, clamp) * inv_c
-    return a_row, a_col
-
-
-@triton.jit
-def _gauss_tile(offs_m, offs_n, n_k, inv_r, inv_c, alpha, num_prefix, grid_w, clamp, TRANS: tl.constexpr):
-    """GAug bias of a tile: ``(bias, e, a_row, a_col)`` with ``bias = alpha * e``, ``e = exp(a_row + a_col)``
-    (:func:`_gauss_exponent`); zero on prefix rows / columns. Keys along rows if ``TRANS``."""
-    pm = _qv(tl.maximum(offs_m - num_prefix, 0), TRANS)
-    pn = _kv(tl.maximum(offs_n - num_prefix, 0), TRANS)
-    a_row, a_col = _gauss_exponent(pm, pn, _qv(inv_r, TRANS), _qv(inv_c, TRANS), grid_w, clamp)
-    keys = _kv(offs_n, TRANS)
-    inside = (_qv(offs_m, TRANS) >= num_prefix) & (keys >= num_prefix) & (keys < n_k)
-    e = tl.where(inside, tl.exp(a_row + a_col), 0.0)
-    return _qv(alpha, TRANS) * e, e, a_row, a_col
-
-
-@triton.jit
-def _gauss_reaches(offs_m, n_lo, n_hi, n_q, inv_r, inv_c, num_prefix, grid_w, clamp):
-    """Whether the GAug bias can be nonzero anywhere on the tile of queries ``offs_m`` x keys
-    ``[n_lo, n_hi)`` (a scalar). False only where every ``exp(a_row + a_col)`` is exactly 0 in float32.
-
-    Per query row, the bound is :func:`_gauss_exponent` at the smallest grid distance to the tile's
-    keys (the key patches form one range: its grid rows ``[r_lo, r_hi]``, its columns a range if it
-    lies in one grid row, else all of them). Every float operation there is monotone, so the bound is
-    >= every element's computed exponent; below ``GAUSS_ZERO`` (-120: ``e^-120`` is 1e-52, far under
-    float32's smallest subnormal 1.4e-45) every ``exp`` of the tile, and so the bias, is exactly 0.
-    """
-    lo = tl.maximum(n_lo - num_prefix, 0)
-    hi = n_hi - 1 - num_prefix
-    r_lo = lo // grid_w
-    r_hi = hi // grid_w
-    one_row = r_lo == r_hi
-    c_lo = tl.where(one_row, lo % grid_w, 0)
-    c_hi = tl.where(one_row, hi % grid_w, grid_w - 1)
-    pm = tl.maximum(offs_m - num_prefix, 0)
-    qr = pm // grid_w
-    qc = pm % grid_w
-    dr = tl.maximum(tl.maximum(r_lo - qr, qr - r_hi), 0)
-    dc = tl.maximum(tl.maximum(c_lo - qc, qc - c_hi), 0)
-    a_row = tl.maximum(-0.5 * dr.to(tl.float32) * dr.to(tl.float32), clamp) * inv_r
-    a_col = tl.maximum(-0.5 * dc.to(tl.float32) * dc.to(tl.float32), clamp) * inv_c
-    rows = (offs_m >= num_prefix) & (offs_m < n_q)
-    bound = tl.max(tl.where(rows, a_row + a_col, float("-inf")), 0)
-    return (hi >= lo) & (bound > GAUSS_ZERO)
-
-
-@triton.jit
-def _scores(
-    qk, gbias, offs_m, offs_n, n_q, n_k, scale,
-    add_base, s_am, s_an, keep_base, s_km, s_kn,
-    GAUSS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_KEEP: tl.constexpr, ENTMAX: tl.constexpr,
-    TRANS: tl.constexpr,
-):
-    """``z = qk * scale (+ gaussian) (+ unit * additive)``, ``-inf`` where masked or out of range.
-
-    The tile is in the normalizer's unit (see :func:`_probs`): ``scale`` and the Gaussian ``gbias``
-    come pre-multiplied by it (``0.5`` for entmax-1.5, ``log2(e)`` for softmax). For softmax an
-    additive mask below ``-2^127`` is raised to ``-2^127`` first (``-inf`` stays), so ``log2(e)``
-    times it stays finite: ``torch.finfo(torch.float32).min`` masks rows as the torch path does.
-    Keys along rows (``qk`` is ``k qᵀ``) if ``TRANS``.
-    """
-    z = qk * scale
-    if GAUSS:
-        z += gbias
-    valid = (_qv(offs_m, TRANS) < n_q) & (_kv(offs_n, TRANS) < n_k)
+    """The masks of a tile as one additive tile in units of ``q kᵀ``: ``add / scale`` (raised to
+    ``-2^127 / max(scale, 1)`` where below it, ``-inf`` kept) and ``-inf`` where the keep-mask is 0. It
+    is the accumulator of the tile's ``q kᵀ`` dot, so the mask tiles are converted to the dot's layout
+    once instead of the score tile's arithmetic running in the load layout. ``scale`` is the unscaled
+    softmax scale (> 0). Queries past ``n_q`` load nothing (their rows are never used)."""
+    if not (EVEN_M and EVEN_N):
+        if TRANS:
+            inside = _bounds(offs_n, offs_m, n_k, n_q, EVEN_N, EVEN_M)
+        else:
+            inside = _bounds(offs_m, offs_n, n_q, n_k, EVEN_M, EVEN_N)
+    pen = 0.0
     if HAS_ADD:
         if TRANS:
             ptrs = _tile_ptrs(add_base, offs_n, offs_m, s_an, s_am)
         else:
             ptrs = _tile_ptrs(add_base, offs_m, offs_n, s_am, s_an)
-        add = tl.load(ptrs, mask=valid, other=0.0).to(tl.float32)
-        if ENTMAX:
-            z += 0.5 * add
+        if EVEN_M and EVEN_N:
+            add = tl.load(ptrs).to(tl.float32)
         else:
-            add = tl.where((add < ADD_FLOOR) & (add > float("-inf")), ADD_FLOOR, add)
-            z += LOG2E * add
+            add = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+        floor = ADD_FLOOR / tl.maximum(scale, 1.0)
+        pen = tl.where(add == float("-inf"), add, tl.maximum(add * (1.0 / scale), floor))
     if HAS_KEEP:
         if TRANS:
             ptrs = _tile_ptrs(keep_base, offs_n, offs_m, s_kn, s_km)
         else:
             ptrs = _tile_ptrs(keep_base, offs_m, offs_n, s_km, s_kn)
-        keep = tl.load(ptrs, mask=valid, other=0)
-        valid = valid & (keep != 0)
-    return tl.where(valid, z, float("-inf"))
+        if EVEN_M and EVEN_N:
+            keep = tl.load(ptrs)
+        else:
+            keep = tl.load(ptrs, mask=inside, other=0)
+        pen = tl.where(keep != 0, pen, float("-inf"))
+    return pen
 
 
 @triton.jit
 def _probs(z, stat, ENTMAX: tl.constexpr, TRANS: tl.constexpr):
-    """``(p, g)`` of a score tile ``z`` (in the normalizer's unit, see :func:`_scores`) from the row
+    """``(p, g)`` of a score tile ``z`` (in the normalizer's unit, see :func:`_score_tile`) from the row
     statistic ``stat`` in the same unit.
 
     softmax: ``z`` and ``stat`` (the log-sum-exp) in base 2, ``p = 2^(z - stat)``, ``g = p``.
@@ -248,88 +327,69 @@ def _probs(z, stat, ENTMAX: tl.constexpr, TRANS: tl.constexpr):
 
 
 @triton.jit
-def _score_block(
-    a, b, offs_m, offs_n, n_lo, n_q, n_k, scale,
+def _score_tile(
+    a, b, offs_m, offs_n, n_q, n_k, scale, unit,
     add_base, s_am, s_an, keep_base, s_mm, s_mn,
-    inv_r, inv_c, alpha, num_prefix, grid_w, clamp,
+    qr, qc, cr, fr, cc, fc, alpha, kr, kc,
     GAUSS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_KEEP: tl.constexpr, F32_DOT: tl.constexpr,
-    ENTMAX: tl.constexpr, TRANS: tl.constexpr,
+    TRANS: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """The masked score tile ``z`` (:func:`_scores`) of query tile ``a = q (BLOCK_M, D)`` against key tile
-    ``b = k (BLOCK_N, D)``; with ``TRANS``, ``a = k`` and ``b = q`` and the tile is ``(BLOCK_N, BLOCK_M)``.
+    """``(z, e)``: the masked score tile of query tile ``a = q (BLOCK_M, D)`` against key tile
+    ``b = k (BLOCK_N, D)`` (with ``TRANS``, ``a = k``, ``b = q`` and the tile is ``(BLOCK_N, BLOCK_M)``),
+    and the Gaussian factor ``e`` of :func:`gauss_tile` (0 without ``GAUSS``).
 
-    ``scale`` and ``alpha`` in the normalizer's unit; ``n_lo`` = the first key of the tile. The Gaussian
-    bias is computed only where :func:`_gauss_reaches` says it can be nonzero (bit-exact skip).
+    ``z = (q kᵀ + masks / scale) * scale * unit + alpha * e`` (:func:`_mask_tile`), ``-inf`` where a key
+    is masked or past ``n_k``, in the normalizer's unit ``unit`` (see :func:`_probs`: ``log2(e)`` for
+    softmax, ``1/2`` for entmax-1.5): ``alpha`` comes pre-multiplied by it. ``qr, qc, cr, fr, cc, fc``
+    per query, ``kr, kc`` per key (see :func:`gauss_rows`, :func:`_coords_start`). On a row masked
+    entirely by a finite value ``M`` the scores are rounded at ``|M|``, as the reference's float32
+    scores are (for a power-of-two scale, exactly as there).
     """
-    gbias = 0.0
+    if HAS_ADD or HAS_KEEP:
+        pen = _mask_tile(
+            offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+            HAS_ADD, HAS_KEEP, TRANS, EVEN_M, EVEN_N,
+        )
+        qk = _dot_acc(a, tl.trans(b), pen, F32_DOT)
+    else:
+        qk = _dot(a, tl.trans(b), F32_DOT)
+    z = qk * (scale * unit)
+    e = 0.0
     if GAUSS:
-        if TRANS:
-            n_hi = tl.minimum(n_lo + a.shape[0], n_k)
-        else:
-            n_hi = tl.minimum(n_lo + b.shape[0], n_k)
-        gbias = tl.zeros([a.shape[0], b.shape[0]], tl.float32)
-        if _gauss_reaches(offs_m, n_lo, n_hi, n_q, inv_r, inv_c, num_prefix, grid_w, clamp):
-            gbias, _e, _ar, _ac = _gauss_tile(
-                offs_m, offs_n, n_k, inv_r, inv_c, alpha, num_prefix, grid_w, clamp, TRANS
-            )
-    return _scores(
-        _dot(a, tl.trans(b), F32_DOT), gbias, offs_m, offs_n, n_q, n_k, scale,
-        add_base, s_am, s_an, keep_base, s_mm, s_mn, GAUSS, HAS_ADD, HAS_KEEP, ENTMAX, TRANS,
-    )
-
-
-@triton.jit
-def _block_live(w0, w1, w2, w3, w4, w5, w6, w7, blk):
-    """Whether key block ``blk`` is still live: bit ``blk`` of the 512-bit set ``w0..w7`` (int64 scalars)
-    of dropped blocks is clear (blocks past 511 are never dropped)."""
-    i = blk // 64
-    shift = blk % 64 + tl.zeros([], tl.int64)
-    word = tl.where(i == 0, w0, tl.where(i == 1, w1, tl.where(i == 2, w2, tl.where(i == 3, w3, tl.where(
-        i == 4, w4, tl.where(i == 5, w5, tl.where(i == 6, w6, w7)))))))
-    return (i >= 8) | (((word >> shift) & 1) == 0)
-
-
-@triton.jit
-def _block_drop(w0, w1, w2, w3, w4, w5, w6, w7, blk):
-    """``w0..w7`` with key block ``blk`` dropped (its bit set; no-op past block 511)."""
-    i = blk // 64
-    bit = tl.full([], 1, tl.int64) << (blk % 64 + tl.zeros([], tl.int64))
-    return (
-        tl.where(i == 0, w0 | bit, w0), tl.where(i == 1, w1 | bit, w1),
-        tl.where(i == 2, w2 | bit, w2), tl.where(i == 3, w3 | bit, w3),
-        tl.where(i == 4, w4 | bit, w4), tl.where(i == 5, w5 | bit, w5),
-        tl.where(i == 6, w6 | bit, w6), tl.where(i == 7, w7 | bit, w7),
-    )
+        e = gauss_tile(qr, qc, cr, fr, cc, fc, kr, kc, TRANS)
+        z = z + _qv(alpha, TRANS) * e
+    if not EVEN_N:
+        z = tl.where(_kv(offs_n < n_k, TRANS), z, float("-inf"))
+    return z, e
 
 
 @triton.jit
 def _fwd_prologue(
     Q, K, V, ADD, KEEP, DEN, ALPHA,
     s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_vb, s_vh, s_ab, s_ah, s_mb, s_mh,
-    s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, n_heads, n_q, head_d, scale, num_prefix,
-    UNIT: tl.constexpr, GAUSS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, n_heads, n_q, head_d, num_prefix, grid_w, clamp,
+    GAUSS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     """The common start of the forward kernels, for query block ``program_id(0)`` of ``(b, h)``.
 
-    Returns ``(bh, offs_m, offs_d, offs_dv, q, k_base, v_base, add_base, keep_base, inv_r, inv_c,
-    scale * UNIT, alpha * UNIT)``: ``q`` the ``(BLOCK_M, BLOCK_D)`` query tile, the slices of
-    :func:`_bases`, the Gaussian row terms of :func:`_row_bias` (``alpha`` and ``scale`` taken to the
-    normalizer's unit ``UNIT``: ``log2(e)`` for softmax, ``0.5`` for entmax-1.5).
+    Returns ``(bh, offs_m, offs_d, offs_dv, q, k_base, v_base, add_base, keep_base, qr, qc, cr, fr, cc,
+    fc, alpha)`` with ``q`` the ``(BLOCK_M, BLOCK_D)`` query tile, the slices of :func:`_bases`, the
+    query coordinates and :func:`gauss_rows` (zeros without a Gaussian bias).
     """
     bh, b, h = _program(n_heads)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = _block_offsets(BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_base, k_base, v_base, add_base, keep_base = _bases(
         Q, K, V, ADD, KEEP, b, h, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ab, s_ah, s_mb, s_mh
     )
-    q = _load_tile(q_base, offs_m, offs_d, s_qm, s_qd, n_q, head_d)
-    inv_r, inv_c, alpha = _row_bias(
-        DEN, ALPHA, b, h, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, offs_m, n_q, num_prefix, GAUSS
-    )
-    return (
-        bh, offs_m, offs_d, offs_dv, q, k_base, v_base, add_base, keep_base, inv_r, inv_c,
-        scale * UNIT, alpha * UNIT,
-    )
-
+    q = _load_tile(q_base, offs_m, offs_d, s_qm, s_qd, n_q, head_d, EVEN_M, EVEN_D)
+    qr, qc, cr, fr, cc, fc, alpha = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    if GAUSS:
+        qr, qc = _coords_start(offs_m, num_prefix, grid_w)
+        cr, fr, cc, fc, alpha = gauss_rows(
+            DEN, ALPHA, b, h, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, offs_m, n_q, num_prefix, grid_w,
+            clamp,
+        )
+    return bh, offs_m, offs_d, offs_dv, q, k_base, v_base, add_base, keep_base, qr, qc, cr, fr, cc, fc, alpha

@@ -1,4 +1,4 @@
-"""Block-size lists the kernels are autotuned over (all power-of-two tiles, >= 16 in every dim).
+"""Block-size lists the kernels are autotuned over, per GPU arch (all power-of-two tiles, >= 16 in every dim).
 
 Plain data, no triton import: :mod:`vitattn.kernels.ops` turns them into ``triton.Config`` objects and
 :mod:`vitattn.kernels._build.aot` compiles every one of them for sm_80 and sm_90 ahead of time.
@@ -16,61 +16,109 @@ class TileConfig:
     num_warps: int
     num_stages: int
     max_head_dim: int = 128  # used only for padded head dims up to this (larger ones spill)
-    max_head_dim_masked: int | None = None  # the same with an additive / boolean mask tile to load
+    max_head_dim_masked: int | None = None  # the same with an additive / boolean mask tile (0: never)
     max_head_dim_fp32: int | None = None  # the same with float32 (TF32) operands: twice the shared memory
+    max_head_dim_ragged: int | None = None  # the same with bound masks (ragged lengths or head dim; 0: never)
 
-    def head_dim_limit(self, masked: bool, fp32: bool = False) -> int:
-        limit = self.max_head_dim_masked if masked and self.max_head_dim_masked else self.max_head_dim
+    def head_dim_limit(self, masked: bool, fp32: bool = False, ragged: bool = False) -> int:
+        """The largest padded head dim this config serves (0: none) with a mask tile (``masked``), float32
+        operands (``fp32``), bound masks on (``ragged``: see :func:`ragged`)."""
+        limit = self.max_head_dim
+        if masked and self.max_head_dim_masked is not None:
+            limit = self.max_head_dim_masked
         if fp32 and self.max_head_dim_fp32:
             limit = min(limit, self.max_head_dim_fp32)
+        if ragged and self.max_head_dim_ragged is not None:
+            limit = min(limit, self.max_head_dim_ragged)
         return limit
 
     def __str__(self) -> str:
         return f"M{self.block_m}xN{self.block_n} w{self.num_warps} s{self.num_stages}"
 
 
-# Kernel name -> autotune list. Every entry fits sm_80's 163 KiB of shared memory at its largest head
-# dim and compiles for sm_80 and sm_90 (checked by ``python -m vitattn.kernels._build.aot``, which
-# prints registers and spills; some entmax tiles spill a little at head dim 128, see docs/kernels.md).
-# With float32 operands (the TF32 path) the tiles take twice the shared memory: ``max_head_dim_fp32``
-# marks the entries that exceed sm_80's or sm_90's limit at head dim 128 then
-# (``python -m vitattn.kernels._build.aot --dtype fp32``).
-AUTOTUNE: dict[str, tuple[TileConfig, ...]] = {
-    "fwd_softmax": (
-        TileConfig(128, 64, 8, 3, max_head_dim_masked=64, max_head_dim_fp32=64),
-        TileConfig(128, 32, 8, 3),
-        TileConfig(64, 64, 4, 3, max_head_dim_masked=64, max_head_dim_fp32=64),
-        TileConfig(64, 32, 4, 2),
-    ),
-    "fwd_entmax15": (
-        TileConfig(128, 32, 8, 2, max_head_dim_masked=64),
-        TileConfig(64, 32, 8, 2),
-        TileConfig(64, 64, 8, 3, max_head_dim_fp32=64),
-        TileConfig(128, 64, 8, 3, max_head_dim=64),
-    ),
-    "bwd_dkdv": (
-        TileConfig(32, 64, 8, 2),
-        TileConfig(64, 32, 8, 2, max_head_dim_fp32=64),
-        TileConfig(32, 64, 8, 3),
-        TileConfig(32, 128, 8, 2, max_head_dim=64),
-    ),
-    "bwd_dq": (
-        TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
-        TileConfig(64, 32, 8, 2),
-        TileConfig(128, 32, 8, 3, max_head_dim=64),
-        TileConfig(64, 32, 4, 2, max_head_dim=64),
-    ),
+# arch (compute capability 80 or 90, see arch_of) -> kernel name -> autotune list, in the style of the
+# Triton fused-attention tutorial: 64- and 128-row tiles, 4 warps per 64 query rows, 3-4 stages on sm_90
+# (2-3 on sm_80), the larger tiles for head dims <= 64 only. ``python -m vitattn.kernels._build.aot
+# --report`` compiles every entry for its arch at the largest head dim it serves and reports registers,
+# spills and the loops' machine code (docs/kernels.md); no entry the autotuner can pick on sm_90 spills
+# (tests/test_kernels_static.py). ``max_head_dim_fp32``: float32 (TF32) operands take twice the shared
+# memory; the entries that would not fit at head dim 128 serve 64 (tests/test_kernels_static.py compiles
+# the float32 ones).
+AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
+    90: {
+        "fwd_softmax": (
+            TileConfig(128, 64, 8, 3, max_head_dim_fp32=64, max_head_dim_ragged=64),
+            TileConfig(64, 64, 4, 3, max_head_dim_fp32=64, max_head_dim_ragged=64),
+            TileConfig(128, 64, 8, 4, max_head_dim_fp32=64, max_head_dim_ragged=64), TileConfig(64, 32, 4, 3),
+        ),
+        "fwd_entmax15": (
+            TileConfig(128, 64, 8, 3, max_head_dim=64), TileConfig(64, 64, 4, 3, max_head_dim=64),
+            TileConfig(128, 32, 8, 3), TileConfig(64, 32, 4, 3),
+        ),
+        # 4 warps: with 8, the M = 64 key rows of the wgmma tiles are split over two warpgroups along the
+        # queries, and Triton recomputes p in the second dot's operand layout (1.33x the exps)
+        "bwd_dkdv": (
+            TileConfig(32, 64, 4, 3, max_head_dim=64), TileConfig(64, 32, 4, 3, max_head_dim_ragged=64),
+            TileConfig(32, 32, 4, 3), TileConfig(64, 32, 4, 4, max_head_dim_fp32=64, max_head_dim_ragged=64),
+        ),
+        # a mask's gradient tile (its 64-bit pointers, the atomics) spills the 64-key tiles at any head dim
+        "bwd_dq": (
+            TileConfig(64, 64, 4, 3, max_head_dim=64, max_head_dim_masked=0, max_head_dim_ragged=0),
+            TileConfig(64, 32, 4, 3, max_head_dim_ragged=64), TileConfig(128, 32, 8, 3, max_head_dim_fp32=64),
+            TileConfig(32, 32, 4, 3),
+        ),
+    },
+    80: {
+        "fwd_softmax": (
+            TileConfig(128, 64, 8, 2, max_head_dim_fp32=64), TileConfig(64, 64, 4, 2, max_head_dim_fp32=64),
+            TileConfig(64, 32, 4, 3, max_head_dim_fp32=64), TileConfig(64, 32, 4, 2),
+        ),
+        "fwd_entmax15": (
+            TileConfig(128, 64, 8, 2, max_head_dim=64), TileConfig(64, 64, 4, 2, max_head_dim=64),
+            TileConfig(128, 32, 8, 2, max_head_dim_fp32=64), TileConfig(64, 32, 4, 2),
+        ),
+        "bwd_dkdv": (
+            TileConfig(32, 64, 4, 2, max_head_dim=64), TileConfig(64, 32, 4, 2), TileConfig(32, 32, 4, 2),
+            TileConfig(64, 32, 4, 3, max_head_dim_fp32=64),
+        ),
+        "bwd_dq": (
+            TileConfig(64, 64, 4, 2, max_head_dim=64, max_head_dim_masked=0),
+            TileConfig(128, 64, 8, 2, max_head_dim=64, max_head_dim_masked=0),
+            TileConfig(64, 32, 4, 2), TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
+        ),
+    },
 }
+DEFAULT_ARCH = 90  # the arch of the lists when no CUDA device tells (fake tensors, no driver)
 
 
-def autotune_list(kernel: str, block_d: int, masked: bool, fp32: bool = False) -> tuple[TileConfig, ...]:
-    """The configs of ``kernel`` usable at padded head dim ``block_d`` (with a mask tile if ``masked``,
-    with float32 operands if ``fp32``)."""
-    return tuple(c for c in AUTOTUNE[kernel] if block_d <= c.head_dim_limit(masked, fp32))
+def arch_of(capability: int) -> int:
+    """The config lists of a compute capability (``10 * major + minor``): sm_90's 9.0+, else sm_80's."""
+    return 90 if capability >= 90 else 80
 
 
-# The row-term kernel of the backward needs no tuning.
+# Kernel name -> the default arch's autotune list.
+AUTOTUNE: dict[str, tuple[TileConfig, ...]] = AUTOTUNE_BY_ARCH[DEFAULT_ARCH]
+
+
+def ragged(n_q: int, n_k: int, even_d: bool) -> bool:
+    """Whether a launch runs with bound masks for some tile: a length not a multiple of 128 (every block
+    size divides 128) or a head dim below its padded size."""
+    return n_q % 128 != 0 or n_k % 128 != 0 or not even_d
+
+
+def autotune_list(
+    kernel: str, block_d: int, masked: bool, fp32: bool = False, arch: int = DEFAULT_ARCH,
+    ragged: bool = False,
+) -> tuple[TileConfig, ...]:
+    """The configs of ``kernel`` on ``arch`` usable at padded head dim ``block_d`` (with a mask tile if
+    ``masked``, with float32 operands if ``fp32``, with bound masks if ``ragged``)."""
+    tiles = AUTOTUNE_BY_ARCH[arch_of(arch)][kernel]
+    return tuple(c for c in tiles if block_d <= c.head_dim_limit(masked, fp32, ragged))
+
+
+# The row-term kernels of the backward (delta, the Gaussian row terms) need no tuning.
 DELTA_ROWS = 64
+ROW_TERMS_ROWS = 128
 
 # Under TRITON_INTERPRET=1 (CPU, numpy) small tiles keep the tests fast and every edge ragged.
 INTERPRET = TileConfig(32, 32, 4, 1)

@@ -2,31 +2,33 @@
 the output pass.
 
 With ``y = z / 2`` (z = the masked, biased scores; the 1/2 is folded into the scale), ``entmax15(z) =
-(y - tau)_+^2`` where ``tau`` makes the row sum to 1. Per block of query rows, as in the torch path
-(:mod:`vitattn.functional.entmax15`), on the max-shifted scores ``x = y - m`` (``x <= 0``):
+(y - tau)_+^2`` where ``tau`` makes the row sum to 1. Per block of query rows, on the max-shifted scores
+``x = y - m`` (``x <= 0``; the root lies in ``[-1, hi]``, ``hi = -1/sqrt(n)`` for ``n`` finite keys):
 
-1. one pass over the keys: the row max ``m``, the count ``n`` of the finite ``y`` and a lower bound on
-   ``sum max(x, -1)`` (kept a lower bound while the running max grows);
-2. ``tau`` starts at the lower bound ``max(-1, mean - 1/sqrt(n))`` and is capped at ``hi = -1/sqrt(n)``;
-   each Newton pass over the keys gathers ``k = |{x > tau}|``, ``s1 = sum (x - tau)_+`` and
-   ``s2 = sum (x - tau)_+^2`` and steps on ``h = sqrt(s2) - 1`` from the left (convex, decreasing:
-   every iterate stays a lower bound), until every row's step is below ``sqrt(float32 eps)`` — relative
-   to the row, since ``x`` spans ``[-1, 0]`` where it matters (at most ``NEWTON_MAX_STEPS`` passes). A
-   row masked by a large finite value (``-1e6``) therefore converges like any other;
-3. the closed form on the support of the last iterate (the smaller root of
-   ``k d^2 - 2 s1 d + s2 - 1 = 0``) gives the exact ``tau``;
-4. the output pass accumulates ``p V`` with ``p = (x - tau)_+^2``.
+1. one pass over the keys: the row max ``m``, the count ``n`` of the finite ``y`` (with a mask only),
+   and ``S1 = sum (x + 1)_+``, ``S2 = sum (x + 1)_+^2`` relative to the running max: when the max
+   grows by ``d``, ``S2`` drops by ``2 d S1`` at most, so ``S2`` is kept as a lower bound and ``S1``
+   (never decreased) as an upper bound. The first Newton step from ``-1`` taken with them
+   (``(sqrt(S2) - 1) sqrt(S2) / S1``) is no longer than the exact one, so the start
+   ``tau = -1 + step`` is a lower bound; it is the torch path's first iterate when the max comes first;
+2. Newton passes on ``h(tau) = sqrt(s2) - 1`` (convex, decreasing: every iterate from the left stays
+   a lower bound), each gathering ``k = |{x > tau}|``, ``s1 = sum (x - tau)_+``, ``s2 = sum (x -
+   tau)_+^2``. Each pass also forms the closed form of the quadratic on its support (the smaller root of
+   ``k d^2 - 2 s1 d + s2 - 1 = 0``, cancellation-free), and the next pass counts the keys above that
+   candidate: when the count equals ``k``, no key lies between ``tau`` and the candidate, the support
+   is the root's and the candidate is the exact threshold. A row is done then, or when its Newton step is
+   below ``sqrt(float32 eps)`` (the closed form of that pass); the passes end when every row of the tile
+   is done (``NEWTON_MAX_STEPS`` at most). A row masked by a large finite value (``-1e6``) converges
+   like any other, since ``x`` is shifted;
+3. the output pass accumulates ``p V`` with ``p = (x - tau)_+^2``.
 
-Skipped work (exact, since tau only grows): a key block with ``x <= tau`` on every row of the tile
-(found in the row-max pass when ``x <= -1``, and in every Newton pass) is dropped from the remaining
-passes, K load and ``q kᵀ`` included; the output pass also skips V on a block without support at
-the final ``tau``.
+No key loop branches on data: K and V are loaded on every tile (the loads pipeline); the passes and the
+decision to stop are per tile of rows, outside the key loops.
 
 Saved for backward: ``STAT`` = ``m + tau`` (the threshold in units of ``z / 2``), float32
 ``(B, H, Nq)`` (``+inf`` for a row whose keys are all masked), and, when a gradient is needed,
 ``OG`` = ``sum_j g_j v_j / sum_j g_j`` with ``g = (x - tau)_+ = sqrt(p)``, float32 ``(B, H, Nq, Dv)``:
-the backward's row term is then
-``delta = dO . OG`` (the entmax analogue of softmax's ``dO . O``).
+the backward's row term is then ``delta = dO . OG`` (the entmax analogue of softmax's ``dO . O``).
 """
 
 from __future__ import annotations
@@ -37,37 +39,56 @@ import triton.language as tl
 from ._common import (
     NEWTON_MAX_STEPS,
     NEWTON_TOL,
-    _block_drop,
-    _block_live,
+    _coords_advance,
+    _coords_start,
+    _coords_step,
     _dot,
     _fwd_prologue,
     _load_tile,
-    _probs,
-    _score_block,
+    _score_tile,
     _store_tile,
 )
 
+# The two levels of the first pass, relative to the first key block's row max (units of z / 2).
+LEVEL_LO: tl.constexpr = tl.constexpr(-0.25)
+LEVEL_HI: tl.constexpr = tl.constexpr(0.25)
+# Below the root, the closed form replaces Newton's step once the step is this small (the support is near).
+NEAR_STEP: tl.constexpr = tl.constexpr(0.05)
+# A closed-form move this small (2^-21, a few float32 ulps of the row's scale 1) is rounding: stop there.
+SETTLED: tl.constexpr = tl.constexpr(4.76837158203125e-07)
+
 
 @triton.jit
-def _entmax_block(
-    q, k_base, start_n, offs_m, offs_d, s_kn, s_kd, n_q, n_k, head_d, scale_y,
-    add_base, s_am, s_an, keep_base, s_mm, s_mn, inv_r, inv_c, alpha_y, num_prefix, grid_w, clamp,
-    m, tau, GAUSS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_KEEP: tl.constexpr, F32_DOT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """One key block of an entmax-1.5 forward pass: ``(offs_n, p, g)``, ``(BLOCK_M, BLOCK_N)`` tiles of
-    :func:`_probs` at threshold ``tau`` on the shifted scores ``y - m`` (``y`` in units of ``z / 2``:
-    ``scale_y``, ``alpha_y`` include the 1/2), loading the K tile of keys ``start_n + [0, BLOCK_N)``.
+def _newton_step(s1, s2):
+    """Newton's step on ``h = sqrt(s2) - 1`` from the left: ``(sqrt(s2) - 1) sqrt(s2) / s1``, >= 0
+    (0 for an empty support or ``s2 <= 1``)."""
+    norm = tl.sqrt(tl.maximum(s2, 1.0))
+    step = tl.where(s1 > 0.0, (norm - 1.0) * norm / tl.where(s1 > 0.0, s1, 1.0), 0.0)
+    return tl.maximum(step, 0.0)
 
-    Defined here, not in ``_common``: its tiles count as this kernel's (``_score_block`` of this module)."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d)
-    y = _score_block(
-        q, k, offs_m, offs_n, start_n, n_q, n_k, scale_y, add_base, s_am, s_an, keep_base, s_mm, s_mn,
-        inv_r, inv_c, alpha_y, num_prefix, grid_w, clamp, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, True, False,
-    )
-    p, g = _probs(y - m[:, None], tau, True, False)
-    return offs_n, p, g
+
+@triton.jit
+def _closed_form(s0, s1, s2):
+    """``(inc, valid)``: the threshold is ``tau + inc`` if the support ``{x > tau}`` (``s0`` keys, sums
+    ``s1``, ``s2``) is the root's: ``inc = (s2 - 1) / (s1 + sqrt(s1^2 - s0 (s2 - 1)))``, the smaller root
+    of ``s0 d^2 - 2 s1 d + s2 - 1 = 0`` without cancellation; ``valid``: that quadratic has a real root
+    (the discriminant is clamped at 0 otherwise)."""
+    disc = s1 * s1 - s0 * (s2 - 1.0)
+    denom = s1 + tl.sqrt(tl.maximum(disc, 0.0))
+    inc = tl.where(denom > 0.0, (s2 - 1.0) / tl.where(denom > 0.0, denom, 1.0), 0.0)
+    return inc, disc >= 0.0
+
+
+@triton.jit
+def _level_bound(t, k, s1, s2):
+    """A lower bound of the threshold from exact sums at a level ``t`` (shifted scale; ``k`` keys above
+    it, ``s1 = sum (x - t)_+``, ``s2 = sum (x - t)_+^2``), or -1: below the root (``s2 >= 1``) Newton's
+    step from ``t``; above it (``s2 < 1``, some key above) the closed form, whose support lacks only keys
+    below the root, so it lands at or below it."""
+    inc, _valid = _closed_form(k, s1, s2)
+    below = t + _newton_step(s1, s2)
+    above = tl.where(s1 > 0.0, t + inc, -1.0)
+    return tl.where(s2 >= 1.0, below, above)
 
 
 @triton.jit
@@ -79,110 +100,147 @@ def _fwd_entmax15_kernel(
     GAUSS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_KEEP: tl.constexpr, F32_DOT: tl.constexpr,
     STORE_OG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     """``O[b, h, rows] = entmax15(z) V``, ``STAT = tau`` (and ``OG``) for one block of query rows.
 
     Shapes as in the softmax kernel; OG contiguous float32 ``(B, H, Nq, Dv)`` (written if ``STORE_OG``).
     """
-    # key blocks known to have no support for any row of this tile (tau only grows): bits of w0..w7
-    w0 = tl.full([], 0, tl.int64)
-    w1, w2, w3, w4, w5, w6, w7 = w0, w0, w0, w0, w0, w0, w0
-    # every tile is y = z / 2 (the 1/2 of entmax-1.5 folded into the scale and the Gaussian amplitude)
-    bh, offs_m, offs_d, offs_dv, q, k_base, v_base, add_base, keep_base, inv_r, inv_c, scale_y, alpha_y = (
+    bh, offs_m, offs_d, offs_dv, q, k_base, v_base, add_base, keep_base, qr, qc, cr, fr, cc, fc, alpha = (
         _fwd_prologue(
             Q, K, V, ADD, KEEP, DEN, ALPHA, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_vb, s_vh, s_ab, s_ah,
-            s_mb, s_mh, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, n_heads, n_q, head_d, scale,
-            num_prefix, 0.5, GAUSS, BLOCK_M, BLOCK_D, BLOCK_DV,
+            s_mb, s_mh, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, n_heads, n_q, head_d, num_prefix,
+            grid_w, clamp, GAUSS, BLOCK_M, BLOCK_D, BLOCK_DV, EVEN_M, EVEN_D,
         )
     )
+    # every tile is y = z / 2 (the 1/2 of entmax-1.5 folded into the scale and the Gaussian amplitude)
+    alpha_y = alpha * 0.5
+    kr0, kc0 = _coords_start(tl.arange(0, BLOCK_N), num_prefix, grid_w)
+    step_r, step_c, gw = _coords_step(BLOCK_N, grid_w)
+    masked = HAS_ADD or HAS_KEEP
 
-    # 1. row max m of y, the count n of finite y and a lower bound on sum max(y - m, -1)
+    # 1. row max m of y, the finite keys, and exact sums at two levels fixed by the first block's max
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_M], tl.float32)
+    ref = tl.zeros([BLOCK_M], tl.float32)
+    k_lo = tl.zeros([BLOCK_M], tl.float32)
+    s1_lo = tl.zeros([BLOCK_M], tl.float32)
+    s2_lo = tl.zeros([BLOCK_M], tl.float32)
+    k_hi = tl.zeros([BLOCK_M], tl.float32)
+    s1_hi = tl.zeros([BLOCK_M], tl.float32)
+    s2_hi = tl.zeros([BLOCK_M], tl.float32)
     count = tl.zeros([BLOCK_M], tl.float32)
+    kr, kc = kr0, kc0
     for start_n in range(0, n_k, BLOCK_N):
-        blk = start_n // BLOCK_N
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d)
-        y = _score_block(
-            q, k, offs_m, offs_n, start_n, n_q, n_k, scale_y, add_base, s_am, s_an, keep_base, s_mm, s_mn,
-            inv_r, inv_c, alpha_y, num_prefix, grid_w, clamp, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, True, False,
+        k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
+        y, _e = _score_tile(
+            q, k, offs_m, offs_n, n_q, n_k, scale, 0.5, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+            qr, qc, cr, fr, cc, fc, alpha_y, kr, kc, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, False,
+            EVEN_M, EVEN_N,
         )
-        finite = y > float("-inf")
-        block_max = tl.max(y, 1)
-        m_new = tl.maximum(m, block_max)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        # max(y - m_new, -1) >= max(y - m, -1) - (m_new - m): the running sum stays a lower bound
-        total -= count * (m_safe - tl.where(m == float("-inf"), m_safe, m))
-        total += tl.sum(tl.where(finite, tl.maximum(y - m_safe[:, None], -1.0), 0.0), 1)
-        count += tl.sum(finite.to(tl.float32), 1)
-        m = m_new
-        # y - m <= -1 <= tau - m for every row: no support now or later
-        if tl.max(block_max - m_safe, 0) <= -1.0:
-            w0, w1, w2, w3, w4, w5, w6, w7 = _block_drop(w0, w1, w2, w3, w4, w5, w6, w7, blk)
-    dead = count == 0.0
+        m = tl.maximum(m, tl.max(y, 1))
+        ref = tl.where(start_n == 0, tl.where(m == float("-inf"), 0.0, m), ref)
+        a = tl.maximum(y - (ref + LEVEL_LO)[:, None], 0.0)
+        k_lo += tl.sum(tl.where(a > 0.0, 1.0, 0.0), 1)
+        s1_lo += tl.sum(a, 1)
+        s2_lo += tl.sum(a * a, 1)
+        a = tl.maximum(y - (ref + LEVEL_HI)[:, None], 0.0)
+        k_hi += tl.sum(tl.where(a > 0.0, 1.0, 0.0), 1)
+        s1_hi += tl.sum(a, 1)
+        s2_hi += tl.sum(a * a, 1)
+        if masked:
+            count += tl.sum(tl.where(y > float("-inf"), 1.0, 0.0), 1)
+        if GAUSS:
+            kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
+    if masked:
+        dead = m == float("-inf")
+    else:
+        count = tl.full([BLOCK_M], 1.0, tl.float32) * n_k
+        dead = count == 0.0
     m = tl.where(dead, 0.0, m)
-    # in the shifted scale x = y - m (x <= 0, the row's scale is 1) the root lies in [lo, hi]
-    inv_sqrt_n = 1.0 / tl.sqrt(tl.maximum(count, 1.0))
-    hi = -inv_sqrt_n
-    tau = tl.minimum(tl.maximum(-1.0, total / tl.maximum(count, 1.0) - inv_sqrt_n), hi)
+    # in the shifted scale x = y - m (x <= 0, the row's scale is 1) the root lies in [-1, hi]
+    hi = -1.0 / tl.sqrt(tl.maximum(count, 1.0))
+    tau = tl.full([BLOCK_M], -1.0, tl.float32)
+    tau = tl.maximum(tau, _level_bound(ref + LEVEL_LO - m, k_lo, s1_lo, s2_lo))
+    tau = tl.maximum(tau, _level_bound(ref + LEVEL_HI - m, k_hi, s1_hi, s2_hi))
+    tau = tl.minimum(tau, hi)
 
-    # 2. Newton passes from the left on h(tau) = ||(x - tau)_+|| - 1, over the blocks still live
-    s0 = tl.zeros([BLOCK_M], tl.float32)
-    s1 = tl.zeros([BLOCK_M], tl.float32)
-    s2 = tl.zeros([BLOCK_M], tl.float32)
+    # 2. passes over the keys: each certifies its closed form, else moves tau (Newton or the closed form)
+    done = dead
+    tau_fin = tau
+    inc = tl.zeros([BLOCK_M], tl.float32)
     steps = tl.full([], 0, tl.int32)
     going = steps == 0
     while going:
         s0 = tl.zeros([BLOCK_M], tl.float32)
         s1 = tl.zeros([BLOCK_M], tl.float32)
         s2 = tl.zeros([BLOCK_M], tl.float32)
+        near = tl.full([BLOCK_M], float("inf"), tl.float32)
+        kr, kc = kr0, kc0
         for start_n in range(0, n_k, BLOCK_N):
-            if _block_live(w0, w1, w2, w3, w4, w5, w6, w7, start_n // BLOCK_N):
-                _n, p, g = _entmax_block(q, k_base, start_n, offs_m, offs_d, s_kn, s_kd, n_q, n_k, head_d,
-                    scale_y, add_base, s_am, s_an, keep_base, s_mm, s_mn, inv_r, inv_c, alpha_y, num_prefix,
-                    grid_w, clamp, m, tau, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, BLOCK_N)
-                s0 += tl.sum((g > 0.0).to(tl.float32), 1)
-                s1 += tl.sum(g, 1)
-                s2 += tl.sum(p, 1)
-                if tl.max(tl.max(g, 1), 0) == 0.0:
-                    w0, w1, w2, w3, w4, w5, w6, w7 = _block_drop(
-                        w0, w1, w2, w3, w4, w5, w6, w7, start_n // BLOCK_N
-                    )
-        norm = tl.sqrt(s2)
-        step = tl.where(s1 > 0.0, (norm - 1.0) * norm / tl.where(s1 > 0.0, s1, 1.0), 0.0)
-        step = tl.maximum(step, 0.0)
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
+            y, _e = _score_tile(
+                q, k, offs_m, offs_n, n_q, n_k, scale, 0.5, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+                qr, qc, cr, fr, cc, fc, alpha_y, kr, kc, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, False,
+                EVEN_M, EVEN_N,
+            )
+            d = (y - m[:, None]) - tau[:, None]
+            g = tl.maximum(d, 0.0)
+            s0 += tl.sum(tl.where(g > 0.0, 1.0, 0.0), 1)
+            s1 += tl.sum(g, 1)
+            s2 += tl.sum(g * g, 1)
+            near = tl.minimum(near, tl.min(tl.abs(d), 1))
+            if GAUSS:
+                kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
         steps += 1
-        # the step is in the shifted scale, so the tolerance is relative to the row
-        going = (tl.max(step, 0) > NEWTON_TOL) & (steps < NEWTON_MAX_STEPS)
-        tau = tl.where(going, tl.minimum(tau + step, hi), tau)
+        live = ~done
+        inc, valid = _closed_form(s0, s1, s2)
+        step = _newton_step(s1, s2)
+        # no key within |inc| of tau: the support at tau + inc is this pass' support, so tau + inc is the root
+        exact = live & (near > tl.abs(inc))
+        # the torch path's stop: Newton's step (in the shifted scale: relative to the row) below sqrt(eps);
+        # or the closed form moves tau by rounding only (a key at the root itself: none is ever certified)
+        small = live & (((step <= NEWTON_TOL) & (s2 >= 1.0)) | (tl.abs(inc) <= SETTLED))
+        tau_fin = tl.where(exact | small, tau + inc, tau_fin)
+        done = done | exact | small
+        # from below (s2 >= 1) Newton's step, or the closed form once it is near; from above the closed form
+        closed = (s2 < 1.0) | (valid & (step < NEAR_STEP))
+        nxt = tl.minimum(tl.maximum(tl.where(closed, tau + inc, tau + step), -1.0), hi)
+        tau = tl.where(done, tau, nxt)
+        going = (tl.max(tl.where(done, 0, 1), 0) > 0) & (steps < NEWTON_MAX_STEPS)
+    tau_fin = tl.where(done, tau_fin, tau + inc)  # rows stopped by the pass bound: their last closed form
+    tau_fin = tl.where(dead, float("inf"), tau_fin)
 
-    # 3. closed form on the support {x > tau}: tau += (s2 - 1) / (s1 + sqrt(s1^2 - k (s2 - 1)))
-    disc = tl.maximum(s1 * s1 - s0 * (s2 - 1.0), 0.0)
-    denom = s1 + tl.sqrt(disc)
-    tau += tl.where(denom > 0.0, (s2 - 1.0) / tl.where(denom > 0.0, denom, 1.0), 0.0)
-    tau = tl.where(dead, float("inf"), tau)
-
-    # 4. output pass over the live blocks; a block without support at the final tau skips V
+    # 3. output pass
     g_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     acc_g = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    kr, kc = kr0, kc0
     for start_n in range(0, n_k, BLOCK_N):
-        if _block_live(w0, w1, w2, w3, w4, w5, w6, w7, start_n // BLOCK_N):
-            offs_n, p, g = _entmax_block(q, k_base, start_n, offs_m, offs_d, s_kn, s_kd, n_q, n_k, head_d,
-                scale_y, add_base, s_am, s_an, keep_base, s_mm, s_mn, inv_r, inv_c, alpha_y, num_prefix,
-                grid_w, clamp, m, tau, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, BLOCK_N)
-            if tl.max(tl.max(g, 1), 0) > 0.0:
-                v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv)
-                acc += _dot(p.to(v.dtype), v, F32_DOT)
-                if STORE_OG:
-                    acc_g += _dot(g.to(v.dtype), v, F32_DOT)
-                    g_sum += tl.sum(g, 1)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
+        y, _e = _score_tile(
+            q, k, offs_m, offs_n, n_q, n_k, scale, 0.5, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+            qr, qc, cr, fr, cc, fc, alpha_y, kr, kc, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, False,
+            EVEN_M, EVEN_N,
+        )
+        g = tl.maximum((y - m[:, None]) - tau_fin[:, None], 0.0)
+        v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv, EVEN_N, EVEN_D)
+        acc += _dot((g * g).to(v.dtype), v, F32_DOT)
+        if STORE_OG:
+            acc_g += _dot(g.to(v.dtype), v, F32_DOT)
+            g_sum += tl.sum(g, 1)
+        if GAUSS:
+            kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
 
     row = bh.to(tl.int64) * n_q
-    _store_tile(O + row * head_dv, acc, offs_m, offs_dv, head_dv, 1, n_q, head_dv)
+    _store_tile(O + row * head_dv, acc, offs_m, offs_dv, head_dv, 1, n_q, head_dv, EVEN_M, EVEN_D)
     # the backward recomputes y and takes g = (y - STAT)_+: STAT = m + tau in units of z / 2
-    tl.store(STAT + row + offs_m, m + tau, mask=offs_m < n_q)
+    if EVEN_M:
+        tl.store(STAT + row + offs_m, m + tau_fin)
+    else:
+        tl.store(STAT + row + offs_m, m + tau_fin, mask=offs_m < n_q)
     if STORE_OG:
         og = acc_g / tl.where(g_sum > 0.0, g_sum, 1.0)[:, None]
-        _store_tile(OG + row * head_dv, og, offs_m, offs_dv, head_dv, 1, n_q, head_dv)
+        _store_tile(OG + row * head_dv, og, offs_m, offs_dv, head_dv, 1, n_q, head_dv, EVEN_M, EVEN_D)

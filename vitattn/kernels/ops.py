@@ -32,13 +32,14 @@ import triton
 
 from ..cache import cache_dir
 from . import configs
-from .backend import dot_mode, interpret_requested
+from .env import dot_mode, interpret_requested
 
 _MODULES = ("_common", "softmax", "entmax15", "backward")
 _KERNEL_ATTRS = {
     "fwd_softmax": ("softmax", "_fwd_softmax_kernel"),
     "fwd_entmax15": ("entmax15", "_fwd_entmax15_kernel"),
     "bwd_delta": ("backward", "_bwd_delta_kernel"),
+    "bwd_rows": ("backward", "_bwd_rows_kernel"),
     "bwd_dkdv": ("backward", "_bwd_dkdv_kernel"),
     "bwd_dq": ("backward", "_bwd_dq_kernel"),
 }
@@ -49,7 +50,7 @@ def kernels() -> dict[str, Any]:
     """The raw kernels by name (``JITFunction`` objects, or interpreted ones under ``TRITON_INTERPRET=1``).
 
     ``@triton.jit`` reads the interpreter flag when a kernel is defined, so the kernel modules are
-    re-imported once when the flag (:func:`~vitattn.kernels.backend.interpret_requested`) differs
+    re-imported once when the flag (:func:`~vitattn.kernels.env.interpret_requested`) differs
     from the one they were imported under; the result is kept per setting.
     """
     interp = interpret_requested()
@@ -91,7 +92,8 @@ def device_guard(tensors: Iterable[Any]) -> contextlib.AbstractContextManager[An
 
 # ---- tile choice: bucketed autotuning, cached across processes, never inside CUDA-graph capture ----------
 
-TILES_ENV = "VITATTN_TRITON_TILES"  # "first": the first usable tile, no tuning (tests, memcheck)
+TILES_ENV = "VITATTN_TRITON_TILES"  # "first" or an index: that usable tile, no tuning (tests, memcheck)
+COMPILE_ONLY_ENV = "VITATTN_TRITON_COMPILE_ONLY"  # "1": compile what would run, launch nothing (warm-up)
 BENCH_WARMUP_MS, BENCH_REP_MS = 10, 40
 _TUNED: dict[str, configs.TileConfig] = {}  # tuning key -> tile picked in (or read by) this process
 _DISK: dict[str, Any] = {}  # the loaded autotune.json, "entries" -> {scope: {key: [bm, bn, warps, stages]}}
@@ -170,15 +172,33 @@ def _capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
+def forced_tile(candidates: Sequence[configs.TileConfig]) -> configs.TileConfig | None:
+    """The tile ``VITATTN_TRITON_TILES`` asks for (``first``, or an index into the usable tiles, the last
+    one past the end), the only one when there is one, else ``None`` (tune)."""
+    mode = os.environ.get(TILES_ENV, "").strip()
+    if mode == "first" or len(candidates) == 1:
+        return candidates[0]
+    if mode.isdigit():
+        return candidates[min(int(mode), len(candidates) - 1)]
+    return None
+
+
+def compile_only() -> bool:
+    """``VITATTN_TRITON_COMPILE_ONLY=1``: every launch compiles the tiles it would run (all candidates where
+    it would tune) into the Triton cache and launches nothing; outputs are left uninitialized. For
+    ``benchmarks/warm_kernels.py``, which warms the GPU check's kernels on all CPU cores at once."""
+    return os.environ.get(COMPILE_ONLY_ENV, "") == "1"
+
+
 def pick_tile(
     key: str, candidates: Sequence[configs.TileConfig], bench: Callable[[configs.TileConfig], float]
 ) -> configs.TileConfig:
-    """The tile of ``candidates`` for the launch ``key``: the first one under ``VITATTN_TRITON_TILES=first``
-    or when it is the only one; else a pick known in this process or from autotune.json; else, inside
-    CUDA-graph capture, the first (default) tile, not remembered; else the fastest by ``bench`` (ms),
-    remembered here and on disk."""
-    if os.environ.get(TILES_ENV, "") == "first" or len(candidates) == 1:
-        return candidates[0]
+    """The tile of ``candidates`` for the launch ``key``: the one :func:`forced_tile` names; else a pick
+    known in this process or from autotune.json; else, inside CUDA-graph capture, the first (default)
+    tile, not remembered; else the fastest by ``bench`` (ms), remembered here and on disk."""
+    forced = forced_tile(candidates)
+    if forced is not None:
+        return forced
     known = _TUNED.get(key)
     if known is None:
         stored = _disk_entries().get(key)
@@ -200,17 +220,38 @@ def pick_tile(
     return best
 
 
-def tile_candidates(name: str, meta: dict[str, Any]) -> tuple[configs.TileConfig, ...]:
-    """The autotune list of kernel ``name`` usable at the launch's padded head dims and flags."""
+def device_arch(tensors: Iterable[Any]) -> int:
+    """The config-list arch (:func:`configs.arch_of`) of the tensors' CUDA device, or
+    ``configs.DEFAULT_ARCH`` when there is none (CPU, fake CUDA tensors without a driver)."""
+    dev = launch_device(tensors)
+    try:
+        major, minor = torch.cuda.get_device_capability(dev)
+    except (AssertionError, RuntimeError, ValueError):
+        return configs.DEFAULT_ARCH
+    return configs.arch_of(10 * major + minor)
+
+
+def tile_candidates(
+    name: str, meta: dict[str, Any], arch: int, ragged: bool = False
+) -> tuple[configs.TileConfig, ...]:
+    """The autotune list of kernel ``name`` on ``arch`` usable at the launch's padded head dims and flags
+    (``ragged``: :func:`configs.ragged`)."""
     block_d = max(meta["BLOCK_D"], meta["BLOCK_DV"])
     masked = bool(meta["HAS_ADD"] or meta["HAS_KEEP"])
     fp32 = bool(meta["F32_DOT"])  # on a GPU: float32 operands (TF32 or IEEE)
-    tiles = configs.autotune_list(name, block_d, masked, fp32)
+    tiles = configs.autotune_list(name, block_d, masked, fp32, arch=arch, ragged=ragged)
     if not tiles:
         raise RuntimeError(
-            f"no tile config of {name} serves head dim {block_d} (masked={masked}, fp32={fp32})"
+            f"no tile config of {name} serves head dim {block_d} (masked={masked}, fp32={fp32}, "
+            f"ragged={ragged}, sm_{arch})"
         )
     return tiles
+
+
+def even_flags(tile_m: int, tile_n: int, n_q: int, n_k: int, even_d: bool) -> dict[str, bool]:
+    """``EVEN_M`` / ``EVEN_N`` / ``EVEN_D`` of a launch: the queries / keys are whole tiles, the head
+    dims their padded size (the kernels then leave those bound masks out)."""
+    return dict(EVEN_M=n_q % tile_m == 0, EVEN_N=n_k % tile_n == 0, EVEN_D=even_d)
 
 
 def _launch(
@@ -219,25 +260,34 @@ def _launch(
     args: Sequence[Any],
     meta: dict[str, Any],
     shape: tuple[int, int, int],
+    even_d: bool,
     reset: Callable[[], object] | None = None,
 ) -> None:
     """Launch kernel ``name`` over ``grid(BLOCK_M, BLOCK_N)`` under the arguments' CUDA device.
 
-    ``shape`` is ``(B·H, Nq, Nk)`` for the tuning key; ``reset`` restores an accumulated output
-    (the additive mask's gradient) after benchmarking. The interpreter runs ``configs.INTERPRET``.
+    ``shape`` is ``(B·H, Nq, Nk)`` for the tuning key and the ``EVEN_*`` flags (:func:`even_flags`);
+    ``reset`` restores an accumulated output (the additive mask's gradient) after benchmarking. The
+    interpreter runs ``configs.INTERPRET``.
     """
     fn = kernels()[name]
+    _, n_q, n_k = shape
     with device_guard(args):
         if interpret_requested():
+            if compile_only():  # nothing to compile in the interpreter
+                return
             c = configs.INTERPRET
-            fn[grid(c.block_m, c.block_n)](*args, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **meta)
+            even = even_flags(c.block_m, c.block_n, n_q, n_k, even_d)
+            fn[grid(c.block_m, c.block_n)](*args, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **meta, **even)
             return
 
-        def run(tile: configs.TileConfig) -> None:
-            fn[grid(tile.block_m, tile.block_n)](
-                *args, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps,
-                num_stages=tile.num_stages, **meta,
-            )
+        def run(tile: configs.TileConfig, warm: bool = False) -> None:
+            even = even_flags(tile.block_m, tile.block_n, n_q, n_k, even_d)
+            kw = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps,
+                      num_stages=tile.num_stages, **meta, **even)
+            if warm:
+                fn.warmup(*args, grid=grid(tile.block_m, tile.block_n), **kw)
+            else:
+                fn[grid(tile.block_m, tile.block_n)](*args, **kw)
 
         benched: list[configs.TileConfig] = []
 
@@ -254,7 +304,13 @@ def _launch(
             return float(triton.testing.do_bench(step, warmup=BENCH_WARMUP_MS, rep=BENCH_REP_MS))
 
         key = tune_key(name, args[0].dtype, *shape, meta)
-        tile = pick_tile(key, tile_candidates(name, meta), bench)
+        candidates = tile_candidates(name, meta, device_arch(args), configs.ragged(n_q, n_k, even_d))
+        if compile_only():
+            forced = forced_tile(candidates)
+            for tile in [forced] if forced is not None else candidates:
+                run(tile, warm=True)
+            return
+        tile = pick_tile(key, candidates, bench)
         if benched and reset is not None:
             reset()
         run(tile)
@@ -263,6 +319,19 @@ def _launch(
 def block_dim(d: int) -> int:
     """Head dims are padded (with masks) to a power of two >= 16: the smallest ``tl.dot`` operand."""
     return max(16, triton.next_power_of_2(d))
+
+
+def _run_or_warm(
+    fn: Any, grid: tuple[int, ...], args: Sequence[Any], device_of: Sequence[Any], **meta: Any
+) -> None:
+    """Launch an untuned kernel (one fixed block size) under its tensors' device, or only compile it
+    (:func:`compile_only`; nothing to compile in the interpreter)."""
+    with device_guard(device_of):
+        if compile_only():
+            if not interpret_requested():
+                fn.warmup(*args, grid=grid, **meta)
+        else:
+            fn[grid](*args, **meta)
 
 
 def _bcast_strides(t: torch.Tensor) -> list[int]:
@@ -309,14 +378,22 @@ class KernelLaunch:
         out = [*self.q.stride(), *self.k.stride(), *self.v.stride()]
         out += _bcast_strides(self.add) if self.add is not None else [0] * 4
         out += _bcast_strides(self.keep) if self.keep is not None else [0] * 4
-        out += list(self.den.stride()) if self.den is not None else [0] * 4
-        out += list(self.alpha.stride()) if self.alpha is not None else [0] * 3
-        return out
+        return out + self.gauss_strides()
+
+    def gauss_strides(self) -> list[int]:
+        """The strides of ``den`` (4) and ``alpha`` (3), zeros without a Gaussian bias."""
+        out = list(self.den.stride()) if self.den is not None else [0] * 4
+        return out + (list(self.alpha.stride()) if self.alpha is not None else [0] * 3)
 
     def scalars(self) -> list[Any]:
         q, v = self.q, self.v
         return [q.shape[1], q.shape[2], self.k.shape[2], q.shape[3], v.shape[3], self.scale, self.num_prefix,
                 self.grid_w, self.clamp]
+
+    @property
+    def even_d(self) -> bool:
+        """Both head dims are their padded size (no head-dim masks)."""
+        return block_dim(self.q.shape[3]) == self.q.shape[3] and block_dim(self.v.shape[3]) == self.v.shape[3]
 
     def flags(self) -> dict[str, Any]:
         q = self.q
@@ -345,7 +422,7 @@ def _forward(launch: KernelLaunch, store_og: bool) -> tuple[torch.Tensor, torch.
         meta["STORE_OG"] = store_og
     args = [*head, *launch.strides(), *launch.scalars()]
     name = "fwd_entmax15" if launch.entmax else "fwd_softmax"
-    _launch(name, lambda bm, bn: (triton.cdiv(n_q, bm), b * h), args, meta, launch.shape)
+    _launch(name, lambda bm, bn: (triton.cdiv(n_q, bm), b * h), args, meta, launch.shape, launch.even_d)
     return out, stat, og
 
 
@@ -368,20 +445,30 @@ def _backward(
 
     delta = torch.empty(b, h, n_q, device=q.device, dtype=torch.float32)
     rows = configs.INTERPRET_DELTA_ROWS if interpret_requested() else configs.DELTA_ROWS
-    with device_guard([o_or_og]):
-        kernels()["bwd_delta"][(triton.cdiv(b * h * n_q, rows),)](
-            o_or_og, do, delta, b * h * n_q, dv, BLOCK_M=rows, BLOCK_DV=block_dim(dv)
-        )
+    delta_args = (o_or_og, do, delta, b * h * n_q, dv)
+    _run_or_warm(kernels()["bwd_delta"], (triton.cdiv(b * h * n_q, rows),), delta_args, [o_or_og],
+                 BLOCK_M=rows, BLOCK_DV=block_dim(dv))
+
+    rows_buf = dummy
+    if launch.den is not None:  # the Gaussian row terms, once per query (read by dK/dV)
+        assert launch.alpha is not None
+        rows_buf = torch.empty(b * h, 5, n_q, device=q.device, dtype=torch.float32)
+        block = configs.INTERPRET_DELTA_ROWS if interpret_requested() else configs.ROW_TERMS_ROWS
+        rows_args = (launch.den, launch.alpha, rows_buf, *launch.gauss_strides(), h, n_q, launch.num_prefix,
+                     launch.grid_w, launch.clamp)
+        _run_or_warm(kernels()["bwd_rows"], (triton.cdiv(n_q, block), b * h), rows_args, [launch.den],
+                     BLOCK_M=block)
 
     dq = torch.empty(b, h, n_q, d, device=q.device, dtype=q.dtype)
     dk = torch.empty(b, h, n_k, d, device=q.device, dtype=k.dtype)
     dvv = torch.empty(b, h, n_k, dv, device=q.device, dtype=v.dtype)
-    add_mode, dadd, g_strides = 0, empty(), [0] * 4
+    add_mode, dadd, g_strides, bcast_m, bcast_n = 0, empty(), [0] * 4, False, False
     if add is not None and add_grad:
         dadd = torch.zeros(add.shape, device=q.device, dtype=torch.float32)
         g_strides = _bcast_strides(dadd)
         broadcast = [s for s, t in zip(add.shape, (b, h, n_q, n_k), strict=True) if s == 1 and t > 1]
         add_mode = 2 if broadcast else 1
+        bcast_m, bcast_n = add_mode == 2 and add.shape[2] == 1, add_mode == 2 and add.shape[3] == 1
     gauss_grad = gauss_grad and launch.den is not None
     dden, dalpha = empty(), empty()
     if gauss_grad:
@@ -394,14 +481,17 @@ def _backward(
     strides, scalars, operands = launch.strides(), launch.scalars(), launch.operands(dummy)
     _launch(
         "bwd_dkdv", lambda bm, bn: (triton.cdiv(n_k, bn), b * h),
-        [q, k, v, do, stat, delta, dk, dvv, *operands, *strides, *scalars], meta, launch.shape,
+        [q, k, v, do, stat, delta, rows_buf, dk, dvv, *operands, *strides, *scalars], meta, launch.shape,
+        launch.even_d,
     )
     zero_dadd = dadd.zero_ if add_mode == 2 else None  # atomics accumulate: reset after benchmarking
     _launch(
         "bwd_dq", lambda bm, bn: (triton.cdiv(n_q, bm), b * h),
         [q, k, v, do, stat, delta, dq, dadd if add_mode else dummy, dden if gauss_grad else dummy,
          dalpha if gauss_grad else dummy, *operands, *strides, *g_strides, *scalars],
-        {**meta, "ADD_GRAD": add_mode, "GAUSS_GRAD": gauss_grad}, launch.shape, reset=zero_dadd,
+        {**meta, "ADD_GRAD": add_mode, "GAUSS_GRAD": gauss_grad, "DADD_BCAST_M": bcast_m,
+         "DADD_BCAST_N": bcast_n},
+        launch.shape, launch.even_d, reset=zero_dadd,
     )
     return dq, dk, dvv, dadd, dden, dalpha
 

@@ -2,7 +2,10 @@
 
 One program computes ``BLOCK_M`` query rows of one ``(b, h)``: it streams the keys in ``BLOCK_N`` blocks,
 keeps the running row max ``m`` and sum ``l`` and rescales the output accumulator, so nothing of size
-``Nq x Nk`` is ever stored.
+``Nq x Nk`` is ever stored. The key loop has no data-dependent branch (its K / V loads pipeline), one
+``exp2`` per score on the special-function unit (two with the Gaussian bias, whose exponent is
+``log2(e)``-folded and separable, :func:`~vitattn.kernels._common.gauss_tile`), and the per-row
+rescaling factor is computed on the FMA units (:func:`~vitattn.kernels._common.exp2_fma`).
 
 Saved for backward: ``STAT`` = the row log-sum-exp ``lse = m + log l`` (natural log), float32
 ``(B, H, Nq)``; ``+inf`` for a row whose keys are all masked (its output row is 0). The backward
@@ -14,7 +17,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, _dot, _fwd_prologue, _load_tile, _score_block, _store_tile
+from ._common import (
+    LOG2E,
+    _coords_advance,
+    _coords_start,
+    _coords_step,
+    _dot,
+    _fwd_prologue,
+    _load_tile,
+    _score_tile,
+    _store_tile,
+    exp2_fma,
+)
 
 
 @triton.jit
@@ -25,6 +39,7 @@ def _fwd_softmax_kernel(
     n_heads, n_q, n_k, head_d, head_dv, scale, num_prefix, grid_w, clamp,
     GAUSS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_KEEP: tl.constexpr, F32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     """``O[b, h, rows] = softmax(z) V`` and ``STAT = lse`` for one block of query rows.
 
@@ -34,34 +49,43 @@ def _fwd_softmax_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    # every tile is in base 2: log2(e) folded once into the scale and the Gaussian amplitude
-    bh, offs_m, offs_d, offs_dv, q, k_base, v_base, add_base, keep_base, inv_r, inv_c, scale2, alpha2 = (
+    bh, offs_m, offs_d, offs_dv, q, k_base, v_base, add_base, keep_base, qr, qc, cr, fr, cc, fc, alpha = (
         _fwd_prologue(
             Q, K, V, ADD, KEEP, DEN, ALPHA, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_vb, s_vh, s_ab, s_ah,
-            s_mb, s_mh, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, n_heads, n_q, head_d, scale,
-            num_prefix, LOG2E, GAUSS, BLOCK_M, BLOCK_D, BLOCK_DV,
+            s_mb, s_mh, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, n_heads, n_q, head_d, num_prefix,
+            grid_w, clamp, GAUSS, BLOCK_M, BLOCK_D, BLOCK_DV, EVEN_M, EVEN_D,
         )
     )
+    # every tile is in base 2: log2(e) folded once into the scale and the Gaussian amplitude
+    alpha2 = alpha * LOG2E
+    kr, kc = _coords_start(tl.arange(0, BLOCK_N), num_prefix, grid_w)
+    step_r, step_c, gw = _coords_step(BLOCK_N, grid_w)
     for start_n in range(0, n_k, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d)
-        z = _score_block(
-            q, k, offs_m, offs_n, start_n, n_q, n_k, scale2, add_base, s_am, s_an, keep_base, s_mm, s_mn,
-            inv_r, inv_c, alpha2, num_prefix, grid_w, clamp, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, False, False,
+        k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
+        z, _e = _score_tile(
+            q, k, offs_m, offs_n, n_q, n_k, scale, LOG2E, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+            qr, qc, cr, fr, cc, fc, alpha2, kr, kc, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, False,
+            EVEN_M, EVEN_N,
         )
         m_new = tl.maximum(m_i, tl.max(z, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
         p = tl.exp2(z - m_safe[:, None])
-        corr = tl.exp2(m_i - m_safe)
+        corr = exp2_fma(m_i - m_safe)  # per row, off the exp unit (m_i = -inf gives 0)
         l_i = l_i * corr + tl.sum(p, 1)
-        v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv)
+        v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv, EVEN_N, EVEN_D)
         acc = acc * corr[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
         m_i = m_new
+        if GAUSS:
+            kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
 
     dead = l_i == 0.0
     out = acc / tl.where(dead, 1.0, l_i)[:, None]
     # the natural log-sum-exp: m_i is in base 2
     lse = tl.where(dead, float("inf"), (m_i + tl.log2(tl.where(dead, 1.0, l_i))) / LOG2E)
     row = bh.to(tl.int64) * n_q
-    _store_tile(O + row * head_dv, out, offs_m, offs_dv, head_dv, 1, n_q, head_dv)
-    tl.store(STAT + row + offs_m, lse, mask=offs_m < n_q)
+    _store_tile(O + row * head_dv, out, offs_m, offs_dv, head_dv, 1, n_q, head_dv, EVEN_M, EVEN_D)
+    if EVEN_M:
+        tl.store(STAT + row + offs_m, lse)
+    else:
+        tl.store(STAT + row + offs_m, lse, mask=offs_m < n_q)

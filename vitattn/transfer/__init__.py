@@ -3,7 +3,8 @@
 - :class:`AttentionCopy`: in the chosen blocks the student attends with the teacher's probabilities
   (its own q, k unused there); the teacher runs at inference too.
 - :class:`AttentionDistill`: the student is trained with ``weight · Σ_layers CE(softmax(T), S)``
-  between teacher and student scores; only the student runs at inference.
+  between teacher and student scores (``loss="fy"``: the Fenchel–Young loss of the student's own
+  normalizer against the teacher's probabilities); only the student runs at inference.
 
 Both wrap a timm ViT or vitattn model pair and return :class:`TransferOutput` ``(logits, attn_loss)``.
 The distillation loss (:func:`attention_distill_loss`) keeps O(N·d) per layer for backward, not the

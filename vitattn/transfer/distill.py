@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from .base import AttentionTransfer, TransferOutput, check_tokens
-from .intercept import layer_scores, override_attention, plain_rule
-from .loss import CHUNK_ELEMENTS, attention_distill_loss
+from .intercept import layer_normalizer, layer_scores, override_attention, plain_rule
+from .loss import CHUNK_ELEMENTS, DistillLoss, attention_distill_loss, resolve_loss
 
 __all__ = ["AttentionDistill", "DEFAULT_SKIP_LAST"]
 
@@ -33,8 +33,12 @@ class AttentionDistill(AttentionTransfer):
 
     where ``S`` and ``T`` are the student's and teacher's scores ``q kᵀ · scale + bias`` (q, k after
     ``q_norm`` / ``k_norm``; the bias is the layer's own, i.e. GAug's Gaussian bias for a LocAt
-    layer and none for plain layers). Add ``attn_loss`` to the task loss. In eval mode only the
-    student runs and ``attn_loss`` is ``None``.
+    layer and none for plain layers). With ``loss="fy"`` each row's term is instead the
+    Fenchel–Young loss of the student layer's own normalizer ``ŷ`` against the teacher layer's
+    probabilities ``P`` (its own normalizer of ``T``), whose gradient is exactly ``ŷ(S) − P``: for
+    an entmax student the loss of its real attention; for softmax layers the gradient of ``"ce"``
+    (the value is the KL divergence: ``"ce"`` minus the teacher's entropy). Add ``attn_loss`` to the
+    task loss. In eval mode only the student runs and ``attn_loss`` is ``None``.
 
     Args:
         teacher: a trained timm ViT or vitattn model; frozen by this wrapper.
@@ -42,6 +46,8 @@ class AttentionDistill(AttentionTransfer):
         layers: block indices, or a negative int ``-n`` for all blocks but the last ``n``; by
             default all blocks but the last 6 (all blocks when depth <= 6).
         weight: factor on the summed per-layer losses (3.0 in the released recipe).
+        loss: ``"ce"`` (softmax cross-entropy of the scores, the paper's) or ``"fy"`` (the
+            Fenchel–Young loss of each student layer's normalizer).
         recompute: compute each layer's loss without keeping its N x N maps for backward (default);
             ``False`` keeps them (plain autograd), for reference.
         chunk_elements: with ``recompute``, score elements rebuilt at once in backward.
@@ -54,6 +60,7 @@ class AttentionDistill(AttentionTransfer):
         layers: int | Iterable[int] | None = None,
         weight: float = 3.0,
         *,
+        loss: DistillLoss = "ce",
         recompute: bool = True,
         chunk_elements: int = CHUNK_ELEMENTS,
     ) -> None:
@@ -66,13 +73,15 @@ class AttentionDistill(AttentionTransfer):
             raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
         if isinstance(chunk_elements, bool) or not isinstance(chunk_elements, int) or chunk_elements < 1:
             raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
+        kind = resolve_loss(loss)
         super().__init__(teacher, student, layers, default=_default_layers)
         self.weight = float(weight)
+        self.loss = kind
         self.recompute = bool(recompute)
         self.chunk_elements = int(chunk_elements)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, weight={self.weight}, recompute={self.recompute}"
+        return f"{super().extra_repr()}, weight={self.weight}, loss={self.loss!r}, recompute={self.recompute}"
 
     def forward(self, x: torch.Tensor) -> TransferOutput:
         """``x: (B, C, H, W)`` -> ``TransferOutput(logits (B, num_classes), attn_loss (0-d) or None)``."""
@@ -83,12 +92,23 @@ class AttentionDistill(AttentionTransfer):
         losses: list[torch.Tensor] = []
 
         def rule(i: int, attn: nn.Module, q: Any, k: Any, v: torch.Tensor) -> torch.Tensor:
+            if layer_normalizer(attn) != "softmax":
+                # the entmax paths keep contiguous copies of q, k, v for backward, not the views into
+                # the fused qkv buffer that the loss would keep alive: one copy each, shared by the
+                # attention and the loss, lets that buffer go (the softmax paths keep the views)
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             scores = layer_scores(attn, q, k)
-            target = teacher.pop(i).scores
-            check_tokens(i, q, target)
+            target = teacher.pop(i)
+            check_tokens(i, q, target.scores)
             losses.append(
                 attention_distill_loss(
-                    scores, target, recompute=self.recompute, chunk_elements=self.chunk_elements
+                    scores,
+                    target.scores,
+                    loss=self.loss,
+                    normalizer=layer_normalizer(attn),
+                    target_normalizer=target.normalizer,
+                    recompute=self.recompute,
+                    chunk_elements=self.chunk_elements,
                 )
             )
             return plain_rule(attn, scores, v)

@@ -1,0 +1,87 @@
+"""The Gaussian-bias helpers of the Triton kernels (``vitattn/kernels/_common.py``) in the interpreter,
+against the library's one statement of the exponent, :func:`vitattn.functional.gaussian.gaussian_exponent`
+(the per-axis exponent ``max(max(-offset^2 / 2, clamp) / den, -40)``, floor included), and the float
+grid coordinates the key loops carry from tile to tile, against integer division.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+if "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+from vitattn.functional.gaussian import EXPONENT_FLOOR, LOG2E, gaussian_clamp, gaussian_exponent
+
+triton = pytest.importorskip("triton")
+tl = triton.language
+
+from vitattn.kernels import _common  # noqa: E402  (imports triton)
+
+interpreted = pytest.mark.triton_interpreter
+
+
+@triton.jit
+def _exponent_kernel(OFF, DEN, OUT, clamp, n, BLOCK: tl.constexpr):
+    """``OUT = axis_exponent(OFF, *axis_coefs(DEN, clamp))`` (log2 units) on ``n`` values."""
+    i = tl.arange(0, BLOCK)
+    ok = i < n
+    offset = tl.load(OFF + i, mask=ok, other=0.0)
+    den = tl.load(DEN + i, mask=ok, other=1.0)
+    coef, floor = _common.axis_coefs(den, clamp)
+    tl.store(OUT + i, _common.axis_exponent(offset, coef, floor), mask=ok)
+
+
+@triton.jit
+def _coords_kernel(ROW, COL, n, num_prefix, grid_w, BLOCK: tl.constexpr):
+    """The coordinates of tokens ``0 .. n`` as the key loops see them: started once, advanced per tile."""
+    row, col = _common._coords_start(tl.arange(0, BLOCK), num_prefix, grid_w)
+    step_r, step_c, gw = _common._coords_step(BLOCK, grid_w)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(ROW + offs, row, mask=offs < n)
+        tl.store(COL + offs, col, mask=offs < n)
+        row, col = _common._coords_advance(row, col, step_r, step_c, gw)
+
+
+@interpreted
+@pytest.mark.parametrize("initial_grid", [(6, 6), (14, 14), (128, 128)], ids=["grid6", "grid14", "grid128"])
+def test_axis_exponent_is_gaussian_exponent(initial_grid):
+    """Offsets 0..150 (either sign) against denominators from 0.05 to 200, with the clamp of small and
+    large initial grids: where the clamp binds, where the -40 floor binds, and where neither does."""
+    clamp = gaussian_clamp(initial_grid)
+    g = torch.Generator().manual_seed(0)
+    offset = torch.arange(-150, 151, dtype=torch.float32)
+    den = torch.exp(torch.empty(offset.numel()).uniform_(math.log(0.05), math.log(200.0), generator=g))
+    offset = offset.repeat(5)
+    den = torch.cat([den, den.flip(0), den * 0 + 0.1, den * 0 + 50.0, den * 0 + 200.0])
+    out = torch.empty_like(offset)
+    block = triton.next_power_of_2(offset.numel())
+    _exponent_kernel[(1,)](offset, den, out, clamp, offset.numel(), BLOCK=block)
+    want = gaussian_exponent(offset.double(), den.double(), clamp)
+    floored = want == EXPONENT_FLOOR
+    clamped = (-0.5 * offset.double() ** 2) < clamp
+    assert floored.any() and (~floored).any() and (clamped & ~floored).any()  # every case is there
+    torch.testing.assert_close(out.double() / LOG2E, want, rtol=1e-6, atol=1e-6)
+    assert (out[floored].double() / LOG2E - EXPONENT_FLOOR).abs().max() < 1e-5  # the floor itself
+
+
+@interpreted
+@pytest.mark.parametrize(
+    ("prefix", "grid_w", "block"), [(0, 64, 64), (1, 6, 32), (2, 16, 32), (5, 3, 16), (1, 7, 128)]
+)
+def test_carried_coordinates_are_the_grid_position(prefix, grid_w, block):
+    """Token ``i >= P`` is patch ``i - P`` at ``((i - P) // gw, (i - P) % gw)``; prefix tokens have a
+    negative row. Advanced tile by tile in float, past several grid rows per tile and none."""
+    n = prefix + grid_w * 9 + 5
+    row, col = torch.empty(n), torch.empty(n)
+    _coords_kernel[(1,)](row, col, n, prefix, grid_w, BLOCK=block)
+    patch = torch.arange(n) - prefix
+    assert torch.equal(row[prefix:], (patch[prefix:] // grid_w).float())
+    assert torch.equal(col[prefix:], (patch[prefix:] % grid_w).float())
+    assert (row[:prefix] < 0).all()

@@ -1,0 +1,188 @@
+"""The kernels' machine code, read on the CPU: the static report of ``python -m vitattn.kernels._build.aot
+--report`` (every variant and autotune config compiled for sm_80 and sm_90, its SASS read with the
+``nvdisasm`` of the triton wheel) and its goals, and the SASS reader itself on hand-written SASS.
+
+The report read here is ``$VITATTN_STATIC_REPORT`` when set (CI writes a fresh one), else the one
+committed under ``benchmarks/results/`` for this machine's Triton; either must be current: made from
+the kernel sources and config lists as they are (a digest of them is stored in the report).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vitattn.kernels import configs
+from vitattn.kernels._build import aot, sass
+
+ROOT = Path(__file__).resolve().parents[1]
+# Shared memory a block may use (opt-in), NVIDIA's CUDA C++ Programming Guide, compute capabilities 8.0
+# and 9.0: 163 KB and 227 KB.
+CARD_SHARED = {80: 163 * 1024, 90: 227 * 1024}
+
+
+def _report_path() -> Path:
+    env = os.environ.get("VITATTN_STATIC_REPORT")
+    if env:
+        return Path(env)
+    triton = pytest.importorskip("triton")
+    return ROOT / "benchmarks" / "results" / f"kernels_static_triton{triton.__version__}.json"
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    path = _report_path()
+    if not path.exists():
+        pytest.fail(f"no static report at {path}: run python -m vitattn.kernels._build.aot --arch 80 90 "
+                    f"--report {path}")
+    return json.loads(path.read_text())
+
+
+def test_report_is_current(report):
+    assert report["sources"] == aot.source_digest(), (
+        "the kernels or their config lists changed since the static report was made: regenerate it with "
+        "python -m vitattn.kernels._build.aot --arch 80 90 --report benchmarks/results/kernels_static_triton"
+        "<version>.json"
+    )
+
+
+def test_report_covers_every_pickable_build(report):
+    """Every config of both arch lists, for every variant it serves, with whole tiles; on sm_90 also with
+    every bound mask on (the configs a ragged launch can pick)."""
+    rows = report["rows"]
+    assert 90 in report["archs"]
+    fields = ("kernel", "normalizer", "bias", "pass", "block_m", "block_n", "num_warps", "num_stages")
+    for arch in report["archs"]:
+        for ragged in (False, True) if arch == 90 else (False,):
+            mine = [r for r in rows if r["arch"] == arch and r["pickable"] and r["even"] != ragged]
+            built = {tuple(r[f] for f in fields) for r in mine}
+            for normalizer in aot.NORMALIZERS:
+                for bias in aot.BIAS_KINDS:
+                    for pass_ in aot.PASSES:
+                        kernel = f"fwd_{normalizer}" if pass_ == "fwd" else pass_
+                        masked = bias in ("additive", "bool")
+                        for c in configs.autotune_list(kernel, 16, masked, arch=arch, ragged=ragged):
+                            tile = (c.block_m, c.block_n, c.num_warps, c.num_stages)
+                            assert (kernel, normalizer, bias, pass_, *tile) in built, (arch, ragged, tile)
+
+
+def test_goals_hold_for_every_build_the_autotuner_can_pick_on_sm90(report):
+    """No spills; one tile per loop iteration; in every loop of a Gaussian build at most 2 MUFU.EX2 and no
+    integer-to-float conversion per score; in every loop of an entmax-1.5 build asynchronous loads."""
+    rows = [r for r in report["rows"] if r["arch"] == 90 and r["pickable"]]
+    rows = [r for r in rows if r["pass"] not in aot.ROW_PASSES]
+    assert len(rows) >= 150  # 24 variants x 4 configs, whole tiles and ragged, less the unused pairs
+    assert any(not r["even"] for r in rows)
+    assert aot.goal_failures(report["rows"]) == []
+    gaussian = [r for r in rows if r["bias"] == "gaussian"]
+    assert gaussian and all(r["ex2_per_score"] <= 2.0 and r["cvt_per_score"] == 0.0 for r in gaussian)
+    assert all(r["spill_bytes"] == 0 and r["inner_loops"] == r["expected_inner_loops"] for r in rows)
+    assert all(r["async_loads"] for r in rows if r["normalizer"] == "entmax15")
+    assert all(r["hgmma"] + r["hmma"] > 0 for r in rows)
+
+
+def test_every_build_fits_the_cards_shared_memory(report):
+    for r in report["rows"]:
+        assert r["ok"], r
+        assert r["shared_bytes"] <= CARD_SHARED[r["arch"]], r
+
+
+# ---- float32 (TF32) tiles: twice the shared memory of bf16 ---------------------------------------------
+
+_FP32 = """
+import json, sys
+from vitattn.kernels import configs
+from vitattn.kernels._build import aot
+rows = []
+for arch in (80, 90):
+    for kernel, normalizer, pass_ in (("fwd_softmax", "softmax", "fwd"), ("fwd_entmax15", "entmax15", "fwd"),
+                                      ("bwd_dkdv", "entmax15", "bwd_dkdv"), ("bwd_dq", "entmax15", "bwd_dq")):
+        for masked, bias in ((False, "gaussian"), (True, "additive")):
+            for cfg in configs.autotune_list(kernel, 128, masked, fp32=True, arch=arch):
+                b = aot.Build(arch, normalizer, bias, pass_, cfg, 128, "fp32")
+                r = aot.compile_one(b)
+                rows.append([arch, kernel, bias, str(cfg), r.ok, r.error, r.shared])
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.slow
+def test_float32_tiles_the_autotuner_can_pick_at_head_dim_128_fit_the_card():
+    """Every config the autotuner can pick for float32 operands (TF32 dots) at head dim 128, with a
+    Gaussian bias and with an additive mask, compiled for sm_80 and sm_90: within the card's shared memory
+    (an independent statement: the hardware limit against what the compiler allocates), and every kernel
+    keeps at least one such config."""
+    for arch in (80, 90):
+        for kernel in configs.AUTOTUNE_BY_ARCH[arch]:
+            for masked in (False, True):
+                tiles = configs.autotune_list(kernel, 128, masked, fp32=True, arch=arch)
+                assert tiles, (arch, kernel, masked)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _FP32], env=env, capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(res.stdout.strip().splitlines()[-1])
+    assert rows
+    for arch, kernel, bias, cfg, ok, error, shared in rows:
+        assert ok, (arch, kernel, bias, cfg, error)
+        assert shared <= CARD_SHARED[arch], (arch, kernel, bias, cfg, shared)
+
+
+# ---- the SASS reader on hand-written SASS -----------------------------------------------------------------
+
+_SASS = """
+        .text._k:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   I2F R3, R2 ;
+.L_x_0:
+        /*0020*/                   LDGSTS.E.BYPASS.128 [R5], desc[UR4][R6.64] ;
+        /*0030*/                   HMMA.16816.F32.BF16 R8, R12, R16, R8 ;
+        /*0040*/                   HMMA.16816.F32.BF16 R20, R12, R18, R20 ;
+        /*0050*/                   MUFU.EX2 R9, R9 ;
+        /*0060*/                   MUFU.EX2 R10, R10 ;
+        /*0070*/                   I2FP.F32.S32 R11, R11 ;
+        /*0080*/                   STL.64 [R1+0x8], R8 ;
+        /*0090*/                   LDL R4, [R1+0x8] ;
+        /*00a0*/              @!P0 BRA `(.L_x_0) ;
+.L_x_1:
+        /*00b0*/                   MUFU.RCP R3, R3 ;
+.L_x_2:
+        /*00c0*/                   HGMMA.64x32x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*00d0*/                   MUFU.EX2 R30, R30 ;
+        /*00e0*/              @P1 BRA `(.L_x_2) ;
+        /*00f0*/              @P2 BRA `(.L_x_1) ;
+        /*0100*/                   EXIT ;
+.L_x_3:
+        /*0110*/                   BRA `(.L_x_3);
+"""
+
+
+def test_sass_reader_finds_the_innermost_loops_by_their_back_edges():
+    instrs, labels = sass.parse(_SASS)
+    assert [i.opcode for i in instrs[:2]] == ["MOV", "I2F"] and instrs[-2].opcode == "EXIT"
+    assert labels == {".L_x_0": 0x20, ".L_x_1": 0xB0, ".L_x_2": 0xC0, ".L_x_3": 0x110}
+    assert sorted(sass.back_edges(instrs, labels)) == [(0x20, 0xA0), (0xB0, 0xF0), (0xC0, 0xE0)]
+    # the loop at .L_x_1 holds the one at .L_x_2; the branch to itself after EXIT is padding
+    assert sass.innermost_loops(instrs, labels) == [(0x20, 0xA0), (0xC0, 0xE0)]
+
+
+def test_sass_reader_counts_one_iteration_per_score_element():
+    # loop 1: two HMMA.16816 per warp, 4 warps: 2 * 2048 * 4 = 16384 multiply-adds = one 32 x 32 x 16 tile
+    reports, others = sass.loop_reports(_SASS, block_m=32, block_n=32, num_warps=4, head_dim=16, dots=[1, 2])
+    assert others == []
+    first, second = reports
+    assert first.macs == 16384 and first.tiles_per_iteration == 1.0
+    elements = 32 * 32 / 128  # 8 scores per thread
+    assert first.per_score["ex2"] == 2 / elements and first.per_score["i2f"] == 1 / elements
+    assert first.counts["async_loads"] == 1
+    assert first.counts["stl_bytes"] == 8 and first.counts["ldl_bytes"] == 4  # STL.64, LDL (32 bits)
+    # loop 2: one HGMMA.64x32x16 per warpgroup, 4 warps: 32768 = two 32 x 32 x 16 dots (dots=2): 1 tile
+    assert second.macs == 32768 and second.tiles_per_iteration == 1.0
+    assert second.per_score["ex2"] == 1 / elements and "async_loads" not in second.counts
+    # an unrolled loop (twice the work per iteration) is counted per score all the same
+    (unrolled,), _ = sass.loop_reports(_SASS.split(".L_x_1:")[0], 32, 16, 4, 16, [1])
+    assert unrolled.tiles_per_iteration == 2.0 and unrolled.per_score["ex2"] == 2 / (2 * 32 * 16 / 128)

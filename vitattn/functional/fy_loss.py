@@ -1,0 +1,146 @@
+"""Fenchel–Young losses of the attention normalizers (Blondel, Martins & Niculae, 2020).
+
+Each normalizer ``ŷ(z) = argmax_{p ∈ simplex} ⟨z, p⟩ + H(p)`` has the loss, per row::
+
+    L(z; y) = ⟨z, ŷ(z) − y⟩ + H(ŷ(z)) − H(y)          ∂L/∂z = ŷ(z) − y
+
+for a target distribution ``y``: ``L ≥ 0``, and ``L = 0`` exactly when ``ŷ(z) = y``. ``H`` is the
+normalizer's entropy: Shannon's ``−Σ p log p`` for softmax (then ``L = logsumexp(z) − ⟨z, y⟩ − H(y)``,
+the cross-entropy minus the target's entropy, i.e. ``KL(y ‖ softmax(z))``), Tsallis'
+``Σ (p − p^α) / (α (α − 1))`` for α-entmax (α = 1.5: entmax-1.5, α = 2: sparsemax). ``ŷ`` is
+:func:`vitattn.functional.normalize`; nothing here restates a normalizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ._checks import check_floating, check_tensor, normalize_dim, shape_str
+from .dtypes import compute_dtype
+from .normalize import Normalizer, normalize, resolve_normalizer
+
+__all__ = ["fy_grad", "fy_loss", "fy_loss_formula", "normalizer_entropy"]
+
+_ALPHA = {"entmax15": 1.5, "sparsemax": 2.0}
+
+
+def normalizer_entropy(p: torch.Tensor, normalizer: Normalizer, dim: int = -1) -> torch.Tensor:
+    """The entropy ``H`` that ``normalizer`` regularizes with, of each row of ``p`` (``dim`` reduced).
+
+    Softmax: Shannon's ``−Σ p log p`` (``0 log 0 = 0``). α-entmax (``"entmax15"``: α = 1.5,
+    ``"sparsemax"``: α = 2, a float α): Tsallis' ``Σ (p − p^α) / (α (α − 1))``, which is 0 for a
+    zero row.
+    """
+    kind = resolve_normalizer(normalizer)
+    if kind == "softmax":
+        return -torch.special.xlogy(p, p).sum(dim)
+    alpha = _ALPHA[kind] if isinstance(kind, str) else float(kind)
+    return (p - p.pow(alpha)).sum(dim) / (alpha * (alpha - 1.0))
+
+
+def _checked(scores: object, target: object, dim: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    scores = check_tensor("scores", scores)
+    target = check_tensor("target", target)
+    check_floating("scores", scores)
+    check_floating("target", target)
+    if scores.dim() == 0:
+        raise ValueError(
+            "scores must have at least one dimension (the rows' entries along dim), got a 0-d tensor"
+        )
+    if target.shape != scores.shape:
+        raise ValueError(
+            f"target must have the shape of scores: scores has shape {shape_str(scores)}, "
+            f"target has shape {shape_str(target)}"
+        )
+    return scores, target, normalize_dim("scores", scores, dim)
+
+
+def _row_loss(z: torch.Tensor, y: torch.Tensor, p: torch.Tensor, kind: Normalizer, dim: int) -> torch.Tensor:
+    """The loss of each row from scores ``z``, target ``y`` and ``p = normalize(z)``."""
+    masked = torch.isneginf(z)
+    dead = masked.all(dim)
+    finite = z.masked_fill(masked, 0.0)  # 0 · (-inf) would be NaN (also in backward)
+    unreachable = (masked & (y > 0)).any(dim)
+    if kind == "softmax":  # ⟨z, p⟩ + H(p) = logsumexp(z): no log of p, whose zeros autograd dislikes
+        lse = torch.logsumexp(z.masked_fill(dead.unsqueeze(dim), 0.0), dim)
+        loss = lse - (y * finite).sum(dim)
+    else:
+        loss = ((p - y) * finite).sum(dim) + normalizer_entropy(p, kind, dim)
+    loss = loss - normalizer_entropy(y, kind, dim)
+    return loss.masked_fill(unreachable, float("inf")).masked_fill(dead, 0.0)
+
+
+def fy_loss_formula(
+    scores: torch.Tensor, target: torch.Tensor, normalizer: Normalizer, dim: int
+) -> torch.Tensor:
+    """The loss of each row in plain differentiable torch ops (autograd goes through the normalizer):
+    the reference path, which keeps the normalizer's and the formula's maps for backward.
+
+    ``-inf`` scores: an entry where the target is 0 adds nothing, one where the target is positive
+    makes the loss ``+inf``; a row whose scores are all ``-inf`` has loss 0.
+    """
+    kind = resolve_normalizer(normalizer)
+    p = scores if kind == "softmax" else normalize(scores, kind, dim)
+    return _row_loss(scores, target, p, kind, dim)
+
+
+def fy_grad(scores: torch.Tensor, target: torch.Tensor, normalizer: Normalizer, dim: int) -> torch.Tensor:
+    """``∂L/∂scores = normalize(scores) − target`` (no grad); zero on rows whose scores are all ``-inf``."""
+    with torch.no_grad():
+        return _grad(scores, target, normalize(scores, normalizer, dim), dim)
+
+
+def _grad(z: torch.Tensor, y: torch.Tensor, p: torch.Tensor, dim: int) -> torch.Tensor:
+    """``p − y`` written into ``p`` (a fresh normalizer output, no grad), zero on dead rows."""
+    return p.sub_(y).masked_fill_(torch.isneginf(z).all(dim, keepdim=True), 0.0)
+
+
+class _FYLoss(torch.autograd.Function):
+    """The loss per row with the closed-form gradient; saves one ``scores``-shaped tensor."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, scores: torch.Tensor, target: torch.Tensor, normalizer: Normalizer, dim: int
+    ) -> torch.Tensor:
+        work = compute_dtype(scores, target)
+        z, y = scores.to(work), target.to(work)
+        p = normalize(z, normalizer, dim)
+        loss = _row_loss(z, y, p, normalizer, dim)
+        ctx.save_for_backward(_grad(z, y, p, dim))
+        ctx.dim, ctx.dtype = dim, scores.dtype
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_out.unsqueeze(ctx.dim)).to(ctx.dtype), None, None, None
+
+
+def fy_loss(
+    scores: torch.Tensor, target: torch.Tensor, normalizer: Normalizer = "entmax15", dim: int = -1
+) -> torch.Tensor:
+    """Fenchel–Young loss of ``normalizer`` for each row of ``scores`` against a target distribution.
+
+    ``L(z; y) = ⟨z, ŷ − y⟩ + H(ŷ) − H(y)`` with ``ŷ = normalize(z)`` and ``H`` the normalizer's
+    entropy (:func:`normalizer_entropy`); ``∂L/∂z = ŷ − y``. Softmax gives
+    ``KL(y ‖ softmax(z))`` (the cross-entropy minus ``H(y)``); with one-hot targets the loss is the
+    ``entmax`` package's ``Entmax15Loss`` / ``SparsemaxLoss`` / ``EntmaxBisectLoss`` (``reduction="none"``).
+
+    Args:
+        scores: floating scores of any shape ``(..., n, ...)``; ``-inf`` entries are masked.
+        target: a distribution along ``dim`` (non-negative, summing to 1; not checked), the shape of
+            ``scores``. A constant: no gradient flows to it.
+        normalizer: ``"softmax"``, ``"entmax15"``, ``"sparsemax"`` or a float α > 1.
+        dim: the dimension the rows run along.
+
+    Returns:
+        The loss of each row: ``scores``' shape without ``dim``, float32 at least. A row whose scores
+        are all ``-inf`` has loss 0 and gradient 0; a positive target on a ``-inf`` score gives ``+inf``.
+    """
+    scores, target, dim = _checked(scores, target, dim)
+    kind = resolve_normalizer(normalizer)
+    return _FYLoss.apply(scores, target.detach(), kind, dim)
