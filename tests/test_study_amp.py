@@ -182,3 +182,24 @@ def test_cpu_autocast_trains_and_resumes(tmp_path: Path, amp: str, capsys):
     run = json.loads((out / "results.json").read_text())["runs"][0]
     assert run["amp"] == amp and len(run["history"]) == 2
     assert all(torch.isfinite(torch.tensor(h["train_loss"])) for h in run["history"])
+
+
+@pytest.mark.slow
+def test_compile_trains_without_a_graph_break(tmp_path: Path):
+    """`--compile`: the LocAt and entmax-1.5 training models compile (inductor; their CPU attention
+    paths are custom ops) without a graph break, and train."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    args = [a for a in TINY if a not in ("--attention", "locat")]
+    out = tmp_path / "compiled"
+    code = main(
+        ["study", *args, "--epochs", "1", "--attention", "locat", "entmax15", "--compile", "--out", str(out)]
+    )
+    assert code == 0
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [r["attention"] for r in runs] == ["locat", "entmax15"]
+    assert all(torch.isfinite(torch.tensor(r["history"][0]["train_loss"])) for r in runs)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] >= 2
