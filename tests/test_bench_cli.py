@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import vitattn
 from vitattn.bench.harness import Goal, Measurement, SuiteResult, compare, register_suite, run_suites
@@ -202,3 +203,51 @@ def test_a_failing_child_is_reported_with_its_stderr(monkeypatch):
     )
     with pytest.raises(RuntimeError, match=r"process 1/2 exited with 1:\nboom"):
         harness.run_processes("models", 2)
+
+
+def test_train_suite_builds_the_three_vit_tinies():
+    from timm.layers import Attention as TimmAttention
+
+    from vitattn.bench import train
+    from vitattn.layers import EntmaxAttention, LocAtAttention
+
+    models = train.models()
+    assert list(models) == [train.REFERENCE, "locatvit_tiny", "vit_tiny entmax15"]
+    ref, locat, entmax = models.values()
+    assert type(ref.blocks[0].attn) is TimmAttention and isinstance(locat.blocks[11].attn, LocAtAttention)
+    assert isinstance(entmax.blocks[5].attn, EntmaxAttention) and locat.prr is not None
+    sizes = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
+    assert sizes[train.REFERENCE] == sizes["vit_tiny entmax15"]  # same weights, another normalizer
+
+
+def test_train_suite_times_a_whole_training_step(monkeypatch, capsys):
+    """The step updates the weights (AdamW ran); the suite prints the three implementations and
+    their ratios (tiny stand-ins here: the real suite's 224 px ViT-Tinies are for `vitattn bench`)."""
+    import timm
+
+    from vitattn.bench import train
+
+    def tiny() -> dict[str, torch.nn.Module]:
+        torch.manual_seed(0)
+        args = dict(img_size=32, patch_size=8, embed_dim=16, depth=1, num_heads=2, num_classes=1000)
+        return {
+            train.REFERENCE: timm.create_model("vit_tiny_patch16_224", **args),
+            "locatvit_tiny": timm.create_model("locatvit_tiny", **args),
+            "vit_tiny entmax15": vitattn.patch(timm.create_model("vit_tiny_patch16_224", **args), "entmax15"),
+        }
+
+    model = tiny()["locatvit_tiny"]
+    before = [p.detach().clone() for p in model.parameters()]
+    step = train.training_step(model, torch.randn(2, 3, 32, 32), torch.tensor([1, 2]), None)
+    step()
+    pairs = zip(before, model.parameters(), strict=True)
+    moved = [not torch.equal(a, b) for a, b in pairs if b.grad is not None]
+    assert moved and all(moved)
+    monkeypatch.setattr(train, "models", tiny)
+    monkeypatch.setattr(train, "SIZE", 32)
+    assert main(["bench", "train", "--quick"]) == 0
+    text = capsys.readouterr().out
+    assert "One training step, cpu float32, ratio = ms / timm vit_tiny" in text
+    for name in ("locatvit_tiny", "vit_tiny entmax15"):
+        assert name in text
+    assert "train step 32px b8 cpu float32" in text and "1.00×" in text

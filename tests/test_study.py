@@ -294,13 +294,15 @@ def test_presets_and_defaults() -> None:
     assert quick.dataset == paper.dataset == "scenes"
     assert quick.protocols == ["baseline"] and paper.protocols == ["baseline", "modern"]
     assert quick.attentions == ["softmax", "entmax15", "locat"] and paper.attentions == ["softmax"]
-    assert (quick.depth, quick.dim, quick.heads) == (2, 96, 4)  # the main job's small ViT
+    assert (quick.depth, quick.dim, quick.heads) == (2, 64, 4)  # the main job's small ViT
     assert (paper.depth, paper.dim, paper.heads, paper.mlp_ratio) == (8, 192, 8, 2.0)  # the study's
     assert quick.first_layers == 1 and paper.first_layers == 2 and paper.epochs == 200 and quick.epochs < 20
     assert make_config("quick", epochs=7, depth=4).first_layers == 1
-    assert quick.batch_size == 64 and quick.pos_embed_std == 0.02 and quick.hflip is False  # scenes
+    assert quick.batch_size == 64 and quick.hflip is False and quick.scenes_version == 3  # scenes
+    assert quick.init == "mimetic" and quick.pos_embed_std == 1.0  # the main job's start (docs/study.md)
+    assert paper.init == "timm" and paper.pos_embed_std == 0.02
     assert quick.probe and quick.probe_layer == -1
-    digits = make_config("quick", dataset="digits")
+    digits = make_config("paper", dataset="digits")
     assert digits.batch_size == 32 and digits.pos_embed_std == 1.0 and digits.hflip is False
     cifar = make_config("paper", dataset="cifar100")
     assert cifar.batch_size == 128 and cifar.pos_embed_std == 0.02 and cifar.hflip is True
@@ -316,10 +318,10 @@ def test_presets_and_defaults() -> None:
 
 
 def test_scenes_normalization_matches_the_dataset() -> None:
-    from vitattn.datasets import DigitScenes
+    from vitattn.datasets.scenes import STATISTICS
 
     spec = DATASETS["scenes"]
-    assert spec.mean == DigitScenes.mean and spec.std == DigitScenes.std
+    assert (spec.mean, spec.std) == STATISTICS[3]  # the study's scenes: version 3
     assert (spec.img_size, spec.patch_size, spec.channels, spec.num_classes) == (32, 4, 3, 10)
 
 

@@ -7,14 +7,17 @@ import json
 import sys
 from pathlib import Path
 
+from ..study.amp import AMP_CHOICES
 from ..study.config import ATTENTIONS, PRESETS, StudyConfig, make_config
 from ..study.datasets import DATASETS
+from ..study.init import INIT_SCHEMES
 from ..study.protocols import PROTOCOLS
+from .options import parse_model_args
 
 __all__ = ["HELP", "NAME", "add_arguments", "config_from_args", "run"]
 
 NAME = "study"
-HELP = "training-protocol locality study (default: quick, on built-in digits)"
+HELP = "train and compare attentions: the locality study, fine-tuning timm backbones (default: quick, scenes)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,18 +26,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--preset",
         choices=sorted(PRESETS),
         default="quick",
-        help="quick (default: a small ViT for 8 epochs, softmax vs entmax15 vs locat under the "
-        "baseline, about 3 minutes on 2 CPU cores) or paper (the study's model and 200-epoch "
+        help="quick (default: the main job, a small ViT for 5 epochs, softmax vs entmax15 vs locat under "
+        "the baseline, under 2 minutes on 2 CPU cores) or paper (the study's model and 200-epoch "
         "schedule, baseline and modern)",
     )
     p.add_argument(
         "--dataset",
         choices=list(DATASETS),
         help="scenes (default: procedural digit scenes with masks, nothing to download; runs get a "
-        "dense probe), digits (scikit-learn's 8x8 digits), cifar10, cifar100, tinyimagenet",
+        "dense probe), digits (scikit-learn's 8x8 digits), cifar10, cifar100, tinyimagenet, imagefolder "
+        "(--data-dir DIR with DIR/train/<class>/* and DIR/val/<class>/*, timm's data pipeline)",
     )
     p.add_argument(
-        "--data-dir", default="data", metavar="DIR", help="where CIFAR / Tiny-ImageNet live (default data)"
+        "--data-dir",
+        default="data",
+        metavar="DIR",
+        help="where CIFAR / Tiny-ImageNet live, or the image folder (default data)",
     )
     p.add_argument("--download", action="store_true", help="download CIFAR into --data-dir if missing")
     g = p.add_mutually_exclusive_group()
@@ -59,20 +66,107 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "give one run each",
     )
     p.add_argument("--prr", action="store_true", help="add PRR before the head")
+    b = p.add_argument_group("backbone and fine-tuning")
+    b.add_argument(
+        "--model",
+        metavar="NAME",
+        help="a timm model (ViT, Eva, Swin, vitattn's locatvit_*) instead of the study's own ViT; "
+        "--attention entmax15 / locat and --prr patch it with vitattn.patch (softmax keeps its attention)",
+    )
+    b.add_argument(
+        "--model-arg",
+        action="append",
+        metavar="KEY=VALUE",
+        help="extra timm.create_model argument (repeatable), e.g. depth=6 or "
+        "pretrained_cfg_overlay=\"{'file': 'weights.safetensors'}\" for --pretrained from a local file",
+    )
+    start = b.add_mutually_exclusive_group()
+    start.add_argument(
+        "--pretrained",
+        action="store_true",
+        help="start from timm's pretrained weights of --model (Hub cache)",
+    )
+    start.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="start from these weights (safetensors or a weights-only state dict of the model; {seed} in "
+        "PATH is the run's seed); a head of another size is re-initialised",
+    )
+    b.add_argument(
+        "--gaug-init",
+        choices=("identity", "paper"),
+        help="how LocAt's new GAug heads start on a backbone with weights: identity (default from weights: "
+        "the model keeps its function) or paper (LocAtViT's init, the default from scratch)",
+    )
+    b.add_argument(
+        "--img-size", type=int, metavar="PX", help="input size (default: the dataset's; 224 for imagefolder)"
+    )
+    b.add_argument("--drop-path", type=float, metavar="P", help="stochastic depth rate (default 0)")
+    b.add_argument(
+        "--layer-decay",
+        type=float,
+        metavar="D",
+        help="layer-wise lr decay for fine-tuning (timm's param_groups_layer_decay, e.g. 0.65)",
+    )
+    b.add_argument(
+        "--init",
+        choices=INIT_SCHEMES,
+        help="initialisation of the study's ViT: timm or mimetic (attention; default: the preset's)",
+    )
+    t = p.add_argument_group("precision and speed")
+    t.add_argument(
+        "--amp",
+        choices=AMP_CHOICES,
+        help="mixed precision: bf16 (default on CUDA: the Triton kernels run), fp16 (with a grad scaler), "
+        "none (default on the CPU)",
+    )
+    t.add_argument("--compile", action="store_true", help="torch.compile the training model")
+    d = p.add_argument_group("imagefolder (timm's data pipeline)")
+    d.add_argument(
+        "--auto-augment",
+        metavar="POLICY",
+        help="timm policy of the protocol's AA (default rand-m9-mstd0.5-inc1; original: AutoAugment)",
+    )
+    d.add_argument(
+        "--mixup", type=float, metavar="ALPHA", help="MixUp alpha next to CutMix (default 0: CutMix alone)"
+    )
+    d.add_argument("--cutmix", type=float, metavar="ALPHA", help="CutMix alpha (default 1.0)")
+    d.add_argument(
+        "--smoothing",
+        type=float,
+        metavar="EPS",
+        help="label smoothing of the protocols with LS (default 0.1)",
+    )
+    check = d.add_mutually_exclusive_group()
+    check.add_argument(
+        "--check-images",
+        dest="check_images",
+        action="store_const",
+        const=True,
+        help="open every image before training (default: when there are at most 50000)",
+    )
+    check.add_argument(
+        "--no-check-images", dest="check_images", action="store_const", const=False, help=argparse.SUPPRESS
+    )
     p.add_argument("--seeds", type=int, metavar="N", help="number of seeds (default 1)")
     p.add_argument("--first-seed", type=int, default=0, metavar="S", help="seeds are S, S+1, ... (default 0)")
     p.add_argument("--epochs", type=int, metavar="N", help="override the preset's epochs")
     p.add_argument(
-        "--batch-size", type=int, metavar="N", help="global batch size (default 32 on digits, else 128)"
+        "--batch-size",
+        type=int,
+        metavar="N",
+        help="global batch size (default 64 on scenes, 32 on digits, else 128)",
     )
     p.add_argument("--lr", type=float, help="AdamW peak learning rate (default 1e-3)")
     p.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0.05)")
     p.add_argument("--warmup-epochs", type=float, help="linear warmup before the cosine decay")
-    p.add_argument("--depth", type=int, help="blocks (default 8; smaller for tests)")
-    p.add_argument("--dim", type=int, help="embedding width (default 192)")
-    p.add_argument("--heads", type=int, help="attention heads (default 8)")
+    p.add_argument("--depth", type=int, help="blocks (default 8; quick: 2)")
+    p.add_argument("--dim", type=int, help="embedding width (default 192; quick: 64)")
+    p.add_argument("--heads", type=int, help="attention heads (default 8; quick: 4)")
     p.add_argument(
-        "--pos-embed-std", type=float, help="std of the position embedding at init (digits 1.0, else 0.02)"
+        "--pos-embed-std",
+        type=float,
+        help="std of the position embedding at init (quick and digits 1.0, else timm's 0.02)",
     )
     p.add_argument(
         "--first-layers",
@@ -103,6 +197,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="training scenes the probes are fitted on (default 1000)",
+    )
+    p.add_argument(
+        "--probe-epochs", type=int, metavar="N", help="epochs of the linear probe (quick: 10, else 20)"
+    )
+    p.add_argument(
+        "--probe-bank-size",
+        type=int,
+        metavar="N",
+        help="k-NN probe memory bank, patches (quick: 8192, else 32768)",
+    )
+    p.add_argument(
+        "--scenes-version",
+        type=int,
+        choices=(2, 3),
+        help="DigitScenes generator: 3 (default: the main digit near the centre), 2 (anywhere: earlier runs)",
     )
     p.add_argument(
         "--limit-train", type=int, metavar="N", help="use the first N training images (smoke tests)"
@@ -137,6 +246,8 @@ def _runtime(args: argparse.Namespace, dataset: str | None) -> dict[str, object]
         threads=args.threads,
         progress=not args.no_progress,
         device=args.device,
+        compile=args.compile,
+        check_images=args.check_images,
     )
 
 
@@ -176,8 +287,25 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         probe=False if args.no_probe else None,
         probe_layer=args.probe_layer,
         probe_train_images=args.probe_train_images,
+        probe_epochs=args.probe_epochs,
+        probe_bank_size=args.probe_bank_size,
+        scenes_version=args.scenes_version,
         limit_train=args.limit_train,
         limit_test=args.limit_test,
+        model=args.model,
+        model_args=parse_model_args(args.model_arg) or None,
+        pretrained=args.pretrained or None,
+        checkpoint=args.checkpoint,
+        gaug_init=args.gaug_init,
+        img_size=args.img_size,
+        drop_path=args.drop_path,
+        layer_decay=args.layer_decay,
+        init=args.init,
+        amp=args.amp,
+        auto_augment=args.auto_augment,
+        mixup_alpha=args.mixup,
+        cutmix_alpha=args.cutmix,
+        label_smoothing=args.smoothing,
         **_runtime(args, args.dataset),
     )
 
@@ -185,13 +313,21 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
 def run(args: argparse.Namespace) -> int:
     """Run ``vitattn study``; 0 on success (also when stopped on purpose), 2 on a usage / data error,
     130 when interrupted with Ctrl-C (rerun to resume)."""
+    from ..study.backbone import CheckpointMismatch
     from ..study.datasets import DatasetMissingError
     from ..study.runner import StudyConfigMismatch, run_study
 
     try:
         config = config_from_args(args)
         run_study(config, args.out, overwrite=args.overwrite, stop_after_epochs=args.stop_after_epochs)
-    except (DatasetMissingError, StudyConfigMismatch, ValueError, FileNotFoundError, ImportError) as err:
+    except (
+        DatasetMissingError,
+        StudyConfigMismatch,
+        CheckpointMismatch,
+        ValueError,
+        FileNotFoundError,
+        ImportError,
+    ) as err:
         print(f"vitattn study: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

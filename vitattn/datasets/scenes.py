@@ -26,8 +26,16 @@ from ..cache import cache_dir
 
 __all__ = ["DigitScenes", "majority_patch_labels"]
 
-#: Bump when the generator changes: it is part of the cache key.
+#: The generator's versions (each part of the scene seeds and of the cache key). Version 3 places the
+#: main digit near the centre (see :func:`_main_box`); everything else is drawn as in version 2.
+VERSIONS: tuple[int, ...] = (2, 3)
+#: The version ``DigitScenes`` builds unless told otherwise.
 FORMAT_VERSION = 2
+#: Per-channel mean / std of each version's default train split (5000 scenes, 32 px, seed 0).
+STATISTICS: dict[int, tuple[tuple[float, float, float], tuple[float, float, float]]] = {
+    2: ((0.4992, 0.4997, 0.5006), (0.1990, 0.1993, 0.1991)),
+    3: ((0.4980, 0.4994, 0.5008), (0.2054, 0.2043, 0.2051)),
+}
 
 SPLITS: tuple[str, ...] = ("train", "val", "test")
 DEFAULT_SIZES: dict[str, int] = {"train": 5000, "val": 1000, "test": 1000}
@@ -205,6 +213,22 @@ def _stamp(mask: np.ndarray, alpha: np.ndarray, y0: int, x0: int, value: int) ->
     box[alpha >= ALPHA_HI] = value
 
 
+def _main_box(rng: np.random.Generator, n: int, version: int) -> tuple[int, int, int]:
+    """``(side, y0, x0)`` of the main digit in an ``n``-pixel scene.
+
+    Version 2: side ``{⌈0.6 n⌉..⌊0.9 n⌋}``, anywhere in the image. Version 3: side
+    ``{⌈0.75 n⌉..⌊0.9 n⌋}``, centred, then shifted by ``{−j..j}`` pixels on each axis with
+    ``j = min(n // 16, centring margin)`` (2 px at 32 px: half a 4-px patch).
+    """
+    if version == 2:
+        s = int(rng.integers(-(-60 * n // 100), 90 * n // 100 + 1))
+        return s, int(rng.integers(0, n - s + 1)), int(rng.integers(0, n - s + 1))
+    s = int(rng.integers(-(-75 * n // 100), 90 * n // 100 + 1))
+    c = (n - s) // 2
+    j = min(n // 16, c)
+    return s, c + int(rng.integers(-j, j + 1)), c + int(rng.integers(-j, j + 1))
+
+
 def _scene(
     rng: np.random.Generator,
     n: int,
@@ -212,14 +236,14 @@ def _scene(
     pools: tuple[np.ndarray, ...],
     xs: np.ndarray,
     ys: np.ndarray,
+    version: int = FORMAT_VERSION,
 ) -> tuple[np.ndarray, np.ndarray, int, list[int]]:
     """One scene: ``(image (3, n, n) uint8, mask (n, n) uint8, label, [main, d1, d2] sklearn indices)``."""
     bg = _background(rng, n, xs, ys)
-    # main digit: uniform class, uniform glyph of that class in the pool, side 60-90 % of the image
+    # main digit: uniform class, uniform glyph of that class in the pool, its box by version
     label = int(rng.integers(10))
     main = int(pools[label][rng.integers(len(pools[label]))])
-    s = int(rng.integers(-(-60 * n // 100), 90 * n // 100 + 1))
-    my, mx = int(rng.integers(0, n - s + 1)), int(rng.integers(0, n - s + 1))
+    s, my, mx = _main_box(rng, n, version)
     main_alpha = _bilinear(glyphs[main], s, s, zero_pad=True)
     # distractors: 0-2 glyphs of other classes, side ceil(0.25 s)..floor(0.45 s) (at least 4 px), anywhere
     k = int(rng.integers(0, 3))
@@ -264,7 +288,9 @@ def _class_of(index: int) -> int:
     return int(_digits()[1][index])
 
 
-def _build_scenes(split: str, image_size: int, seed: int, size: int) -> dict[str, np.ndarray]:
+def _build_scenes(
+    split: str, image_size: int, seed: int, size: int, version: int = FORMAT_VERSION
+) -> dict[str, np.ndarray]:
     """Generate ``size`` scenes: ``images (N, 3, H, W) uint8``, ``masks (N, H, W) uint8``,
     ``labels (N,) int64``, ``sources (N, 3) int64`` (sklearn indices of main, distractor 1, 2; -1 = none).
 
@@ -280,8 +306,8 @@ def _build_scenes(split: str, image_size: int, seed: int, size: int) -> dict[str
     labels = np.empty(size, dtype=np.int64)
     sources = np.empty((size, 3), dtype=np.int64)
     for i in range(size):
-        rng = np.random.default_rng([_SCENE_TAG, FORMAT_VERSION, seed, _SPLIT_ID[split], i])
-        images[i], masks[i], labels[i], sources[i] = _scene(rng, n, glyphs, pools, xs, ys)
+        rng = np.random.default_rng([_SCENE_TAG, version, seed, _SPLIT_ID[split], i])
+        images[i], masks[i], labels[i], sources[i] = _scene(rng, n, glyphs, pools, xs, ys, version)
     return {"images": images, "masks": masks, "labels": labels, "sources": sources}
 
 
@@ -293,8 +319,8 @@ def default_cache_dir() -> Path:
     return cache_dir()
 
 
-def _meta(split: str, image_size: int, seed: int, size: int) -> np.ndarray:
-    return np.array([FORMAT_VERSION, _SPLIT_ID[split], image_size, seed, size], dtype=np.int64)
+def _meta(split: str, image_size: int, seed: int, size: int, version: int = FORMAT_VERSION) -> np.ndarray:
+    return np.array([version, _SPLIT_ID[split], image_size, seed, size], dtype=np.int64)
 
 
 def _load_cache(path: Path, meta: np.ndarray) -> dict[str, np.ndarray] | None:
@@ -368,7 +394,9 @@ class DigitScenes(torch.utils.data.Dataset):
 
     Default sizes: train 5000, val 1000, test 1000. A split is built once, then read from its ``.npz``
     file in ``cache_dir`` (default :func:`vitattn.cache.cache_dir`); ``from_cache`` says which
-    happened. The bytes are the same on every machine.
+    happened. The bytes are the same on every machine. ``version`` 3 (``vitattn study``'s) places the
+    main digit near the centre; 2, the default, anywhere (:func:`_main_box`). ``mean`` / ``std`` are
+    version 2's; :data:`STATISTICS` has each version's.
     """
 
     num_classes: int = 10
@@ -376,8 +404,8 @@ class DigitScenes(torch.utils.data.Dataset):
     ignore_index: int = IGNORE_INDEX
     class_names: tuple[str, ...] = ("background", *(str(d) for d in range(10)))
     #: Per-channel mean / std of the default train split at 32 px (5000 images, seed 0), in [0, 1] units.
-    mean: tuple[float, float, float] = (0.4992, 0.4997, 0.5006)
-    std: tuple[float, float, float] = (0.1990, 0.1993, 0.1991)
+    mean: tuple[float, float, float] = STATISTICS[FORMAT_VERSION][0]
+    std: tuple[float, float, float] = STATISTICS[FORMAT_VERSION][1]
 
     def __init__(
         self,
@@ -388,6 +416,7 @@ class DigitScenes(torch.utils.data.Dataset):
         size: int | None = None,
         transform: Callable[[torch.Tensor], Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        version: int = FORMAT_VERSION,
     ) -> None:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {', '.join(map(repr, SPLITS))}, got {split!r}")
@@ -403,22 +432,26 @@ class DigitScenes(torch.utils.data.Dataset):
             raise ValueError(f"size must be a positive int or None, got {size!r}")
         if transform is not None and not callable(transform):
             raise ValueError(f"transform must be callable or None, got {transform!r}")
+        if isinstance(version, bool) or version not in VERSIONS:
+            raise ValueError(f"version must be one of {', '.join(map(str, VERSIONS))}, got {version!r}")
         self.split, self.image_size, self.seed, self.size = split, int(image_size), int(seed), int(size)
+        #: The generator's version (:data:`VERSIONS`; default :data:`FORMAT_VERSION`).
+        self.version: int = int(version)
         self.transform = transform
         pools = _glyph_pools()[split]
         #: Sorted sklearn indices of the glyphs this split may use, ``(G,)`` int64.
         self.glyph_indices: np.ndarray = np.sort(np.concatenate(pools))
 
         root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        meta = _meta(self.split, self.image_size, self.seed, self.size)
-        key = f"v{FORMAT_VERSION}-{split}-{self.image_size}px-seed{self.seed}-n{self.size}"
+        meta = _meta(self.split, self.image_size, self.seed, self.size, self.version)
+        key = f"v{self.version}-{split}-{self.image_size}px-seed{self.seed}-n{self.size}"
         path = root / f"digitscenes-{key}.npz"
         data = _load_cache(path, meta)
         saved = False
         #: True if the arrays were read from the cache file.
         self.from_cache: bool = data is not None
         if data is None:
-            data = _build_scenes(self.split, self.image_size, self.seed, self.size)
+            data = _build_scenes(self.split, self.image_size, self.seed, self.size, self.version)
             saved = _save_cache(path, meta, data)
         #: The cache file read or written, or None if the cache folder was not writable.
         self.cache_path: Path | None = path if self.from_cache or saved else None
@@ -445,7 +478,7 @@ class DigitScenes(torch.utils.data.Dataset):
     def __repr__(self) -> str:
         return (
             f"DigitScenes(split={self.split!r}, size={self.size}, image_size={self.image_size}, "
-            f"seed={self.seed})"
+            f"seed={self.seed}{'' if self.version == FORMAT_VERSION else f', version={self.version}'})"
         )
 
     def patch_labels(self, patch_size: int) -> torch.Tensor:

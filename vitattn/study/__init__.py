@@ -1,8 +1,11 @@
-"""The training-protocol locality study: does the training recipe alone make early ViT layers local?
+"""The trainer: the training-protocol locality study, and fine-tuning of any timm backbone.
 
-Train the study's compact ViT (depth 8, dim 192, 8 heads, MLP ratio 2) under protocols built from
-AutoAugment, CutMix and label smoothing, then measure test accuracy and the attention locality
-(MAD, entropy) of every head. ``vitattn study`` is the command; :func:`run_study` the API::
+Train the study's compact ViT (depth 8, dim 192, 8 heads, MLP ratio 2) — or any timm ViT / Eva /
+Swin from scratch, from timm's pretrained weights or a checkpoint, patched with vitattn's attention
+— under protocols built from AutoAugment, CutMix and label smoothing, on the built-in sets or an
+ImageNet-layout folder, in mixed precision and under torchrun; then measure test accuracy, the
+attention locality (MAD, entropy) of every head, and images/s and peak memory per epoch.
+``vitattn study`` is the command; :func:`run_study` the API::
 
     from vitattn.study import make_config, run_study
     outcome = run_study(make_config("quick", epochs=2), "runs/my-study")
@@ -15,12 +18,21 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
+    "backbone": ("CheckpointMismatch",),
     "config": ("ATTENTIONS", "PRESETS", "StudyConfig", "make_config"),
     "datasets": ("DATASETS", "DatasetMissingError", "DatasetSpec", "load_datasets"),
+    "imagefolder": ("DataFolderError", "inspect_imagefolder"),
     "model": ("build_model",),
     "protocols": ("ABLATION", "PROTOCOLS", "Protocol", "resolve_protocols"),
     "results": ("load_results", "summary_table", "validate_results"),
-    "runner": ("StudyConfigMismatch", "StudyOutcome", "default_out_dir", "run_specs", "run_study"),
+    "runner": (
+        "StudyConfigMismatch",
+        "StudyOutcome",
+        "default_out_dir",
+        "prepare_config",
+        "run_specs",
+        "run_study",
+    ),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -38,6 +50,8 @@ __all__ = [
     "DATASETS",
     "PRESETS",
     "PROTOCOLS",
+    "CheckpointMismatch",
+    "DataFolderError",
     "DatasetMissingError",
     "DatasetSpec",
     "Protocol",
@@ -46,9 +60,11 @@ __all__ = [
     "StudyOutcome",
     "build_model",
     "default_out_dir",
+    "inspect_imagefolder",
     "load_datasets",
     "load_results",
     "make_config",
+    "prepare_config",
     "resolve_protocols",
     "run_specs",
     "run_study",

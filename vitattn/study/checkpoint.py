@@ -1,8 +1,9 @@
 """Resumable training state without pickles: tensors in safetensors, everything else in JSON.
 
-A run's folder holds ``state.json`` (epoch, optimizer hyper-parameters, scheduler, RNG of Python and
-NumPy, history) and the ``state-eNNNN.safetensors`` it names (model weights ``model.*``, optimizer
-tensors ``optim.<param>.<key>``, each rank's torch RNG ``rng.torch.<rank>``, NumPy's MT19937 keys).
+A run's folder holds ``state.json`` (epoch, optimizer hyper-parameters, scheduler, the fp16 loss
+scaler, RNG of Python and NumPy, history) and the ``state-eNNNN.safetensors`` it names (model
+weights ``model.*``, optimizer tensors ``optim.<param>.<key>``, each rank's torch RNG
+``rng.torch.<rank>``, NumPy's MT19937 keys).
 ``state.json`` is replaced last and atomically, so a crash mid-write leaves the previous epoch's
 state readable. The finished model is ``model.safetensors`` (weights only).
 """
@@ -65,6 +66,7 @@ def save_state(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     history: list[dict[str, Any]],
+    scaler: torch.amp.GradScaler | None = None,
 ) -> None:
     """Write the training state after ``epoch`` completed epochs (collective: call on every rank;
     rank 0 writes)."""
@@ -97,6 +99,7 @@ def save_state(
         "world_size": env.world_size,
         "optimizer": {"param_groups": opt["param_groups"], "state_scalars": scalars},
         "scheduler": scheduler.state_dict(),
+        "scaler": None if scaler is None else scaler.state_dict(),
         "rng": {
             "python": list(random.getstate()[1]),
             "python_version": random.getstate()[0],
@@ -116,8 +119,10 @@ def load_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> TrainState | None:
-    """Restore what :func:`save_state` wrote into ``model``, ``optimizer``, ``scheduler`` and the RNGs.
+    """Restore what :func:`save_state` wrote into ``model``, ``optimizer``, ``scheduler``, the fp16
+    loss ``scaler`` (when both have one) and the RNGs.
 
     Returns None when ``folder`` holds no state. The torch RNG of each rank is restored when the
     world size matches; otherwise each rank reseeds from rank 0's state and its rank.
@@ -140,6 +145,8 @@ def load_state(
         opt_state.setdefault(int(idx), {}).update(entry)
     optimizer.load_state_dict({"state": opt_state, "param_groups": meta["optimizer"]["param_groups"]})
     scheduler.load_state_dict(meta["scheduler"])
+    if scaler is not None and meta.get("scaler"):
+        scaler.load_state_dict(meta["scaler"])
     rng = meta["rng"]
     random.setstate((rng["python_version"], tuple(rng["python"]), None))
     keys = tensors["rng.numpy.keys"].numpy().astype(np.uint32)

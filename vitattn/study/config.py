@@ -22,21 +22,25 @@ ATTENTIONS = ("softmax", "entmax15", "locat", "adaptive", "window")
 # (depth 8, dim 192, 8 heads) and 200-epoch schedule under the baseline and modern protocols.
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": dict(
-        epochs=11,
+        epochs=5,
         warmup_epochs=0.5,
         protocols=["baseline"],
         attentions=["softmax", "entmax15", "locat"],
         depth=2,
-        dim=96,
+        dim=64,
         heads=4,
         lr=1e-3,
+        init="mimetic",
+        pos_embed_std=1.0,
+        probe_bank_size=8192,
+        probe_epochs=10,
     ),
     "paper": dict(epochs=200, warmup_epochs=10.0, protocols=["baseline", "modern"]),
 }
 
 # keys that do not change what is computed (where data lives, how it is shown, how many loader
 # workers or threads): they may differ between an interrupted run and its resumption
-RUNTIME_KEYS = ("data_dir", "download", "workers", "threads", "progress", "device")
+RUNTIME_KEYS = ("data_dir", "download", "workers", "threads", "progress", "device", "compile", "check_images")
 
 
 @dataclass
@@ -55,6 +59,20 @@ class StudyConfig:
 
     dataset: str = "scenes"
     preset: str = "quick"
+    scenes_version: int = 3  # DigitScenes' generator version (2: the digit anywhere; 3: near the centre)
+    # backbone: None = the study's own ViT (below); else any timm name (vitattn's locatvit_* too)
+    model: str | None = None
+    model_args: dict[str, Any] = field(default_factory=dict)
+    pretrained: bool = False  # timm's pretrained weights (Hub cache) for ``model``
+    checkpoint: str | None = (
+        None  # a starting point: safetensors / weights-only state dict; {seed} = the run's seed
+    )
+    gaug_init: str | None = None  # "identity" / "paper"; None: identity when starting from weights
+    img_size: int | None = None  # None: the dataset's (built-in sets), 224 for imagefolder
+    num_classes: int | None = None  # None: the dataset's (imagefolder: its class folders, found at the start)
+    drop_path: float = 0.0
+    layer_decay: float | None = None  # layer-wise lr decay (timm's param_groups_layer_decay)
+    amp: str | None = None  # bf16 / fp16 / none; None: bf16 on CUDA, none on the CPU
     protocols: list[str] = field(default_factory=lambda: ["baseline", "modern"])
     attentions: list[str] = field(default_factory=lambda: ["softmax"])
     prr: bool = False
@@ -64,8 +82,11 @@ class StudyConfig:
     dim: int = 192
     heads: int = 8
     mlp_ratio: float = 2.0
-    # schedule: AdamW, linear warmup then cosine to 0, stepped per batch
+    # initialisation of the study's ViT: "timm" or "mimetic" (see vitattn.study.init), and the std
+    # of its position embedding at init
+    init: str = "timm"
     pos_embed_std: float | None = None
+    # schedule: AdamW, linear warmup then cosine to 0, stepped per batch
     epochs: int = 3
     batch_size: int | None = None
     lr: float = 1e-3
@@ -75,6 +96,10 @@ class StudyConfig:
     hflip: bool | None = None
     cutmix_alpha: float = 1.0
     label_smoothing: float = 0.1
+    # imagefolder (timm's pipeline): the protocol's AutoAugment is this timm policy; MixUp alpha
+    # (0: CutMix alone) when the protocol has CutMix
+    auto_augment: str = "rand-m9-mstd0.5-inc1"
+    mixup_alpha: float = 0.0
     # analysis
     first_layers: int | None = None
     analysis_images: int = 256
@@ -97,6 +122,8 @@ class StudyConfig:
     threads: int | None = None
     progress: bool = True
     device: str | None = None
+    compile: bool = False  # torch.compile the training model
+    check_images: bool | None = None  # imagefolder: open every image first (None: when <= 50000)
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
@@ -116,23 +143,96 @@ class StudyConfig:
             self.pos_embed_std = spec.pos_embed_std
         if self.hflip is None:
             self.hflip = spec.hflip
+        if self.num_classes is None and spec.num_classes:
+            self.num_classes = spec.num_classes
+        if self.num_classes is not None and spec.num_classes and self.num_classes != spec.num_classes:
+            raise ValueError(
+                f"{self.dataset} has {spec.num_classes} classes, not num_classes={self.num_classes}"
+            )
+        self._check_backbone()
         if self.first_layers is None:
-            self.first_layers = max(1, int(self.depth) // 4)
-        if not -int(self.depth) <= int(self.probe_layer) < int(self.depth):
-            raise ValueError(f"probe_layer {self.probe_layer} is out of range for depth {self.depth}")
+            self.first_layers = max(1, self.model_depth // 4)
+        if not -self.model_depth <= int(self.probe_layer) < self.model_depth:
+            raise ValueError(f"probe_layer {self.probe_layer} is out of range for depth {self.model_depth}")
         numbered = ("depth", "dim", "heads", "epochs", "batch_size", "first_layers", "analysis_images")
         for name in (*numbered, "probe_train_images", "probe_epochs", "probe_bank_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.dim % self.heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
-        if self.first_layers > self.depth:
-            raise ValueError(f"first_layers ({self.first_layers}) exceeds depth ({self.depth})")
+        if self.first_layers > self.model_depth:
+            raise ValueError(f"first_layers ({self.first_layers}) exceeds depth ({self.model_depth})")
         if self.warmup_epochs < 0 or self.lr <= 0 or self.weight_decay < 0:
             raise ValueError("warmup_epochs and weight_decay must be >= 0 and lr > 0")
         for name in ("limit_train", "limit_test"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None")
+
+    def _check_backbone(self) -> None:
+        """Resolve and check the backbone options (``gaug_init``, ``init``, ``amp``, ...)."""
+        from ..datasets.scenes import VERSIONS
+        from .amp import AMP_CHOICES
+        from .init import INIT_SCHEMES
+
+        if self.scenes_version not in VERSIONS:
+            raise ValueError(f"scenes_version must be one of {VERSIONS}, got {self.scenes_version!r}")
+        if self.pretrained and self.checkpoint is not None:
+            raise ValueError("give --pretrained or --checkpoint, not both")
+        if self.pretrained and self.model is None:
+            raise ValueError("--pretrained needs --model NAME (a timm model with pretrained weights)")
+        if self.gaug_init is None:
+            self.gaug_init = "identity" if self.from_weights else "paper"
+        if self.gaug_init not in ("identity", "paper"):
+            raise ValueError(f"gaug_init must be 'identity' or 'paper', got {self.gaug_init!r}")
+        if self.init not in INIT_SCHEMES:
+            raise ValueError(f"init must be one of {', '.join(INIT_SCHEMES)}, got {self.init!r}")
+        if self.amp is not None and self.amp not in AMP_CHOICES:
+            raise ValueError(f"amp must be one of {', '.join(AMP_CHOICES)}, got {self.amp!r}")
+        if self.img_size is not None and self.img_size < 1:
+            raise ValueError(f"img_size must be >= 1, got {self.img_size}")
+        if self.model is None and self.input_size % self.spec.grid_size[0]:
+            raise ValueError(
+                f"img_size {self.input_size} is not divisible by the study ViT's {self.spec.grid_size[0]}x"
+                f"{self.spec.grid_size[1]} patch grid"
+            )
+        if not 0.0 <= self.drop_path < 1.0:
+            raise ValueError(f"drop_path must be in [0, 1), got {self.drop_path}")
+        if self.layer_decay is not None and not 0.0 < self.layer_decay <= 1.0:
+            raise ValueError(f"layer_decay must be in (0, 1], got {self.layer_decay}")
+        if self.mixup_alpha < 0 or self.cutmix_alpha < 0:
+            raise ValueError("mixup_alpha and cutmix_alpha must be >= 0")
+        if self.model is not None and self._model_depth is None:
+            self._model_depth = _timm_depth(self.model, self.model_args)
+
+    _model_depth: int | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def model_depth(self) -> int:
+        """Blocks of the backbone: ``depth`` for the study's ViT, the timm model's otherwise."""
+        return int(self.depth) if self.model is None or self._model_depth is None else self._model_depth
+
+    @property
+    def from_weights(self) -> bool:
+        """The run starts from weights (``pretrained`` or a ``checkpoint``), not from scratch."""
+        return bool(self.pretrained) or self.checkpoint is not None
+
+    def checkpoint_path(self, seed: int) -> str:
+        """``checkpoint`` with ``{seed}`` replaced by ``seed``."""
+        if self.checkpoint is None:
+            raise ValueError("no checkpoint was given")
+        return self.checkpoint.replace("{seed}", str(seed))
+
+    @property
+    def input_size(self) -> int:
+        """Side of the model's input images: ``img_size``, else the dataset's."""
+        return int(self.img_size) if self.img_size is not None else self.spec.img_size
+
+    @property
+    def classes(self) -> int:
+        """Classes of the head (``num_classes``; an imagefolder study must have found them first)."""
+        if not self.num_classes:
+            raise ValueError(f"the number of classes of {self.dataset} is not known yet")
+        return int(self.num_classes)
 
     @property
     def spec(self) -> DatasetSpec:
@@ -152,28 +252,34 @@ class StudyConfig:
         return list(range(int(self.first_layers or 1)))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict, plus the derived ``img_size``, ``patch_size``, ``grid_size`` etc."""
+        """Plain JSON-ready dict, plus the derived ``input_size``, ``patch_size``, ``grid_size`` etc.
+        (the study ViT's; a timm backbone's own patch grid is in each run's locality report)."""
         d = asdict(self)
+        d.pop("_model_depth", None)
         spec = self.spec
+        grid = spec.grid_size
         d.update(
-            img_size=spec.img_size,
-            patch_size=spec.patch_size,
-            grid_size=list(spec.grid_size),
+            input_size=self.input_size,
+            patch_size=self.input_size // grid[0],
+            grid_size=list(grid),
             in_chans=spec.channels,
-            num_classes=spec.num_classes,
             autoaugment_op=spec.color_augment,
+            model_depth=self.model_depth,
         )
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StudyConfig:
-        """Inverse of :meth:`to_dict` (derived keys ignored)."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        """Inverse of :meth:`to_dict` (derived keys ignored). A config written before
+        ``scenes_version`` existed used version 2 of the scenes."""
+        names = {f.name for f in fields(cls) if f.init}
+        values = {k: v for k, v in d.items() if k in names}
+        values.setdefault("scenes_version", 2)
+        return cls(**values)
 
     def identity(self) -> dict[str, Any]:
         """The keys that decide what a run computes (all but :data:`RUNTIME_KEYS`)."""
-        return {k: v for k, v in asdict(self).items() if k not in RUNTIME_KEYS}
+        return {k: v for k, v in asdict(self).items() if k not in RUNTIME_KEYS and not k.startswith("_")}
 
     def digest(self) -> str:
         """8 hex digits of a hash of :meth:`identity` (names the default output folder)."""
@@ -186,6 +292,26 @@ class StudyConfig:
         if bad:
             raise ValueError(f"only runtime keys may change on resume, not {sorted(bad)}")
         return replace(self, **kwargs)
+
+
+def _timm_depth(name: str, model_args: dict[str, Any]) -> int:
+    """Blocks of timm model ``name`` (built on the meta device: no memory, no weights)."""
+    import timm
+    import torch
+
+    from .. import models as _models  # noqa: F401  (registers locatvit_* with timm)
+
+    if not timm.is_model(name):
+        raise ValueError(f"unknown model {name!r}: give a timm model name (see timm.list_models())")
+    with torch.device("meta"):
+        model = timm.create_model(name, pretrained=False, **model_args)
+    blocks = getattr(model, "blocks", None)
+    if blocks is not None:
+        return len(blocks)
+    layers = getattr(model, "layers", None)  # Swin: blocks stage by stage
+    if layers is not None:
+        return sum(len(stage.blocks) for stage in layers)
+    raise ValueError(f"{name!r} has neither blocks nor layers[i].blocks: not a ViT, Eva or Swin")
 
 
 def make_config(preset: str = "quick", **overrides: Any) -> StudyConfig:

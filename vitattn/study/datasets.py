@@ -7,6 +7,8 @@
   per patch; a fixed stratified split of 1437 train / 360 test images; nothing is downloaded.
 - ``cifar10`` / ``cifar100``: torchvision's CIFAR (32 px, patch 4) under ``data_dir``.
 - ``tinyimagenet``: Tiny-ImageNet-200 (64 px, patch 8) as image folders under ``data_dir``.
+- ``imagefolder``: any ImageNet-layout folder ``data_dir/train/<class>/*``, ``data_dir/val/<class>/*``
+  (classes from the folders, 224 px by default, timm's data pipeline: :mod:`.timm_data`).
 
 Images come out as uint8 (PIL or ``(C, H, W)`` tensors) for the protocol's transforms.
 """
@@ -42,9 +44,10 @@ class DatasetMissingError(FileNotFoundError):
 
 Transform = Callable[[Any], torch.Tensor]
 
-# per-channel mean / std of DigitScenes' default train split (DigitScenes.mean / .std; a test checks)
-SCENES_MEAN = (0.4992, 0.4997, 0.5006)
-SCENES_STD = (0.1990, 0.1993, 0.1991)
+# per-channel mean / std of DigitScenes' default train split, version 3 (the study's; a test checks
+# them against vitattn.datasets.scenes.STATISTICS, which has every version's)
+SCENES_MEAN = (0.4980, 0.4994, 0.5008)
+SCENES_STD = (0.2054, 0.2043, 0.2051)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class DatasetSpec:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     color_augment: str = "autoaugment"  # what the protocol's "autoaugment" component means here
+    # (imagefolder: "timm", the timm policy of StudyConfig.auto_augment); num_classes 0: from the folders
     batch_size: int = 128
     pos_embed_std: float = 0.02  # timm's init
     hflip: bool = True  # the baseline's horizontal flip
@@ -71,7 +75,7 @@ class DatasetSpec:
 
 
 DATASETS: dict[str, DatasetSpec] = {
-    # mean / std are DigitScenes.mean / .std (its default train split); no flip by default, as on
+    # mean / std: version 3's (data_config takes the run's version's); no flip by default, as on
     # digits (a mirrored digit is mostly not a digit of its class)
     "scenes": DatasetSpec(
         "scenes", 32, 4, 3, 10, SCENES_MEAN, SCENES_STD, batch_size=64, hflip=False, has_masks=True
@@ -89,6 +93,10 @@ DATASETS: dict[str, DatasetSpec] = {
     "cifar100": DatasetSpec("cifar100", 32, 4, 3, 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
     "tinyimagenet": DatasetSpec(
         "tinyimagenet", 64, 8, 3, 200, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), "colorjitter"
+    ),
+    # timm's ImageNet mean / std (a pretrained timm model's own when --pretrained)
+    "imagefolder": DatasetSpec(
+        "imagefolder", 224, 28, 3, 0, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), "timm"
     ),
 }
 
@@ -125,12 +133,13 @@ class DigitsDataset(Dataset):
 
 class ScenesDataset(Dataset):
     """:class:`vitattn.datasets.DigitScenes` as ``(uint8 image (3, 32, 32), label)`` pairs for
-    the protocols' transforms (split ``train`` or ``test``; the masks stay for the probe)."""
+    the protocols' transforms (split ``train`` or ``test``, generator ``version``; the masks stay
+    for the probe)."""
 
-    def __init__(self, split: str, transform: Transform | None = None) -> None:
+    def __init__(self, split: str, transform: Transform | None = None, version: int = 3) -> None:
         from ..datasets import DigitScenes
 
-        self.scenes = DigitScenes(split)
+        self.scenes = DigitScenes(split, version=version)
         self.transform = transform
 
     def __len__(self) -> int:
@@ -230,8 +239,10 @@ def load_datasets(
     test_transform: Transform,
     data_dir: str | os.PathLike[str] = "data",
     download: bool = False,
+    scenes_version: int = 3,
 ) -> tuple[Dataset, Dataset]:
-    """``(train, test)`` datasets of ``name`` giving ``(transformed image, int label)``.
+    """``(train, test)`` datasets of ``name`` giving ``(transformed image, int label)``
+    (``scenes_version``: the DigitScenes generator of ``scenes``).
 
     Raises:
         ValueError: unknown dataset name.
@@ -241,7 +252,10 @@ def load_datasets(
         raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}")
     spec = DATASETS[name]
     if name == "scenes":
-        return ScenesDataset("train", train_transform), ScenesDataset("test", test_transform)
+        return (
+            ScenesDataset("train", train_transform, scenes_version),
+            ScenesDataset("test", test_transform, scenes_version),
+        )
     if name == "digits":
         return DigitsDataset(True, train_transform), DigitsDataset(False, test_transform)
     root = Path(data_dir)
@@ -250,11 +264,11 @@ def load_datasets(
     return _tinyimagenet(spec, root, download, train_transform, test_transform)
 
 
-def probe_datasets(name: str) -> tuple[DigitScenes, DigitScenes] | None:
+def probe_datasets(name: str, scenes_version: int = 3) -> tuple[DigitScenes, DigitScenes] | None:
     """``(train, test)`` segmentation datasets of ``name`` for the dense probe — items
     ``(float image (3, H, W) in [0, 1], label, mask (H, W))`` — or None when it has no masks."""
     if not DATASETS[name].has_masks:
         return None
     from ..datasets import DigitScenes
 
-    return DigitScenes("train"), DigitScenes("test")
+    return DigitScenes("train", version=scenes_version), DigitScenes("test", version=scenes_version)

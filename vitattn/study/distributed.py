@@ -13,7 +13,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "all_reduce_sum", "barrier", "init_distributed", "shutdown_distributed"]
+__all__ = [
+    "DistEnv",
+    "all_reduce_max",
+    "all_reduce_sum",
+    "barrier",
+    "broadcast_flag",
+    "init_distributed",
+    "shutdown_distributed",
+]
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,15 @@ def all_reduce_sum(env: DistEnv, values: list[float]) -> list[float]:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=env.device)
     dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_reduce_max(env: DistEnv, values: list[float]) -> list[float]:
+    """The largest of a few numbers over the ranks (float64 on the rank's device)."""
+    if not env.distributed:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=env.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
 

@@ -1,17 +1,21 @@
-"""The study's compact ViT, as a vitattn :class:`~vitattn.models.LocAtViT` with a chosen attention."""
+"""The model of a run: the study's compact ViT (a vitattn :class:`~vitattn.models.LocAtViT`) with a
+chosen attention, or, for fine-tuning, any timm backbone from its weights, patched."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TypedDict
 
-import torch
+from torch import nn
 
 from ..layers.adaptive import LayerNormalizer
 from ..models import LocAtViT
 from ..patch import patch
+from .backbone import create_timm_model, load_weights, patch_backbone
 from .config import StudyConfig
+from .init import init_study_vit
 
-__all__ = ["STUDY_WINDOW", "build_model", "model_kwargs"]
+__all__ = ["STUDY_WINDOW", "build_model", "count_parameters", "model_kwargs"]
 
 # the neighbourhood of the "window" attention on the study's 8x8 patch grid: uniform attention over
 # 5x5 patches has about the mean attention distance (1.9 patches) of LocAt's most local block-0 heads
@@ -40,20 +44,21 @@ class ModelKwargs(TypedDict):
 def model_kwargs(config: StudyConfig, attention: str) -> ModelKwargs:
     """Builder arguments of :class:`LocAtViT` (timm ``VisionTransformer`` ones plus ``gaug``, ``prr``,
     ``normalizer``) for ``attention`` in ``softmax``, ``entmax15``, ``locat``, ``adaptive``, ``window``
-    (the window itself is patched in by :func:`build_model`)."""
-    spec = config.spec
+    (the window itself is patched in by :func:`build_model`): the study's 8×8 patch grid on the run's
+    input size."""
+    size = config.input_size
     return ModelKwargs(
-        img_size=spec.img_size,
-        patch_size=spec.patch_size,
-        in_chans=spec.channels,
-        num_classes=spec.num_classes,
+        img_size=size,
+        patch_size=size // config.spec.grid_size[0],
+        in_chans=config.spec.channels,
+        num_classes=config.classes,
         embed_dim=config.dim,
         depth=config.depth,
         num_heads=config.heads,
         mlp_ratio=config.mlp_ratio,
         drop_rate=0.0,
         attn_drop_rate=0.0,
-        drop_path_rate=0.0,
+        drop_path_rate=float(config.drop_path),
         gaug=attention == "locat",
         prr=config.prr,
         normalizer=_NORMALIZERS.get(attention, "softmax"),
@@ -63,22 +68,54 @@ def model_kwargs(config: StudyConfig, attention: str) -> ModelKwargs:
 _NORMALIZERS: dict[str, LayerNormalizer] = {"entmax15": "entmax15", "adaptive": "adaptive"}
 
 
-def build_model(config: StudyConfig, attention: str) -> LocAtViT:
-    """The study model: input ``(B, C, img, img)`` -> logits ``(B, num_classes)``; 8×8 patches + class token.
-
-    ``softmax`` keeps timm's fused attention (the same math as :class:`vitattn.layers.Attention`),
-    ``entmax15`` uses :class:`vitattn.layers.EntmaxAttention`-style blocks, ``locat`` GAug attention,
-    ``adaptive`` alpha-entmax with one learnable alpha per head (from 1.5), ``window`` softmax
-    neighbourhood attention (:class:`vitattn.layers.NeighborhoodAttention`, a
-    :data:`STUDY_WINDOW` x :data:`STUDY_WINDOW` window; the class token stays global).
-    The position embedding is redrawn with std ``config.pos_embed_std`` when that differs from
-    timm's 0.02 (digits). Initialise under a seeded RNG for reproducible weights.
-    """
+def _study_vit(config: StudyConfig, attention: str) -> LocAtViT:
+    """The study's ViT built with ``attention``, initialised as ``config.init`` says; ``window``
+    patches in :class:`vitattn.layers.NeighborhoodAttention` (a :data:`STUDY_WINDOW` x
+    :data:`STUDY_WINDOW` window; the class token stays global) before the init."""
     model = LocAtViT(**model_kwargs(config, attention))
     if attention == "window":
         patch(model, attention="window", window=STUDY_WINDOW)
-    std = config.pos_embed_std
-    if std is not None and std != 0.02 and model.pos_embed is not None:
-        with torch.no_grad():
-            model.pos_embed.normal_(0.0, float(std))
+    init_study_vit(model, config.init, config.pos_embed_std)
     return model
+
+
+def build_model(
+    config: StudyConfig, attention: str, seed: int = 0, log: Callable[[str], object] | None = None
+) -> nn.Module:
+    """The run's model: input ``(B, C, size, size)`` -> logits ``(B, classes)``. Initialise under a
+    seeded RNG for reproducible weights.
+
+    - From scratch (no ``config.model``, ``pretrained`` or ``checkpoint``): the study's ViT, 8×8
+      patches + class token, built with ``attention`` (``softmax`` keeps timm's fused attention,
+      ``entmax15`` entmax-1.5 blocks, ``locat`` GAug blocks with LocAtViT's own init, ``adaptive``
+      alpha-entmax with one learnable alpha per head, ``window`` softmax neighbourhood attention).
+    - From weights or a timm name: the backbone (``config.model``, or the study's ViT with softmax
+      attention) with timm's ``pretrained`` weights or ``config.checkpoint`` (``{seed}`` in its path
+      is replaced by ``seed``), then ``attention`` and ``prr`` applied by :func:`vitattn.patch`
+      (GAug heads start as ``config.gaug_init`` says; ``softmax`` keeps the backbone's attention).
+    """
+    if not config.from_weights and config.model is None:
+        return _study_vit(config, attention)
+    if config.model is None:
+        base: nn.Module = _study_vit(config, "softmax")
+    else:
+        base = create_timm_model(
+            config.model,
+            num_classes=config.classes,
+            img_size=config.img_size,
+            in_chans=config.spec.channels,
+            drop_path=float(config.drop_path),
+            pretrained=config.pretrained,
+            model_args=config.model_args,
+        )
+    before = set(base.state_dict())
+    model = patch_backbone(base, attention, config.prr, str(config.gaug_init), STUDY_WINDOW)
+    if config.checkpoint is not None:
+        new_keys = set(model.state_dict()) - before
+        load_weights(model, config.checkpoint_path(seed), new_keys, log)
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of parameters (trainable or not)."""
+    return sum(p.numel() for p in model.parameters())

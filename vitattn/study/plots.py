@@ -80,15 +80,22 @@ def plot_attention_comparison(
     block's patch features. Reloads each run's ``model.safetensors`` from ``folder``; None when the
     dataset has no masks.
     """
+    import dataclasses
+
     from safetensors.torch import load_file
 
+    from ..models.layout import model_grid_size
     from ..probe import pca_images
     from .config import StudyConfig
+    from .data import probe_transform
     from .datasets import DATASETS, probe_datasets
     from .model import build_model
 
     cfg = data["config"]
-    sets = probe_datasets(cfg["dataset"]) if DATASETS[cfg["dataset"]].has_masks else None
+    config = StudyConfig.from_dict(cfg)
+    sets = (
+        probe_datasets(cfg["dataset"], config.scenes_version) if DATASETS[cfg["dataset"]].has_masks else None
+    )
     if sets is None or not data["runs"]:
         return None
     from matplotlib.patches import Rectangle
@@ -98,13 +105,9 @@ def plot_attention_comparison(
     test = sets[1]
     items = [test[i] for i in range(min(num_images, len(test)))]
     images = torch.stack([it[0] for it in items])
-    spec = DATASETS[cfg["dataset"]]
-    mean = torch.tensor(spec.mean).view(1, -1, 1, 1)
-    std = torch.tensor(spec.std).view(1, -1, 1, 1)
-    x = (images - mean) / std
-    grid = tuple(cfg["grid_size"])
-    queries = [_query_patch(it[2], int(it[1]), grid) for it in items]
-    config = StudyConfig.from_dict(cfg)
+    x = probe_transform(config)(images)
+    # the architecture of each run without its starting weights: model.safetensors holds them all
+    bare = dataclasses.replace(config, pretrained=False, checkpoint=None, gaug_init=config.gaug_init)
     firsts: dict[str, dict[str, Any]] = {}
     for r in data["runs"]:
         firsts.setdefault(_group(r), r)
@@ -116,11 +119,12 @@ def plot_attention_comparison(
         axes[0][j].imshow(images[j].permute(1, 2, 0).numpy())
         axes[0][j].set_title(f"label {int(items[j][1])}", fontsize=8)
     axes[0][0].set_ylabel("scene", fontsize=8)
-    gh, gw = grid
     for k, (name, run) in enumerate(firsts.items()):
-        model = build_model(config, run["attention"])
+        model: Any = build_model(bare, run["attention"])  # a timm ViT (blocks, forward_intermediates)
         model.load_state_dict(load_file(str(folder / run["checkpoint"])))
         model.eval()
+        gh, gw = model_grid_size(model) or tuple(cfg["grid_size"])
+        queries = [_query_patch(it[2], int(it[1]), (gh, gw)) for it in items]
         probe = run.get("probe") or {}
         layer = int(probe.get("layer", len(model.blocks) - 1))
         with torch.no_grad():

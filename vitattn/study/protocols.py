@@ -95,17 +95,38 @@ def resolve_protocols(names: Sequence[str]) -> list[Protocol]:
     return out
 
 
-def build_train_transform(protocol: Protocol, spec: DatasetSpec, hflip: bool = True) -> v2.Compose:
+def _resize(spec: DatasetSpec, size: int | None) -> list[nn.Module]:
+    """A resize to ``size`` when it differs from the dataset's own image size (nothing otherwise)."""
+    from torchvision.transforms import v2
+
+    return [] if size is None or size == spec.img_size else [v2.Resize(size, antialias=True)]
+
+
+def build_train_transform(
+    protocol: Protocol,
+    spec: DatasetSpec,
+    hflip: bool = True,
+    *,
+    size: int | None = None,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+) -> v2.Compose:
     """Per-image training transform: uint8 image (PIL or ``(C, H, W)`` tensor) -> normalized float.
 
     Random crop with ``size // 8`` pixels of zero padding (4 on 32 px CIFAR, 1 on 8 px digits), a
     horizontal flip (``hflip``), then AutoAugment (CIFAR-10 policy) or, where the dataset says so,
     ColorJitter(0.4, 0.4, 0.4) when ``protocol.autoaugment``. AutoAugment runs on uint8 tensors,
-    one channel included.
+    one channel included. ``size`` (default: the dataset's) resizes first; ``mean`` / ``std``
+    (default: the dataset's) normalize.
     """
     from torchvision.transforms import v2
 
-    ops: list[nn.Module] = [v2.ToImage(), v2.RandomCrop(spec.img_size, padding=max(1, spec.img_size // 8))]
+    side = spec.img_size if size is None else int(size)
+    ops: list[nn.Module] = [
+        v2.ToImage(),
+        *_resize(spec, size),
+        v2.RandomCrop(side, padding=max(1, side // 8)),
+    ]
     if hflip:
         ops.append(v2.RandomHorizontalFlip())
     if protocol.autoaugment:
@@ -113,16 +134,34 @@ def build_train_transform(protocol: Protocol, spec: DatasetSpec, hflip: bool = T
             ops.append(v2.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.4))
         else:
             ops.append(v2.AutoAugment(v2.AutoAugmentPolicy.CIFAR10))
-    ops += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(spec.mean), list(spec.std))]
+    ops += [v2.ToDtype(torch.float32, scale=True), _normalize(spec, mean, std)]
     return v2.Compose(ops)
 
 
-def build_test_transform(spec: DatasetSpec) -> v2.Compose:
-    """Evaluation transform: uint8 image -> normalized float ``(C, H, W)``, no augmentation."""
+def _normalize(spec: DatasetSpec, mean: Sequence[float] | None, std: Sequence[float] | None) -> nn.Module:
+    from torchvision.transforms import v2
+
+    return v2.Normalize(list(spec.mean if mean is None else mean), list(spec.std if std is None else std))
+
+
+def build_test_transform(
+    spec: DatasetSpec,
+    *,
+    size: int | None = None,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+) -> v2.Compose:
+    """Evaluation transform: uint8 image -> normalized float ``(C, H, W)``, no augmentation (a resize
+    to ``size`` when it differs from the dataset's)."""
     from torchvision.transforms import v2
 
     return v2.Compose(
-        [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(spec.mean), list(spec.std))]
+        [
+            v2.ToImage(),
+            *_resize(spec, size),
+            v2.ToDtype(torch.float32, scale=True),
+            _normalize(spec, mean, std),
+        ]
     )
 
 

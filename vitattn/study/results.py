@@ -20,11 +20,19 @@ Schema (``schema_version`` 1; extra keys may be added, none removed)::
                    "alignment": float | null,     # mean cosine of patch tokens to the class token
                    "layer": int},                 # the probed block (non-negative)
                "num_images": int, "seconds": float, "resumed_from_epoch": int, "world_size": int,
-               "history": [{"epoch", "train_loss", "lr", "seconds"}], "checkpoint": str}, ...]}
+               "amp": "bf16" | "fp16" | "none", "grid_size": [gh, gw],
+               "throughput": {"train_images_per_s": float, "eval_images_per_s": float,  # last epoch
+                              "peak_memory_mb": float,           # over the epochs (and ranks)
+                              "memory": "cuda_allocated" | "cpu_rss"},
+               "history": [{"epoch", "train_loss", "lr", "seconds", "train_images_per_s", "test_acc",
+                            "eval_seconds", "eval_images_per_s", "peak_memory_mb"}],
+               "checkpoint": str}, ...]}
 
 MAD is normalized by the grid diagonal and entropy by log(patches): both in [0, 1]. ``sparsity``,
-``mean_sparsity``, ``probe`` and ``alpha`` were added in schema version 1 without a version change (files
-without them still load; ``probe`` is null where a run has no probe).
+``mean_sparsity``, ``probe``, ``alpha``, ``amp``, ``grid_size``, ``throughput`` and the history's
+throughput keys were added in schema version 1 without a version change (files without them still
+load; ``probe`` is null where a run has no probe). Images per second count all ranks together; the
+CPU's peak memory is the process's peak RSS (a high-water mark since the process started).
 """
 
 from __future__ import annotations
@@ -71,6 +79,22 @@ def _mean(values: Iterable[float | None]) -> float:
     return sum(ok) / len(ok) if ok else math.nan
 
 
+def _throughput(history: list[dict[str, Any]], memory: str) -> dict[str, Any]:
+    """The run's ``throughput``: the last epoch's images/s, the peak memory over its epochs."""
+    if not history or "train_images_per_s" not in history[-1]:
+        return {}
+    return {
+        "train_images_per_s": history[-1]["train_images_per_s"],
+        "eval_images_per_s": history[-1]["eval_images_per_s"],
+        "peak_memory_mb": max(h.get("peak_memory_mb", 0.0) for h in history),
+        "memory": memory,
+    }
+
+
+def _grid(grid: tuple[int, int] | None) -> list[int] | None:
+    return None if grid is None else [int(g) for g in grid]
+
+
 def run_record(result: RunResult, first_layers: list[int], epochs: int, root: Path) -> dict[str, Any]:
     """The ``runs[i]`` entry of ``results.json`` for a finished run."""
     rep = result.report
@@ -103,6 +127,9 @@ def run_record(result: RunResult, first_layers: list[int], epochs: int, root: Pa
         "seconds": result.seconds,
         "resumed_from_epoch": result.resumed_from_epoch,
         "world_size": result.world_size,
+        "amp": result.amp,
+        "grid_size": _grid(result.grid_size or rep.grid_size),
+        "throughput": _throughput(result.history, result.memory),
         "history": result.history,
         "checkpoint": os.path.relpath(result.checkpoint, root),
     }
@@ -213,7 +240,7 @@ def report_of(run: dict[str, Any], config: dict[str, Any]) -> LocalityReport:
         layers=[row["layer"] for row in run["layers"]],
         mad=[[nan if v is None else v for v in row["mad"]] for row in run["layers"]],
         entropy=[[nan if v is None else v for v in row["entropy"]] for row in run["layers"]],
-        grid_size=tuple(config["grid_size"]),
+        grid_size=tuple(run.get("grid_size") or config["grid_size"]),
         num_prefix_tokens=1,
         num_images=int(run.get("num_images", 0)),
         model=run.get("name", run["protocol"]),
@@ -238,6 +265,9 @@ def write_csv(path: Path, runs: list[dict[str, Any]]) -> None:
         "linear_miou",
         "knn_miou",
         "probe_layer",
+        "train_images_per_s",
+        "eval_images_per_s",
+        "peak_memory_mb",
     ]
     head += [f"mad_l{i}" for i in range(depth)] + [f"entropy_l{i}" for i in range(depth)]
     buf = io.StringIO()
@@ -249,6 +279,8 @@ def write_csv(path: Path, runs: list[dict[str, Any]]) -> None:
         probe = r.get("probe") or {}
         row += [_num(r.get("min_mad_first")), _num(r.get("mean_sparsity"))]
         row += [_num(probe.get("linear_miou")), _num(probe.get("knn_miou")), probe.get("layer", "")]
+        speed = r.get("throughput") or {}
+        row += [_num(speed.get(k), 1) for k in ("train_images_per_s", "eval_images_per_s", "peak_memory_mb")]
         row += [_num(v) for v in r.get("mean_mad", [])] + [_num(v) for v in r.get("mean_entropy", [])]
         writer.writerow(row)
     path.write_text(buf.getvalue())

@@ -21,12 +21,20 @@ from typing import Any
 
 import torch
 
+from ..models.layout import model_grid_size
 from .config import StudyConfig, config_diff
 from .distributed import DistEnv, barrier, init_distributed, shutdown_distributed
 from .results import load_results, run_record, summary_table, write_csv, write_results
 from .train import RunResult, RunSpec, train_run
 
-__all__ = ["StudyConfigMismatch", "StudyOutcome", "default_out_dir", "run_specs", "run_study"]
+__all__ = [
+    "StudyConfigMismatch",
+    "StudyOutcome",
+    "default_out_dir",
+    "prepare_config",
+    "run_specs",
+    "run_study",
+]
 
 
 class StudyConfigMismatch(ValueError):
@@ -60,19 +68,36 @@ def run_specs(config: StudyConfig) -> list[RunSpec]:
 
 
 def _describe(config: StudyConfig, n_runs: int, env: DistEnv) -> str:
-    from .model import build_model
+    import dataclasses
 
-    spec = config.spec
-    grid = spec.grid_size
-    params = sum(p.numel() for p in build_model(config, config.attentions[0]).parameters())
+    from .amp import resolve_amp
+    from .model import build_model, count_parameters
+
+    with torch.device("meta"):  # the architecture only: no weights read, nothing downloaded
+        bare = dataclasses.replace(config, pretrained=False, checkpoint=None, gaug_init=config.gaug_init)
+        model = build_model(bare, config.attentions[0])
+    params = count_parameters(model)
+    grid = model_grid_size(model) or config.spec.grid_size
+    size = config.input_size
     ddp = f", DDP over {env.world_size} ranks" if env.distributed else ""
+    if config.model is None:
+        what = f"ViT depth {config.depth}, dim {config.dim}, {config.heads} heads"
+    else:
+        what = f"{config.model} ({config.model_depth} blocks)"
+    if config.pretrained:
+        what += ", timm's pretrained weights"
+    elif config.checkpoint is not None:
+        what += f", from {config.checkpoint}"
+    if config.from_weights and "locat" in config.attentions:
+        what += f", GAug start {config.gaug_init}"
+    amp = resolve_amp(config.amp, env.device)
     return (
-        f"vitattn study: {config.dataset} ({spec.img_size} px, patch {spec.patch_size}, "
-        f"{grid[0]}x{grid[1]} grid), preset {config.preset}: {len(config.protocols)} protocol(s) x "
-        f"{len(config.attentions)} attention(s) x {len(config.seeds)} seed(s) = {n_runs} runs of "
-        f"{config.epochs} epoch(s); ViT depth {config.depth}, dim {config.dim}, {config.heads} heads "
-        f"({params / 1e6:.2f} M parameters with {config.attentions[0]} attention); "
-        f"device {env.device}{ddp}"
+        f"vitattn study: {config.dataset} ({size} px, {grid[0]}x{grid[1]} patch grid), "
+        f"preset {config.preset}: {len(config.protocols)} protocol(s) x {len(config.attentions)} "
+        f"attention(s) x {len(config.seeds)} seed(s) = {n_runs} runs of {config.epochs} epoch(s); {what} "
+        f"({params / 1e6:.2f} M parameters with {config.attentions[0]} attention); device {env.device}, "
+        f"amp {amp}"
+        f"{', torch.compile' if config.compile else ''}{ddp}"
     )
 
 
@@ -89,6 +114,13 @@ def _run_line(record: dict[str, Any]) -> str:
         parts.append(
             f"probe (block {probe['layer']}) mIoU linear {100 * probe['linear_miou']:.1f} % / "
             f"k-NN {100 * probe['knn_miou']:.1f} %"
+        )
+    speed = record.get("throughput") or {}
+    if speed:
+        mem = "peak CUDA memory" if speed["memory"] == "cuda_allocated" else "peak RSS"
+        parts.append(
+            f"{speed['train_images_per_s']:.0f} / {speed['eval_images_per_s']:.0f} img/s train / test, "
+            f"{mem} {speed['peak_memory_mb']:.0f} MiB"
         )
     return ", ".join(parts + [f"{record['seconds']:.0f} s"])
 
@@ -160,6 +192,28 @@ def _finish_study(
     return load_results(results_path)
 
 
+def prepare_config(config: StudyConfig, log: Callable[[str], None] = print) -> StudyConfig:
+    """``config`` with what only the data can tell filled in, checked before any training: an
+    image folder's layout and images (:func:`~.imagefolder.inspect_imagefolder`) and its classes."""
+    if config.dataset != "imagefolder":
+        return config
+    import dataclasses
+
+    from .imagefolder import DataFolderError, inspect_imagefolder
+
+    summary = inspect_imagefolder(Path(config.data_dir), config.check_images)
+    if config.num_classes is not None and config.num_classes != summary.num_classes:
+        raise DataFolderError(
+            f"{config.data_dir!r} holds {summary.num_classes} classes, the study was set up for "
+            f"{config.num_classes}"
+        )
+    log(
+        f"vitattn study: {config.data_dir}: {summary.num_classes} classes, {summary.counts['train']} "
+        f"training and {summary.counts['val']} validation images"
+    )
+    return dataclasses.replace(config, num_classes=summary.num_classes)
+
+
 def run_study(
     config: StudyConfig,
     out: str | Path | None = None,
@@ -183,12 +237,19 @@ def run_study(
 
     Raises:
         StudyConfigMismatch: ``out`` holds a study with another configuration.
-        DatasetMissingError: the dataset is not under ``config.data_dir``.
+        DatasetMissingError: the dataset is not under ``config.data_dir`` (an image folder that does
+            not have the ImageNet layout: its subclass ``DataFolderError``).
+        CheckpointMismatch: a checkpoint that does not fit the model.
     """
     env = init_distributed(config.device)
     if config.threads:
         torch.set_num_threads(int(config.threads))
     say: Callable[[str], None] = log if env.is_main else (lambda _: None)
+    try:
+        config = prepare_config(config, say)
+    except Exception:
+        shutdown_distributed(env)
+        raise
     out = Path(out) if out is not None else default_out_dir(config)
     try:
         if overwrite and env.is_main:

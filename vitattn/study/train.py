@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Sized
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -19,14 +19,27 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 
 from ..analysis import LocalityReport, locality_report
 from ..datasets.sized import dataset_length
+from ..models.layout import model_grid_size
+from .amp import AmpMode, autocast, grad_scaler, resolve_amp
 from .checkpoint import load_state, save_model, save_state
 from .config import StudyConfig
-from .datasets import load_datasets, probe_datasets
-from .distributed import DistEnv, all_reduce_sum, barrier
+from .data import RunData, probe_transform, run_data, subset
+from .datasets import probe_datasets
+from .distributed import DistEnv, all_reduce_max, all_reduce_sum, barrier
+from .memory import memory_kind, peak_memory_mb, reset_peak_memory
 from .model import build_model
-from .protocols import Protocol, build_criterion, build_cutmix, build_test_transform, build_train_transform
+from .optim import param_groups
+from .protocols import Protocol
 
-__all__ = ["RunResult", "RunSpec", "WarmupCosine", "dense_probe_record", "evaluate", "train_run"]
+__all__ = [
+    "Evaluation",
+    "RunResult",
+    "RunSpec",
+    "WarmupCosine",
+    "dense_probe_record",
+    "evaluate",
+    "train_run",
+]
 
 
 @dataclass(frozen=True)
@@ -56,6 +69,9 @@ class RunResult:
     checkpoint: Path
     world_size: int = 1
     probe: dict[str, Any] | None = None
+    grid_size: tuple[int, int] | None = None
+    amp: str = "none"
+    memory: str = "cpu_rss"  # what the history's peak_memory_mb measures (vitattn.study.memory)
 
 
 class WarmupCosine:
@@ -77,21 +93,6 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)  # noqa: NPY002 - seeds the global state for third-party code
     torch.manual_seed(seed)
-
-
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: weight matrices decay; biases, norms, position embedding and class token do not."""
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    for name, p in model.named_parameters():
-        matrix = p.ndim > 1 and "pos_embed" not in name and "token" not in name
-        (decay if matrix else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def _subset(dataset: Dataset, limit: int | None) -> Dataset:
-    n = dataset_length(dataset)
-    return dataset if limit is None or limit >= n else Subset(dataset, range(limit))
 
 
 def _loader(dataset: Dataset, config: StudyConfig, env: DistEnv, seed: int, epoch: int) -> DataLoader:
@@ -121,21 +122,47 @@ def _loader(dataset: Dataset, config: StudyConfig, env: DistEnv, seed: int, epoc
     )
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """Top-1 ``accuracy`` in [0, 1] over a test set, and how fast: ``images_per_s`` (all ranks together)."""
+
+    accuracy: float
+    images_per_s: float
+    seconds: float
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: Dataset, env: DistEnv, batch_size: int = 256) -> float:
-    """Top-1 accuracy in [0, 1] over the whole ``dataset`` (each rank takes every world_size-th image)."""
+def evaluate(
+    model: nn.Module,
+    dataset: Dataset,
+    env: DistEnv,
+    batch_size: int = 256,
+    amp: AmpMode = "none",
+    workers: int = 0,
+) -> Evaluation:
+    """Top-1 accuracy over the whole ``dataset`` (each rank takes every world_size-th image), in eval
+    mode under the run's autocast."""
+    t0 = time.perf_counter()
     shard = Subset(dataset, range(env.rank, dataset_length(dataset), env.world_size))
-    loader = DataLoader(shard, batch_size=batch_size, shuffle=False)
+    loader = DataLoader(
+        shard, batch_size=batch_size, shuffle=False, num_workers=workers, pin_memory=env.device.type == "cuda"
+    )
     correct, total = 0, 0
     was_training = model.training
     model.eval()
     for x, y in loader:
-        x, y = x.to(env.device), y.to(env.device)
-        correct += int((model(x).argmax(-1) == y).sum())
+        x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+        with autocast(env.device, amp):
+            logits = model(x)
+        correct += int((logits.argmax(-1) == y).sum())
         total += int(y.numel())
     model.train(was_training)
-    correct_all, total_all = all_reduce_sum(env, [correct, total])
-    return correct_all / max(total_all, 1)
+    seconds = time.perf_counter() - t0
+    correct_all, total_all, slowest = (
+        *all_reduce_sum(env, [correct, total]),
+        all_reduce_max(env, [seconds])[0],
+    )
+    return Evaluation(correct_all / max(total_all, 1), total_all / max(slowest, 1e-9), slowest)
 
 
 def _analysis_batches(
@@ -161,18 +188,15 @@ def dense_probe_record(model: nn.Module, config: StudyConfig, device: torch.devi
     "layer"}`` (mIoU and accuracy in [0, 1], ``layer`` the non-negative block index), or None when
     the dataset has no masks or ``config.probe`` is off.
     """
-    sets = probe_datasets(config.dataset) if config.probe else None
+    sets = probe_datasets(config.dataset, config.scenes_version) if config.probe else None
     if sets is None:
         return None
-    from torchvision.transforms import v2
-
     from ..probe import extract_dense_features, probe_features
 
     train, test = sets
-    train = _subset(train, config.probe_train_images)
-    test = _subset(test, config.limit_test)
-    spec = config.spec
-    normalize = v2.Normalize(list(spec.mean), list(spec.std))
+    train = subset(train, config.probe_train_images)
+    test = subset(test, config.limit_test)
+    normalize = probe_transform(config)
     features = {
         name: extract_dense_features(
             model,
@@ -209,29 +233,18 @@ def dense_probe_record(model: nn.Module, config: StudyConfig, device: torch.devi
 
 @dataclass
 class _Training:
-    """The state one run trains: model (and its DDP wrapper), optimizer, schedule, loss, history."""
+    """The state one run trains: model (its DDP / compiled wrapper), optimizer, schedule, loss scaler,
+    data, history."""
 
     model: nn.Module
     net: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    cutmix: Any
-    criterion: nn.Module
+    data: RunData
+    amp: AmpMode
+    scaler: torch.amp.GradScaler | None
     first_epoch: int
     history: list[dict[str, Any]]
-
-
-def _run_datasets(config: StudyConfig, spec: RunSpec) -> tuple[Dataset, Dataset]:
-    """The run's ``(train, test)`` sets: the protocol's train transform, the plain test one, limits."""
-    ds = config.spec
-    train_set, test_set = load_datasets(
-        config.dataset,
-        build_train_transform(spec.protocol, ds, hflip=bool(config.hflip)),
-        build_test_transform(ds),
-        config.data_dir,
-        config.download,
-    )
-    return _subset(train_set, config.limit_train), _subset(test_set, config.limit_test)
 
 
 def _setup_training(
@@ -239,25 +252,31 @@ def _setup_training(
     spec: RunSpec,
     folder: Path,
     env: DistEnv,
-    train_set: Dataset,
+    data: RunData,
     log: Callable[[str], object],
 ) -> _Training:
-    """Seeded model, AdamW, warmup-cosine schedule and loss; restored from ``folder`` when it holds
-    an unfinished run's state (the order of the seeded draws is part of the resume contract)."""
+    """Seeded model, AdamW (layer-wise lr decay if asked), warmup-cosine schedule, loss scaler;
+    restored from ``folder`` when it holds an unfinished run's state (the order of the seeded draws
+    is part of the resume contract)."""
     if config.global_batch_size % env.world_size:
         raise ValueError(
             f"batch_size {config.global_batch_size} is not divisible by the {env.world_size} ranks"
         )
+    per_rank = config.global_batch_size // env.world_size
+    if data.mix is not None and per_rank % 2 and config.dataset == "imagefolder":
+        raise ValueError(f"timm's Mixup needs an even batch on every rank, got {per_rank}")
     _seed_everything(spec.seed)  # same initial weights on every rank
-    model = build_model(config, spec.attention).to(env.device)
-    optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr)
-    steps_per_epoch = len(_loader(train_set, config, env, spec.seed, 0))
+    model = _build_on_rank(config, spec, env, log).to(env.device)
+    optimizer = torch.optim.AdamW(param_groups(model, config), lr=config.lr)
+    steps_per_epoch = len(_loader(data.train, config, env, spec.seed, 0))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         WarmupCosine(round(config.warmup_epochs * steps_per_epoch), config.epochs * steps_per_epoch),
     )
+    amp = resolve_amp(config.amp, env.device)
+    scaler = grad_scaler(env.device, amp)
     _seed_everything(spec.seed * 1000 + 7 + env.rank)  # augmentation streams differ per rank
-    state = load_state(folder, env, model, optimizer, scheduler)
+    state = load_state(folder, env, model, optimizer, scheduler, scaler)
     first_epoch = state["epoch"] if state else 0
     if state:
         log(f"  {spec.name}: resumed from epoch {first_epoch} (checkpoint in {folder})")
@@ -266,49 +285,103 @@ def _setup_training(
         net = DistributedDataParallel(
             model, device_ids=[env.device.index] if env.device.type == "cuda" else None
         )
+    if config.compile:
+        net = cast(nn.Module, torch.compile(net))
     return _Training(
         model=model,
         net=net,
         optimizer=optimizer,
         scheduler=scheduler,
-        cutmix=build_cutmix(spec.protocol, config.spec.num_classes, config.cutmix_alpha),
-        criterion=build_criterion(spec.protocol, config.label_smoothing),
+        data=data,
+        amp=amp,
+        scaler=scaler,
         first_epoch=first_epoch,
         history=list(state["history"]) if state else [],
     )
 
 
+def _build_on_rank(
+    config: StudyConfig, spec: RunSpec, env: DistEnv, log: Callable[[str], object]
+) -> nn.Module:
+    """:func:`build_model` on this rank; rank 0 first when timm downloads pretrained weights (the
+    others then read the Hub cache), and only rank 0 logs what loading a checkpoint did."""
+    say = log if env.is_main else (lambda _: None)
+    if config.pretrained and env.distributed and not env.is_main:
+        barrier(env)
+    model = build_model(
+        config, spec.attention, seed=spec.seed, log=lambda line: say(f"  {spec.name}: {line}")
+    )
+    if config.pretrained and env.distributed and env.is_main:
+        barrier(env)
+    return model
+
+
+def _step(tr: _Training, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One optimizer step on the batch ``(x, y)`` under the run's autocast (the fp16 loss scaled);
+    the loss, detached."""
+    with autocast(device, tr.amp):
+        loss = tr.data.criterion(tr.net(x), y)
+    tr.optimizer.zero_grad(set_to_none=True)
+    if tr.scaler is None:
+        loss.backward()
+        tr.optimizer.step()
+    else:  # DDP has all-reduced the gradients: every rank unscales and checks the same values
+        tr.scaler.scale(loss).backward()
+        tr.scaler.step(tr.optimizer)
+        tr.scaler.update()
+    tr.scheduler.step()
+    return loss.detach()
+
+
 def _train_epoch(
-    tr: _Training, train_set: Dataset, config: StudyConfig, spec: RunSpec, env: DistEnv, epoch: int
+    tr: _Training, config: StudyConfig, spec: RunSpec, env: DistEnv, epoch: int
 ) -> dict[str, Any]:
-    """One epoch over ``train_set``; the history entry ``{epoch, train_loss, lr, seconds}``."""
+    """One epoch over the training set, then the test set; the history entry ``{epoch, train_loss,
+    lr, seconds, train_images_per_s, test_acc, eval_images_per_s, peak_memory_mb}``."""
+    reset_peak_memory(env.device)
     t0 = time.perf_counter()
     tr.net.train()
-    loader = _loader(train_set, config, env, spec.seed, epoch)
+    loader = _loader(tr.data.train, config, env, spec.seed, epoch)
     loss_sum, count = 0.0, 0
     bar = _progress(
         len(loader), f"{spec.name} epoch {epoch + 1}/{config.epochs}", config.progress and env.is_main
     )
     for x, y in loader:
         x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-        if tr.cutmix is not None:
-            x, y = tr.cutmix(x, y)
-        loss = tr.criterion(tr.net(x), y)
-        tr.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        tr.optimizer.step()
-        tr.scheduler.step()
-        loss_sum += float(loss.detach()) * x.shape[0]
+        if tr.data.mix is not None:
+            x, y = tr.data.mix(x, y)
+        loss = float(_step(tr, x, y, env.device))
+        loss_sum += loss * x.shape[0]
         count += x.shape[0]
         bar.update(1)
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+        bar.set_postfix(loss=f"{loss:.3f}")
     bar.close()
+    seconds = time.perf_counter() - t0
     loss_all, count_all = all_reduce_sum(env, [loss_sum, count])
+    train_seconds = all_reduce_max(env, [seconds])[0]
+    ev = evaluate(tr.model, tr.data.test, env, amp=tr.amp, workers=config.workers)
+    peak = all_reduce_max(env, [peak_memory_mb(env.device)])[0]
     return dict(
         epoch=epoch + 1,
         train_loss=loss_all / max(count_all, 1),
-        lr=float(tr.scheduler.get_last_lr()[0]),
-        seconds=round(time.perf_counter() - t0, 2),
+        lr=float(max(tr.scheduler.get_last_lr())),  # the head's (layer decay scales the rest)
+        seconds=round(train_seconds, 2),
+        train_images_per_s=round(count_all / max(train_seconds, 1e-9), 1),
+        test_acc=ev.accuracy,
+        eval_seconds=round(ev.seconds, 2),
+        eval_images_per_s=round(ev.images_per_s, 1),
+        peak_memory_mb=round(peak, 1),
+    )
+
+
+def epoch_line(spec_name: str, entry: dict[str, Any], epochs: int, device: torch.device) -> str:
+    """The log line of a finished epoch: loss, time, throughput, test accuracy, peak memory."""
+    mem = "peak CUDA memory" if memory_kind(device) == "cuda_allocated" else "peak RSS"
+    return (
+        f"  {spec_name}: epoch {entry['epoch']}/{epochs}  train loss {entry['train_loss']:.4f}  "
+        f"({entry['seconds']:.1f} s, {entry['train_images_per_s']:.0f} img/s)  "
+        f"test acc {100 * entry['test_acc']:.1f} % ({entry['eval_images_per_s']:.0f} img/s)  "
+        f"{mem} {entry['peak_memory_mb']:.0f} MiB"
     )
 
 
@@ -323,48 +396,42 @@ def train_run(
 ) -> RunResult | None:
     """Train one run to ``config.epochs``, resuming from ``folder``'s state when it holds one.
 
-    Checkpoints the full training state after every epoch (see :mod:`.checkpoint`). Returns None
-    when ``stop_after_epochs`` stopped it early (an interruption on purpose, for tests); else the
-    test accuracy, the locality report of the first ``analysis_images`` test images, the dense
-    probe, the per-epoch history, and ``model.safetensors`` written in ``folder``.
+    Tests after every epoch and checkpoints the full training state (see :mod:`.checkpoint`).
+    Returns None when ``stop_after_epochs`` stopped it early (an interruption on purpose, for
+    tests); else the test accuracy, the locality report of the first ``analysis_images`` test
+    images, the dense probe, the per-epoch history, and ``model.safetensors`` written in ``folder``.
     """
     start = time.perf_counter()
-    train_set, test_set = _run_datasets(config, spec)
-    tr = _setup_training(config, spec, folder, env, train_set, log)
+    data = run_data(config, spec.protocol)
+    tr = _setup_training(config, spec, folder, env, data, log)
     for epoch in range(tr.first_epoch, config.epochs):
-        entry = _train_epoch(tr, train_set, config, spec, env, epoch)
+        entry = _train_epoch(tr, config, spec, env, epoch)
         tr.history.append(entry)
-        log(
-            f"  {spec.name}: epoch {epoch + 1}/{config.epochs}  train loss {entry['train_loss']:.4f}  "
-            f"({entry['seconds']:.1f} s)"
-        )
-        save_state(folder, env, epoch + 1, tr.model, tr.optimizer, tr.scheduler, tr.history)
+        log(epoch_line(spec.name, entry, config.epochs, env.device))
+        save_state(folder, env, epoch + 1, tr.model, tr.optimizer, tr.scheduler, tr.history, tr.scaler)
         if stop_after_epochs is not None and epoch + 1 >= stop_after_epochs and epoch + 1 < config.epochs:
             barrier(env)
             return None
-    return _finish_run(tr, config, spec, folder, env, test_set, time.perf_counter() - start)
+    return _finish_run(tr, config, spec, folder, env, time.perf_counter() - start)
 
 
 def _finish_run(
-    tr: _Training,
-    config: StudyConfig,
-    spec: RunSpec,
-    folder: Path,
-    env: DistEnv,
-    test_set: Dataset,
-    elapsed: float,
+    tr: _Training, config: StudyConfig, spec: RunSpec, folder: Path, env: DistEnv, elapsed: float
 ) -> RunResult:
-    """Test accuracy (every rank), then on rank 0 the locality report, the dense probe and the
+    """The last epoch's test accuracy, then on rank 0 the locality report, the dense probe and the
     weights; the :class:`RunResult` (``report`` and ``probe`` None on other ranks)."""
     t0 = time.perf_counter()
-    test_acc = evaluate(tr.model, test_set, env)
+    test_acc = (
+        float(tr.history[-1]["test_acc"]) if tr.history else evaluate(tr.model, tr.data.test, env).accuracy
+    )
     report, probe = None, None
     if env.is_main:
-        batches = _analysis_batches(test_set, config.analysis_images)
-        report = locality_report(tr.model, batches, progress=False, name=spec.name)
+        batches = _analysis_batches(tr.data.test, config.analysis_images)
+        report = locality_report(tr.model, batches, progress=False, name=spec.name)  # float32
         probe = dense_probe_record(tr.model, config, env.device)
         save_model(tr.model, folder / "model.safetensors")
     barrier(env)
+    grid = model_grid_size(tr.model)
     return RunResult(
         spec=spec,
         test_acc=test_acc,
@@ -375,4 +442,7 @@ def _finish_run(
         checkpoint=folder / "model.safetensors",
         world_size=env.world_size,
         probe=probe,
+        grid_size=grid,
+        amp=tr.amp,
+        memory=memory_kind(env.device),
     )

@@ -1,0 +1,206 @@
+"""`vitattn study` with any timm backbone: building it, starting from a checkpoint or timm's
+pretrained weights, patching after loading (LocAt's identity start keeps the function), the errors
+of a checkpoint that does not fit, layer-wise lr decay against the formula, drop path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+
+from vitattn.layers import EntmaxAttention, LocAtAttention
+from vitattn.study import make_config
+from vitattn.study.backbone import CheckpointMismatch, classifier_keys
+from vitattn.study.model import build_model
+from vitattn.study.optim import param_groups
+
+# a timm ViT small enough for tests: 32 px, 4-px patches (the 8x8 grid), 2 blocks of width 32
+TIMM = "vit_tiny_patch16_224"
+TIMM_ARGS = {"patch_size": 4, "embed_dim": 32, "depth": 2, "num_heads": 2}
+
+
+def timm_config(**kw):
+    return make_config("quick", model=TIMM, model_args=dict(TIMM_ARGS), img_size=32, **kw)
+
+
+def save(model: torch.nn.Module, path: Path) -> Path:
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    return path
+
+
+def study_vit_checkpoint(tmp_path: Path, **kw) -> Path:
+    torch.manual_seed(1)
+    return save(
+        build_model(make_config("quick", attentions=["softmax"], **kw), "softmax"), tmp_path / "s.safetensors"
+    )
+
+
+def test_timm_backbone_is_patched_as_asked():
+    x = torch.randn(2, 3, 32, 32)
+    softmax = build_model(timm_config(), "softmax")
+    assert type(softmax.blocks[0].attn).__module__.startswith("timm")  # the backbone's own attention
+    assert softmax(x).shape == (2, 10) and tuple(softmax.patch_embed.grid_size) == (8, 8)
+    assert isinstance(build_model(timm_config(), "entmax15").blocks[1].attn, EntmaxAttention)
+    locat = build_model(timm_config(), "locat")
+    assert isinstance(locat.blocks[0].attn, LocAtAttention) and locat(x).shape == (2, 10)
+    prr = build_model(timm_config(prr=True), "softmax")
+    assert type(prr.attn_pool).__name__ == "PRRPool"
+    assert type(prr.blocks[0].attn).__module__.startswith("timm")
+    cfg = timm_config()
+    assert cfg.model_depth == 2 and cfg.first_layers == 1 and cfg.gaug_init == "paper"
+
+
+def test_unknown_model_and_start_options_are_refused():
+    with pytest.raises(ValueError, match="unknown model 'vit_nonexistent'"):
+        make_config(model="vit_nonexistent")
+    with pytest.raises(ValueError, match="--pretrained or --checkpoint, not both"):
+        timm_config(pretrained=True, checkpoint="x.safetensors")
+    with pytest.raises(ValueError, match="--pretrained needs --model"):
+        make_config(pretrained=True)
+    with pytest.raises(ValueError, match="layer_decay"):
+        make_config(layer_decay=1.5)
+    with pytest.raises(ValueError, match="gaug_init"):
+        make_config(gaug_init="zeros")
+
+
+def test_locat_identity_start_from_a_checkpoint_keeps_the_function(tmp_path):
+    path = study_vit_checkpoint(tmp_path)
+    config = make_config("quick", checkpoint=str(path))
+    assert config.gaug_init == "identity" and config.from_weights
+    softmax = build_model(config, "softmax").eval()
+    locat = build_model(config, "locat").eval()
+    paper = build_model(make_config("quick", checkpoint=str(path), gaug_init="paper"), "locat").eval()
+    assert isinstance(locat.blocks[0].attn, LocAtAttention)
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        want, got, far = softmax(x), locat(x), paper(x)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=0)  # the identity start: α tiny
+    assert (far - want).abs().max() > 10 * (got - want).abs().max()  # the paper's start moves it
+    for key, value in softmax.state_dict().items():
+        torch.testing.assert_close(locat.state_dict()[key], value, rtol=0, atol=0)
+
+
+def test_a_patched_checkpoint_loads_its_gaug_heads_too(tmp_path):
+    torch.manual_seed(3)
+    finished = build_model(make_config("quick", checkpoint=str(study_vit_checkpoint(tmp_path))), "locat")
+    with torch.no_grad():
+        finished.blocks[0].attn.gaug.log_alpha.bias.fill_(0.123)
+    path = save(finished, tmp_path / "locat.safetensors")
+    again = build_model(make_config("quick", checkpoint=str(path)), "locat")
+    assert again.blocks[0].attn.gaug.log_alpha.bias.item() == pytest.approx(0.123)
+
+
+def test_head_of_another_size_is_reinitialised_with_a_note(tmp_path):
+    torch.manual_seed(0)
+    ten = build_model(timm_config(), "softmax")
+    path = save(ten, tmp_path / "ten.safetensors")
+    notes: list[str] = []
+    same = build_model(timm_config(checkpoint=str(path)), "softmax", log=notes.append)
+    assert same.head.weight.shape == (10, 32) and not notes  # same size: loaded as it is
+    torch.testing.assert_close(same.head.weight, ten.head.weight)
+    state = ten.state_dict()
+    state["head.weight"], state["head.bias"] = torch.zeros(7, 32), torch.zeros(7)
+    save_file(state, str(tmp_path / "seven.safetensors"))
+    config = timm_config(checkpoint=str(tmp_path / "seven.safetensors"))
+    model = build_model(config, "softmax", log=notes.append)
+    assert len(notes) == 1 and "head re-initialised" in notes[0] and "(7, 32) -> (10, 32)" in notes[0]
+    assert model.head.weight.abs().sum() > 0  # fresh, not the checkpoint's zeros
+    torch.testing.assert_close(model.blocks[1].mlp.fc2.weight, ten.blocks[1].mlp.fc2.weight)
+    assert classifier_keys(model) == ["head.weight", "head.bias"]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda sd: sd.pop("blocks.1.norm1.weight"), r"1 missing key\(s\) \['blocks.1.norm1.weight'\]"),
+        (lambda sd: sd.__setitem__("blocks.9.attn.qkv.weight", torch.zeros(1)), r"1 unexpected key\(s\)"),
+        (lambda sd: sd.__setitem__("pos_embed", torch.zeros(1, 5, 32)), r"first 'pos_embed': \(1, 5, 32\)"),
+    ],
+)  # fmt: skip
+def test_a_checkpoint_that_does_not_fit_names_the_first_keys(tmp_path, edit, message, capsys):
+    torch.manual_seed(0)
+    state = build_model(timm_config(), "softmax").state_dict()
+    edit(state)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(CheckpointMismatch, match=message):
+        build_model(timm_config(checkpoint=str(tmp_path / "bad.safetensors")), "locat")
+    from vitattn.cli import main
+
+    args = ["study", "--model", TIMM, "--img-size", "32", "--epochs", "1", "--no-probe", "--no-progress"]
+    args += [f"--model-arg={k}={v}" for k, v in TIMM_ARGS.items()]
+    args += ["--checkpoint", str(tmp_path / "bad.safetensors"), "--out", str(tmp_path / "o")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vitattn study: checkpoint") and "bad.safetensors" in err
+
+
+def test_checkpoint_formats_and_the_seed_placeholder(tmp_path):
+    torch.manual_seed(0)
+    model = build_model(timm_config(), "softmax")
+    torch.save({"state_dict": model.state_dict()}, tmp_path / "w-s4.pt")  # weights-only torch file
+    config = timm_config(checkpoint=str(tmp_path / "w-s{seed}.pt"))
+    loaded = build_model(config, "softmax", seed=4)
+    torch.testing.assert_close(
+        loaded.state_dict()["blocks.0.attn.qkv.weight"], model.blocks[0].attn.qkv.weight
+    )
+    with pytest.raises(FileNotFoundError, match="w-s5.pt"):
+        build_model(config, "softmax", seed=5)
+    torch.save({"model": model.state_dict(), "extra": Path("x")}, tmp_path / "pickle.pt")  # not weights-only
+    with pytest.raises(CheckpointMismatch, match="weights_only"):
+        build_model(timm_config(checkpoint=str(tmp_path / "pickle.pt")), "softmax")
+
+
+def test_pretrained_goes_through_timms_loader(tmp_path):
+    """--pretrained from a local file (``pretrained_cfg_overlay``), as timm reads the Hub cache."""
+    torch.manual_seed(0)
+    source = timm.create_model(TIMM, num_classes=1000, **TIMM_ARGS, img_size=32)
+    path = save(source, tmp_path / "pretrained.safetensors")
+    args = dict(TIMM_ARGS, pretrained_cfg_overlay={"file": str(path)})
+    config = make_config("quick", model=TIMM, model_args=args, img_size=32, pretrained=True)
+    model = build_model(config, "locat")
+    assert config.gaug_init == "identity" and model.head.weight.shape == (10, 32)  # a new head
+    torch.testing.assert_close(model.blocks[1].attn.qkv.weight, source.blocks[1].attn.qkv.weight)
+    assert isinstance(model.blocks[1].attn, LocAtAttention)
+
+
+def test_layer_decay_groups_follow_the_formula():
+    model = build_model(timm_config(layer_decay=0.5, lr=1e-3, weight_decay=0.05), "locat")
+    groups = param_groups(model, timm_config(layer_decay=0.5, lr=1e-3, weight_decay=0.05))
+    lr_of = {id(p): (g["lr"], g["weight_decay"]) for g in groups for p in g["params"]}
+    depth = 2  # timm's layer ids: embeddings 0, block i -> i + 1 (final norm: the last's), head depth + 1
+    for name, p in model.named_parameters():
+        if name.startswith("blocks."):
+            layer = int(name.split(".")[1]) + 1
+        elif name.startswith("norm."):
+            layer = depth
+        elif name.startswith("head."):
+            layer = depth + 1
+        else:
+            layer = 0
+        lr, wd = lr_of[id(p)]
+        assert lr == pytest.approx(1e-3 * 0.5 ** (depth + 1 - layer)), name
+        no_decay = p.ndim <= 1 or name in ("pos_embed", "cls_token")
+        assert wd == (0.0 if no_decay else 0.05), name
+    assert any(".gaug." in n for n, _ in model.named_parameters())  # LocAt's heads are grouped too
+    plain = param_groups(model, timm_config())
+    assert [len(g["params"]) for g in plain] == [
+        sum(
+            1 for n, p in model.named_parameters() if p.ndim > 1 and "pos_embed" not in n and "token" not in n
+        ),
+        sum(
+            1
+            for n, p in model.named_parameters()
+            if not (p.ndim > 1 and "pos_embed" not in n and "token" not in n)
+        ),
+    ]
+
+
+def test_drop_path_reaches_the_blocks():
+    study = build_model(make_config("quick", drop_path=0.2, depth=3), "softmax")
+    assert isinstance(study.blocks[0].drop_path1, torch.nn.Identity)  # timm's rule: 0 for the first block
+    assert study.blocks[-1].drop_path1.drop_prob == pytest.approx(0.2)
+    timm_model = build_model(timm_config(drop_path=0.1), "entmax15")
+    assert timm_model.blocks[-1].drop_path1.drop_prob == pytest.approx(0.1)
