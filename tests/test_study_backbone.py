@@ -204,3 +204,25 @@ def test_drop_path_reaches_the_blocks():
     assert study.blocks[-1].drop_path1.drop_prob == pytest.approx(0.2)
     timm_model = build_model(timm_config(drop_path=0.1), "entmax15")
     assert timm_model.blocks[-1].drop_path1.drop_prob == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("layer_decay", [None, 0.5])
+def test_gaug_lr_scale_multiplies_only_the_gaug_heads(layer_decay):
+    config = timm_config(layer_decay=layer_decay, lr=1e-3, weight_decay=0.05)
+    model = build_model(config, "locat")
+    base = {
+        id(p): (g.get("lr", 1e-3), g["weight_decay"])
+        for g in param_groups(model, config)
+        for p in g["params"]
+    }
+    scaled_config = timm_config(layer_decay=layer_decay, lr=1e-3, weight_decay=0.05, gaug_lr_scale=100.0)
+    scaled = param_groups(model, scaled_config)
+    got = {id(p): (g["lr"], g["weight_decay"]) for g in scaled for p in g["params"]}
+    assert sorted(got) == sorted(base)  # every parameter once
+    names = dict(model.named_parameters())
+    assert any(".gaug." in n for n in names)
+    for name, p in names.items():
+        lr, wd = base[id(p)]
+        assert got[id(p)] == (pytest.approx(lr * (100.0 if ".gaug." in name else 1.0)), wd), name
+    with pytest.raises(ValueError, match="gaug_lr_scale"):
+        timm_config(gaug_lr_scale=0.0)

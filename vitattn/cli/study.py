@@ -109,6 +109,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="layer-wise lr decay for fine-tuning (timm's param_groups_layer_decay, e.g. 0.65)",
     )
     b.add_argument(
+        "--gaug-lr-scale",
+        type=float,
+        metavar="F",
+        help="learning rate of LocAt's GAug heads times F (default 1; with --gaug-init identity, whose "
+        "alpha starts at 1e-5, AdamW moves log-alpha by about lr per step: e.g. 100 lets it grow within "
+        "a short fine-tuning)",
+    )
+    b.add_argument(
         "--init",
         choices=INIT_SCHEMES,
         help="initialisation of the study's ViT: timm or mimetic (attention; default: the preset's)",
@@ -300,6 +308,7 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         img_size=args.img_size,
         drop_path=args.drop_path,
         layer_decay=args.layer_decay,
+        gaug_lr_scale=args.gaug_lr_scale,
         init=args.init,
         amp=args.amp,
         auto_augment=args.auto_augment,

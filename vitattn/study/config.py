@@ -72,6 +72,7 @@ class StudyConfig:
     num_classes: int | None = None  # None: the dataset's (imagefolder: its class folders, found at the start)
     drop_path: float = 0.0
     layer_decay: float | None = None  # layer-wise lr decay (timm's param_groups_layer_decay)
+    gaug_lr_scale: float = 1.0  # learning rate of LocAt's GAug heads (parameters under ".gaug.") x this
     amp: str | None = None  # bf16 / fp16 / none; None: bf16 on CUDA, none on the CPU
     protocols: list[str] = field(default_factory=lambda: ["baseline", "modern"])
     attentions: list[str] = field(default_factory=lambda: ["softmax"])
@@ -199,6 +200,8 @@ class StudyConfig:
             raise ValueError(f"drop_path must be in [0, 1), got {self.drop_path}")
         if self.layer_decay is not None and not 0.0 < self.layer_decay <= 1.0:
             raise ValueError(f"layer_decay must be in (0, 1], got {self.layer_decay}")
+        if not self.gaug_lr_scale > 0.0:
+            raise ValueError(f"gaug_lr_scale must be > 0, got {self.gaug_lr_scale}")
         if self.mixup_alpha < 0 or self.cutmix_alpha < 0:
             raise ValueError("mixup_alpha and cutmix_alpha must be >= 0")
         if self.model is not None and self._model_depth is None:

@@ -1,0 +1,53 @@
+"""Print docs/finetune.md's table from the studies written by commands.sh (mean ± std over seeds).
+
+Usage: python docs/study_results/finetune/table.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+from vitattn.study import load_results
+
+ARMS = [
+    ("softmax", "softmax"),
+    ("locat", "LocAt (identity start)"),
+    ("entmax15", "entmax-1.5"),
+    ("locat-prr", "LocAt + PRR (identity start)"),
+]
+
+
+def cell(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
+    vals = [v * scale for v in values]
+    sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+    return f"{statistics.mean(vals):.{digits}f} ± {sd:.{digits}f}"
+
+
+def main(out: Path) -> None:
+    pre = load_results(out / "pretrain")["runs"][0]
+    print(
+        f"pretrained softmax (seed 0, {pre['epochs']} epochs): test acc {100 * pre['test_acc']:.1f} %, "
+        f"linear mIoU {100 * pre['probe']['linear_miou']:.1f} %, k-NN mIoU {100 * pre['probe']['knn_miou']:.1f} %, "
+        f"min MAD {pre['min_mad_first']:.3f}, patch–CLS cos {pre['probe']['alignment']:.3f}\n"
+    )
+    print(
+        "| fine-tuned with | seeds | test acc % | linear mIoU % | k-NN mIoU % | min MAD (block 0) "
+        "| patch–CLS cos | sparsity |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for folder, label in ARMS:
+        runs = load_results(out / folder)["runs"]
+        probes = [r["probe"] for r in runs]
+        print(
+            f"| {label} | {len(runs)} | {cell([r['test_acc'] for r in runs], 100)} "
+            f"| {cell([p['linear_miou'] for p in probes], 100)} | {cell([p['knn_miou'] for p in probes], 100)} "
+            f"| {cell([r['min_mad_first'] for r in runs], digits=3)} "
+            f"| {cell([p['alignment'] for p in probes], digits=3)} "
+            f"| {cell([r['mean_sparsity'] for r in runs], digits=2)} |"
+        )
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "runs/finetune"))
