@@ -9,6 +9,9 @@ import statistics
 import sys
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
+
 from vitattn.study import load_results
 
 ARMS = [
@@ -16,6 +19,9 @@ ARMS = [
     ("locat", "LocAt (identity start)"),
     ("entmax15", "entmax-1.5"),
     ("locat-prr", "LocAt + PRR (identity start)"),
+    ("locat-lr100", "LocAt (identity start, GAug lr ×100)"),
+    ("locat-prr-lr100", "LocAt + PRR (identity start, GAug lr ×100)"),
+    ("locat-paper", "LocAt (paper start)"),
 ]
 
 
@@ -23,6 +29,25 @@ def cell(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
     vals = [v * scale for v in values]
     sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
     return f"{statistics.mean(vals):.{digits}f} ± {sd:.{digits}f}"
+
+
+def alpha_at_bias(out: Path, folder: str, runs: list[dict]) -> str:
+    """softplus of GAug's log_alpha bias per block after fine-tuning (the alpha of a query whose
+    log_alpha weight term is 0), mean over the seeds; '·' for runs without GAug."""
+    per_block: dict[str, list[float]] = {}
+    for run in runs:
+        path = out / folder / run["checkpoint"]
+        if not path.exists():
+            return "– (no checkpoints)"
+        state = load_file(str(path))
+        for key, value in state.items():
+            if key.endswith("gaug.log_alpha.bias"):
+                per_block.setdefault(key.split(".attn")[0], []).append(
+                    float(torch.nn.functional.softplus(value))
+                )
+    if not per_block:
+        return "·"
+    return " ".join(f"{statistics.mean(v):.2g}" for _, v in sorted(per_block.items()))
 
 
 def main(out: Path) -> None:
@@ -34,10 +59,12 @@ def main(out: Path) -> None:
     )
     print(
         "| fine-tuned with | seeds | test acc % | linear mIoU % | k-NN mIoU % | min MAD (block 0) "
-        "| patch–CLS cos | sparsity |"
+        "| patch–CLS cos | sparsity | α at the bias, per block |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for folder, label in ARMS:
+        if not (out / folder / "results.json").exists() or not load_results(out / folder)["runs"]:
+            continue
         runs = load_results(out / folder)["runs"]
         probes = [r["probe"] for r in runs]
         print(
@@ -45,7 +72,8 @@ def main(out: Path) -> None:
             f"| {cell([p['linear_miou'] for p in probes], 100)} | {cell([p['knn_miou'] for p in probes], 100)} "
             f"| {cell([r['min_mad_first'] for r in runs], digits=3)} "
             f"| {cell([p['alignment'] for p in probes], digits=3)} "
-            f"| {cell([r['mean_sparsity'] for r in runs], digits=2)} |"
+            f"| {cell([r['mean_sparsity'] for r in runs], digits=2)} "
+            f"| {alpha_at_bias(out, folder, runs)} |"
         )
 
 
