@@ -61,6 +61,7 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.
     return out, _dry_run(out)
 
 
+@pytest.mark.slow  # the whole device check run dry in a subprocess (~40 s)
 def test_dry_run_writes_one_json_per_step_within_the_file_limit(dry_run):
     out, res = dry_run
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
@@ -82,6 +83,7 @@ def _bench_cases(out: Path):
         yield from data["cases"]
 
 
+@pytest.mark.slow  # the whole device check run dry in a subprocess (~40 s)
 def test_dry_run_bench_json_has_every_family_and_the_reasons_for_what_it_skipped(dry_run):
     out, _ = dry_run
     for c in _bench_cases(out):
@@ -118,6 +120,7 @@ def test_dry_run_bench_json_has_every_family_and_the_reasons_for_what_it_skipped
             assert skipped[("fwd+bwd", "gaussian flex")].startswith("needs CUDA")
 
 
+@pytest.mark.slow  # the whole device check run dry in a subprocess (~40 s)
 def test_dry_run_memcheck_and_summary(dry_run):
     out, _ = dry_run
     mem = json.loads((out / "memcheck.json").read_text())

@@ -390,6 +390,7 @@ def test_missing_dataset_says_what_to_put_where(tmp_path: Path, capsys, dataset:
 # --- torchrun ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # two torchrun processes (~15 s)
 def test_torchrun_two_cpu_ranks(tmp_path: Path) -> None:
     out = tmp_path / "ddp"
     env = dict(os.environ, OMP_NUM_THREADS="1")
