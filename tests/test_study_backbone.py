@@ -226,3 +226,31 @@ def test_gaug_lr_scale_multiplies_only_the_gaug_heads(layer_decay):
         assert got[id(p)] == (pytest.approx(lr * (100.0 if ".gaug." in name else 1.0)), wd), name
     with pytest.raises(ValueError, match="gaug_lr_scale"):
         timm_config(gaug_lr_scale=0.0)
+
+
+def test_window_and_adaptive_from_a_checkpoint_keep_its_weights(tmp_path):
+    """`--checkpoint` with `--attention window` / `adaptive`: the study ViT's weights load, then the
+    attention is swapped (a 5x5 neighbourhood; one learnable alpha per head from 1.5)."""
+    from vitattn.layers import NeighborhoodAttention
+    from vitattn.layers.adaptive import AdaptiveAlpha
+    from vitattn.study.model import STUDY_WINDOW
+
+    path = study_vit_checkpoint(tmp_path)
+    config = make_config("quick", checkpoint=str(path))
+    softmax = build_model(config, "softmax").eval()
+    window = build_model(config, "window").eval()
+    adaptive = build_model(config, "adaptive").eval()
+    assert all(isinstance(b.attn, NeighborhoodAttention) for b in window.blocks)
+    assert window.blocks[0].attn.window == (STUDY_WINDOW, STUDY_WINDOW)
+    alphas = [m for m in adaptive.modules() if isinstance(m, AdaptiveAlpha)]
+    assert len(alphas) == len(adaptive.blocks)
+    for alpha in alphas:
+        torch.testing.assert_close(alpha().detach(), torch.full_like(alpha().detach(), 1.5))
+    for model in (window, adaptive):
+        own = model.state_dict()
+        for key, value in softmax.state_dict().items():
+            torch.testing.assert_close(own[key], value, rtol=0, atol=0)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert not torch.allclose(window(x), softmax(x))  # the window changes what block 0 sees
+        assert adaptive(x).shape == (2, 10)
