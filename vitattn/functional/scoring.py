@@ -69,6 +69,16 @@ def check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
         raise ValueError(f"q and k must share the head dim D, got q {shape_str(q)} and k {shape_str(k)}")
 
 
+def _check_token_layout(layout: WindowMask | GaussianBias, q: torch.Tensor, k: torch.Tensor) -> None:
+    """``q`` and ``k`` have the ``N = prefix + rows x columns`` tokens a described mask or bias covers."""
+    n, (rows, cols) = layout.num_tokens, layout.grid_size
+    if q.shape[2] != n or k.shape[2] != n:
+        raise ValueError(
+            f"{type(layout).__name__} describes N = {layout.num_prefix_tokens} prefix + {rows}x{cols} "
+            f"patches = {n} tokens, but q is {shape_str(q)} and k is {shape_str(k)}"
+        )
+
+
 def check_mask_and_bias(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -78,12 +88,7 @@ def check_mask_and_bias(
     """``mask`` and ``bias`` fit the ``(B, H, Nq, Nk)`` scores of ``q`` and ``k`` (errors name the shapes)."""
     target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     if isinstance(mask, WindowMask):
-        n = mask.num_tokens
-        if q.shape[2] != n or k.shape[2] != n:
-            raise ValueError(
-                f"WindowMask describes N = {mask.num_prefix_tokens} prefix + {mask.grid_size[0]}x"
-                f"{mask.grid_size[1]} patches = {n} tokens, but q is {shape_str(q)} and k is {shape_str(k)}"
-            )
+        _check_token_layout(mask, q, k)
     elif mask is not None:
         if not isinstance(mask, torch.Tensor):
             raise TypeError(f"mask must be a tensor or None, got {type(mask).__name__}")
@@ -93,12 +98,7 @@ def check_mask_and_bias(
             )
         check_broadcastable("mask", mask, target, "(B, H, Nq, Nk)")
     if isinstance(bias, GaussianBias):
-        n = bias.num_tokens
-        if q.shape[2] != n or k.shape[2] != n:
-            raise ValueError(
-                f"GaussianBias describes N = {bias.num_prefix_tokens} prefix + {bias.grid_size[0]}x"
-                f"{bias.grid_size[1]} patches = {n} tokens, but q is {shape_str(q)} and k is {shape_str(k)}"
-            )
+        _check_token_layout(bias, q, k)
         check_broadcastable(
             "bias.sigma", bias.sigma[..., :1, :1], (q.shape[0], q.shape[1], 1, 1), "(B, H, ., .)"
         )
