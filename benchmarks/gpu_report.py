@@ -267,8 +267,14 @@ def _errors(row: dict[str, Any]) -> str:
 
 
 def speed_goal(
-    rows: dict[tuple[str, str, str], dict[str, Any]], name: str, text: str, case: str, ours: str, peer: str,
-    ok: Any, describe: Any,
+    rows: dict[tuple[str, str, str], dict[str, Any]],
+    name: str,
+    text: str,
+    case: str,
+    ours: str,
+    peer: str,
+    ok: Any,
+    describe: Any,
 ) -> dict[str, Any]:
     """A goal comparing the fwd+bwd rows ``ours`` and ``peer`` of ``case``: ``ok(ours_ms, peer_ms)`` when
     both pass their gates; fail when ours is wrong; unknown when a row is missing, unchecked, or the
@@ -294,30 +300,58 @@ def goals(out: Path) -> list[dict[str, Any]]:
     ref = str(ref)
     result = []
     for case in GOAL_CASES:
-        result.append(speed_goal(
-            rows, f"gaussian_vs_flash_{case}",
-            f"Gaussian softmax fwd+bwd >= {FLASH_FRACTION}x unbiased {ref} throughput, {case}", case,
-            "gaussian vitattn", ref, lambda a, b: b / a >= FLASH_FRACTION,
-            lambda a, b: f"throughput {b / a:.2f}x {ref} (ms: vitattn {a:.3f}, {ref} {b:.3f})",
-        ))
-        for peer, label in (("gaussian dense_sdpa", "the same bias materialized + SDPA"),
-                            ("gaussian flex", "FlexAttention")):
-            result.append(speed_goal(
-                rows, f"gaussian_vs_{peer.split()[1]}_{case}",
-                f"Gaussian softmax fwd+bwd ahead of {label}, {case}", case, "gaussian vitattn", peer,
-                lambda a, b: a < b, lambda a, b, p=peer: f"ms: vitattn {a:.3f}, {p} {b:.3f} ({b / a:.2f}x)",
-            ))
-        result.append(speed_goal(
-            rows, f"entmax_vs_flash_{case}", f"entmax-1.5 fwd+bwd within {ENTMAX_VS_FLASH}x of {ref}, {case}",
-            case, "entmax15 vitattn", ref, lambda a, b: a <= ENTMAX_VS_FLASH * b,
-            lambda a, b: f"{a / b:.2f}x the ms of {ref}",
-        ))
-        result.append(speed_goal(
-            rows, f"entmax_vs_adasplash_{case}",
-            f"entmax-1.5 fwd+bwd >= {ENTMAX_VS_ADASPLASH}x AdaSplash's throughput, {case}", case,
-            "entmax15 vitattn", "entmax15 adasplash", lambda a, b: b / a >= ENTMAX_VS_ADASPLASH,
-            lambda a, b: f"{b / a:.2f}x (ms: vitattn {a:.3f}, adasplash {b:.3f})",
-        ))
+        result.append(
+            speed_goal(
+                rows,
+                f"gaussian_vs_flash_{case}",
+                f"Gaussian softmax fwd+bwd >= {FLASH_FRACTION}x unbiased {ref} throughput, {case}",
+                case,
+                "gaussian vitattn",
+                ref,
+                lambda a, b: b / a >= FLASH_FRACTION,
+                lambda a, b: f"throughput {b / a:.2f}x {ref} (ms: vitattn {a:.3f}, {ref} {b:.3f})",
+            )
+        )
+        for peer, label in (
+            ("gaussian dense_sdpa", "the same bias materialized + SDPA"),
+            ("gaussian flex", "FlexAttention"),
+        ):
+            result.append(
+                speed_goal(
+                    rows,
+                    f"gaussian_vs_{peer.split()[1]}_{case}",
+                    f"Gaussian softmax fwd+bwd ahead of {label}, {case}",
+                    case,
+                    "gaussian vitattn",
+                    peer,
+                    lambda a, b: a < b,
+                    lambda a, b, p=peer: f"ms: vitattn {a:.3f}, {p} {b:.3f} ({b / a:.2f}x)",
+                )
+            )
+        result.append(
+            speed_goal(
+                rows,
+                f"entmax_vs_flash_{case}",
+                f"entmax-1.5 fwd+bwd within {ENTMAX_VS_FLASH}x of {ref}, {case}",
+                case,
+                "entmax15 vitattn",
+                ref,
+                lambda a, b: a <= ENTMAX_VS_FLASH * b,
+                lambda a, b: f"{a / b:.2f}x the ms of {ref}",
+            )
+        )
+        result.append(
+            speed_goal(
+                rows,
+                f"entmax_vs_adasplash_{case}",
+                f"entmax-1.5 fwd+bwd >= {ENTMAX_VS_ADASPLASH}x AdaSplash's throughput, {case}",
+                case,
+                "entmax15 vitattn",
+                "entmax15 adasplash",
+                lambda a, b: b / a >= ENTMAX_VS_ADASPLASH,
+                lambda a, b: f"{b / a:.2f}x (ms: vitattn {a:.3f}, adasplash {b:.3f})",
+            )
+        )
     ratios, missing = {}, []
     for (case, mode, impl), row in rows.items():
         if case != "n4096" or not impl.endswith("vitattn"):
@@ -373,8 +407,14 @@ def checks(out: Path) -> list[dict[str, Any]]:
         ok: bool | None = False
     else:
         ok = True if status == "ok" and warm.get("jobs") else None
-    result.append(_goal("warm_compiles", "every kernel the run launches compiles (warm step)", ok,
-                        f"{counts}, {len(errors)} compile errors {errors[:3]}, step {status}"))
+    result.append(
+        _goal(
+            "warm_compiles",
+            "every kernel the run launches compiles (warm step)",
+            ok,
+            f"{counts}, {len(errors)} compile errors {errors[:3]}, step {status}",
+        )
+    )
 
     tests = _read(out / "tests.json")
     counts = tests.get("pytest", {}).get("counts", {})

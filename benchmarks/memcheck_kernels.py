@@ -96,11 +96,18 @@ def main(argv: list[str] | None = None) -> int:
             failed += 1
         entry["seconds"] = round(time.time() - t0, 2)
         done.append(entry)
-        print(f"{'ok' if entry['ok'] else 'FAIL'} {normalizer:<9} {kind:<13} d={d:<4} {entry['seconds']}s "
-              f"{entry.get('error', '')}", flush=True)
+        print(
+            f"{'ok' if entry['ok'] else 'FAIL'} {normalizer:<9} {kind:<13} d={d:<4} {entry['seconds']}s "
+            f"{entry.get('error', '')}",
+            flush=True,
+        )
         if args.out:
-            payload = {"cases": done, "device": dev, "dtype": str(dt).removeprefix("torch."),
-                       "seconds": round(time.time() - start, 1)}
+            payload = {
+                "cases": done,
+                "device": dev,
+                "dtype": str(dt).removeprefix("torch."),
+                "seconds": round(time.time() - start, 1),
+            }
             Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
     print(f"memcheck_kernels: {len(done)} cases, {failed} failed, {time.time() - start:.0f}s")
     return 1 if failed else 0

@@ -40,14 +40,22 @@ def jobs(dry: bool) -> list[dict[str, Any]]:
         sys.path.insert(0, str(ROOT))
         from tests.test_kernels_gpu import warm_calls
 
-        out += [{"name": name, "kind": "tests", "args": [i], "env": env}
-                for i, (name, env, _call) in enumerate(warm_calls())]
+        out += [
+            {"name": name, "kind": "tests", "args": [i], "env": env}
+            for i, (name, env, _call) in enumerate(warm_calls())
+        ]
     from memcheck_kernels import CASES, DRY_CASES
 
     first = {"VITATTN_TRITON_TILES": "first"}
     for case in DRY_CASES if dry else CASES:
-        out.append({"name": "memcheck " + " ".join(map(str, case)), "kind": "memcheck", "args": list(case),
-                    "env": first})
+        out.append(
+            {
+                "name": "memcheck " + " ".join(map(str, case)),
+                "kind": "memcheck",
+                "args": list(case),
+                "env": first,
+            }
+        )
     for spec in warm_specs():
         out.append({"name": "bench " + " ".join(spec), "kind": "bench", "args": [*spec, dry], "env": {}})
     return out
@@ -118,10 +126,15 @@ def main(argv: list[str] | None = None) -> int:
         for r in records:
             counts[r["status"]] = counts.get(r["status"], 0) + 1
         payload = {
-            "dry_run": args.dry_run, "workers": workers, "jobs_total": len(todo), "counts": counts,
+            "dry_run": args.dry_run,
+            "workers": workers,
+            "jobs_total": len(todo),
+            "counts": counts,
             "compile_errors": [r["name"] for r in records if r["status"] == "compile_error"],
-            "kernels_in_cache": _cached_kernels(), "kernels_in_cache_before": before,
-            "seconds": round(time.time() - start, 1), "jobs": records,
+            "kernels_in_cache": _cached_kernels(),
+            "kernels_in_cache_before": before,
+            "seconds": round(time.time() - start, 1),
+            "jobs": records,
         }
         Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
 
@@ -138,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
             save()
     save()
     bad = [r for r in records if r["status"] == "compile_error"]
-    print(f"warm: {len(records)} jobs in {time.time() - start:.0f}s, {_cached_kernels() - before} kernels "
-          f"compiled, {len(bad)} compile errors", flush=True)
+    print(
+        f"warm: {len(records)} jobs in {time.time() - start:.0f}s, {_cached_kernels() - before} kernels "
+        f"compiled, {len(bad)} compile errors",
+        flush=True,
+    )
     return 1 if bad else 0
 
 

@@ -222,8 +222,9 @@ def test_entmax_training_op_gradcheck(with_bias, prefix):
         bias = GaussianBias(sigma, alpha, (3, 4), prefix) if with_bias else None
         return entmax15_train_op(q, k, v, 0.6, bias)
 
-    assert torch.autograd.gradcheck(f, (q, k, v, sigma, alpha) if with_bias else (q, k, v, sigma.detach(),
-                                                                                  alpha.detach()))
+    assert torch.autograd.gradcheck(
+        f, (q, k, v, sigma, alpha) if with_bias else (q, k, v, sigma.detach(), alpha.detach())
+    )
 
 
 @pytest.mark.parametrize("with_bias", [False, True])

@@ -69,8 +69,12 @@ def test_plan_blocks_splits_rows_evenly_under_the_limit():
     assert plan_blocks(96, 197, 197, group_units=True) == [Block(0, 32, 0, 197), Block(32, 64, 0, 197),
                                                            Block(64, 96, 0, 197)]  # fmt: skip
     assert plan_blocks(2, 785, 785, group_units=True) == [Block(0, 2, 0, 785)]
-    assert [(b.u0, b.rows) for b in plan_blocks(2, 1500, 1500, group_units=True)] == [(0, 750), (0, 750),
-                                                                                      (1, 750), (1, 750)]
+    assert [(b.u0, b.rows) for b in plan_blocks(2, 1500, 1500, group_units=True)] == [
+        (0, 750),
+        (0, 750),
+        (1, 750),
+        (1, 750),
+    ]
     for units, nq, nk, limit in [(3, 7, 5, 11), (5, 9, 9, 200), (1, 1, 1, 1), (4, 13, 2, lim)]:
         for group in (False, True):
             blocks = plan_blocks(units, nq, nk, group_units=group, limit=limit)

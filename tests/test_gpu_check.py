@@ -31,7 +31,9 @@ FILES = {
     "summary.json",
 }
 BENCH_CASES = {
-    "bench_n4096.json": ["n4096"], "bench_n16384.json": ["n16384"], "bench_extra.json": ["sparse", "vit_b"],
+    "bench_n4096.json": ["n4096"],
+    "bench_n16384.json": ["n16384"],
+    "bench_extra.json": ["sparse", "vit_b"],
 }
 OUT_FILE_LIMIT = 8  # what one device call brings back
 
@@ -132,8 +134,13 @@ def test_dry_run_memcheck_and_summary(dry_run):
     assert set(goals) == {
         f"{goal}_{case}"
         for case in ("n4096", "n16384")
-        for goal in ("gaussian_vs_flash", "gaussian_vs_dense_sdpa", "gaussian_vs_flex", "entmax_vs_flash",
-                     "entmax_vs_adasplash")
+        for goal in (
+            "gaussian_vs_flash",
+            "gaussian_vs_dense_sdpa",
+            "gaussian_vs_flex",
+            "entmax_vs_flash",
+            "entmax_vs_adasplash",
+        )
     } | {"memory_linear", "sanitizer_clean"}
     # no AdaSplash, no FlexAttention backward, no peak memory and no sanitizer on the CPU: unknown
     for name in ("entmax_vs_adasplash_n4096", "gaussian_vs_flex_n4096", "memory_linear", "sanitizer_clean"):
@@ -199,8 +206,15 @@ def test_pytest_and_sanitizer_logs_are_parsed(tmp_path):
     assert report.parse_sanitizer(str(log)) == {"errors": None, "unsupported": True}
 
 
-def _row(case: str, impl: str, ms: float, peak: float | None = None, valid: bool = True, ranked: bool = True,
-         mode: str = "fwd+bwd") -> dict:
+def _row(
+    case: str,
+    impl: str,
+    ms: float,
+    peak: float | None = None,
+    valid: bool = True,
+    ranked: bool = True,
+    mode: str = "fwd+bwd",
+) -> dict:
     extra = {"rel_err": 1e-3 if valid else 0.5, "grad_err": 2e-3}
     extra.update(valid=float(valid), ranked=float(ranked))
     if peak is not None:
@@ -215,24 +229,39 @@ def _bench(out: Path, name: str, case: str, rows: list[dict]) -> None:
 
 
 def _good_run(out: Path, ours_ms: float = 1.0 / 0.95 - 1e-3) -> None:
-    _bench(out, "n4096", "n4096", [
-        _row("n4096", "softmax sdpa_flash", 1.0, 10.0),
-        _row("n4096", "gaussian vitattn", ours_ms, 20.0),
-        _row("n4096", "gaussian flex", 2.0),
-        _row("n4096", "gaussian dense_sdpa", 1.1),
-        _row("n4096", "entmax15 vitattn", 1.3, 30.0),
-        _row("n4096", "entmax15 adasplash", 2.6),
-    ])
-    _bench(out, "n16384", "n16384", [
-        _row("n16384", "softmax sdpa_flash", 4.0, 10.0),
-        _row("n16384", "gaussian vitattn", 5.0, 29.0),
-        _row("n16384", "entmax15 vitattn", 6.1, 45.1),
-        _row("n16384", "entmax15 adasplash", 6.0),
-    ])
-    (out / "memcheck.json").write_text(json.dumps({
-        "cases": [{"normalizer": "softmax", "kind": "none", "ok": True}],
-        "sanitizer": {"errors": 0, "unsupported": False}, "step": {"status": "ok"},
-    }))
+    _bench(
+        out,
+        "n4096",
+        "n4096",
+        [
+            _row("n4096", "softmax sdpa_flash", 1.0, 10.0),
+            _row("n4096", "gaussian vitattn", ours_ms, 20.0),
+            _row("n4096", "gaussian flex", 2.0),
+            _row("n4096", "gaussian dense_sdpa", 1.1),
+            _row("n4096", "entmax15 vitattn", 1.3, 30.0),
+            _row("n4096", "entmax15 adasplash", 2.6),
+        ],
+    )
+    _bench(
+        out,
+        "n16384",
+        "n16384",
+        [
+            _row("n16384", "softmax sdpa_flash", 4.0, 10.0),
+            _row("n16384", "gaussian vitattn", 5.0, 29.0),
+            _row("n16384", "entmax15 vitattn", 6.1, 45.1),
+            _row("n16384", "entmax15 adasplash", 6.0),
+        ],
+    )
+    (out / "memcheck.json").write_text(
+        json.dumps(
+            {
+                "cases": [{"normalizer": "softmax", "kind": "none", "ok": True}],
+                "sanitizer": {"errors": 0, "unsupported": False},
+                "step": {"status": "ok"},
+            }
+        )
+    )
 
 
 @pytest.mark.parametrize("ours_ms, passes", [(1.0 / 0.95 - 1e-3, True), (1.0 / 0.95 + 1e-3, False)])
@@ -255,14 +284,19 @@ def test_goal_thresholds(tmp_path, ours_ms, passes):
 def test_a_wrong_vitattn_row_fails_its_goals_and_a_wrong_or_unranked_peer_gives_no_verdict(tmp_path):
     report = _report()
     _good_run(tmp_path)
-    _bench(tmp_path, "n4096", "n4096", [
-        _row("n4096", "softmax sdpa_flash", 1.0, 10.0),
-        _row("n4096", "gaussian vitattn", 0.5, 20.0, valid=False),  # fast, but wrong
-        _row("n4096", "gaussian flex", 2.0, ranked=False),  # q, k, v gradients only
-        _row("n4096", "gaussian dense_sdpa", 1.1),
-        _row("n4096", "entmax15 vitattn", 1.3, 30.0),
-        _row("n4096", "entmax15 adasplash", 2.6, valid=False),  # a peer that is wrong
-    ])
+    _bench(
+        tmp_path,
+        "n4096",
+        "n4096",
+        [
+            _row("n4096", "softmax sdpa_flash", 1.0, 10.0),
+            _row("n4096", "gaussian vitattn", 0.5, 20.0, valid=False),  # fast, but wrong
+            _row("n4096", "gaussian flex", 2.0, ranked=False),  # q, k, v gradients only
+            _row("n4096", "gaussian dense_sdpa", 1.1),
+            _row("n4096", "entmax15 vitattn", 1.3, 30.0),
+            _row("n4096", "entmax15 adasplash", 2.6, valid=False),  # a peer that is wrong
+        ],
+    )
     goals = {g["goal"]: g for g in report.goals(tmp_path)}
     assert goals["gaussian_vs_flash_n4096"]["status"] == "fail"
     assert "wrong" in goals["gaussian_vs_flash_n4096"]["detail"]
@@ -271,10 +305,16 @@ def test_a_wrong_vitattn_row_fails_its_goals_and_a_wrong_or_unranked_peer_gives_
     assert "entmax15 adasplash wrong" in goals["entmax_vs_adasplash_n4096"]["detail"]
     assert goals["entmax_vs_flash_n4096"]["status"] == "pass"
     # ours right, the peer ran with fewer gradients: reported, not ranked
-    _bench(tmp_path, "n4096", "n4096", [
-        _row("n4096", "softmax sdpa_flash", 1.0), _row("n4096", "gaussian vitattn", 1.0),
-        _row("n4096", "gaussian flex", 2.0, ranked=False),
-    ])
+    _bench(
+        tmp_path,
+        "n4096",
+        "n4096",
+        [
+            _row("n4096", "softmax sdpa_flash", 1.0),
+            _row("n4096", "gaussian vitattn", 1.0),
+            _row("n4096", "gaussian flex", 2.0, ranked=False),
+        ],
+    )
     goals = {g["goal"]: g for g in report.goals(tmp_path)}
     assert goals["gaussian_vs_flex_n4096"]["status"] == "unknown"
     assert "gaussian flex unranked" in goals["gaussian_vs_flex_n4096"]["detail"]

@@ -22,7 +22,10 @@ def _aot(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run(
         [sys.executable, "-m", "vitattn.kernels._build.aot", *args],
-        env=env, capture_output=True, text=True, timeout=600,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 
@@ -50,7 +53,10 @@ def test_refuses_to_run_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     res = subprocess.run(
         [sys.executable, "-m", "vitattn.kernels._build.aot", "--arch", "90", "--quick"],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert res.returncode == 2 and "unset TRITON_INTERPRET" in res.stderr
 

@@ -126,7 +126,9 @@ CONFIG_CASES = [
     for kind, n, d in (("gaussian", 197, 64), ("none", 256, 128))
 ]
 DETERMINISM_CASES = [
-    ("softmax", "gaussian", 197, 64), ("entmax15", "gaussian", 197, 64), ("entmax15", "add", 256, 64),
+    ("softmax", "gaussian", 197, 64),
+    ("entmax15", "gaussian", 197, 64),
+    ("entmax15", "add", 256, 64),
 ]
 
 
@@ -234,8 +236,13 @@ def warm_calls() -> list[tuple[str, dict[str, str], Callable[[], object]]]:
         call = functools.partial(_run, normalizer, kind, n, d, torch.bfloat16)
         calls.append((f"tests twice {normalizer} {kind}", first, call))
     for normalizer in ("softmax", "entmax15"):
-        calls.append((f"tests autotuned {normalizer}", {TILES_ENV: ""},
-                      functools.partial(_run, normalizer, "gaussian", 197, 64, torch.bfloat16, "auto")))
+        calls.append(
+            (
+                f"tests autotuned {normalizer}",
+                {TILES_ENV: ""},
+                functools.partial(_run, normalizer, "gaussian", 197, 64, torch.bfloat16, "auto"),
+            )
+        )
         calls.append((f"tests dead rows {normalizer}", first, functools.partial(_dead_rows, normalizer)))
         calls.append((f"tests memory {normalizer}", first, functools.partial(_linear_memory, normalizer)))
     return calls

@@ -176,8 +176,9 @@ def test_entmax_masked_row_does_not_run_newton_to_the_cap(fill, monkeypatch):
     assert 1 <= passes <= 8, f"{passes} Newton passes"
     # the other rows against the reference (row 7's scores are rounded in float32 at the mask's
     # magnitude, so it is checked on exact scores in the test above)
-    ref = attention(q.double(), k.double(), v.double(), normalizer="entmax15", mask=mask.double(),
-                    backend="reference")
+    ref = attention(
+        q.double(), k.double(), v.double(), normalizer="entmax15", mask=mask.double(), backend="reference"
+    )
     rows = torch.arange(20) != 7
     torch.testing.assert_close(out[0, 0, rows].double(), ref[0, 0, rows], atol=2e-5, rtol=0)
 
@@ -198,8 +199,11 @@ def test_softmax_row_masked_by_finfo_min_is_uniform():
 
 
 @interpreted
-@pytest.mark.parametrize("shape", [(2, 1, 1, 37), (2, 1, 37, 1), (1, 1, 37, 37), (1, 1, 1, 1)],
-                         ids=["keys", "queries", "heads-and-batch", "scalar"])
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 1, 1, 37), (2, 1, 37, 1), (1, 1, 37, 37), (1, 1, 1, 1)],
+    ids=["keys", "queries", "heads-and-batch", "scalar"],
+)
 @pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
 def test_broadcast_additive_mask_gradients(normalizer, shape):
     """The gradient of an additive mask that broadcasts: summed over the tile's query rows (a per-key mask),

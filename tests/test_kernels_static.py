@@ -38,8 +38,10 @@ def _report_path() -> Path:
 def report() -> dict:
     path = _report_path()
     if not path.exists():
-        pytest.fail(f"no static report at {path}: run python -m vitattn.kernels._build.aot --arch 80 90 "
-                    f"--report {path}")
+        pytest.fail(
+            f"no static report at {path}: run python -m vitattn.kernels._build.aot --arch 80 90 "
+            f"--report {path}"
+        )
     return json.loads(path.read_text())
 
 

@@ -35,6 +35,8 @@ REF_FILES = sorted(REFERENCE.glob("locatvit_*.safetensors"))
 def test_reference_files_present_under_ci() -> None:
     if os.environ.get("CI") and not REF_FILES:
         pytest.fail(f"CI run without the official reference files: nothing found in {REFERENCE}")
+
+
 TINY = dict(embed_dim=32, depth=2, num_heads=2, num_classes=7)
 
 

@@ -203,9 +203,7 @@ def plot_alpha_per_layer(
     ax = fig.subplots()
     for alpha, label in ((1.0, "softmax"), (1.5, "entmax-1.5"), (2.0, "sparsemax")):
         ax.axhline(alpha, color="0.6", ls="--", lw=0.8)
-        ax.text(
-            0.995, alpha, label, transform=ax.get_yaxis_transform(), va="bottom", ha="right", fontsize=7
-        )
+        ax.text(0.995, alpha, label, transform=ax.get_yaxis_transform(), va="bottom", ha="right", fontsize=7)
     for k, (name, rep) in enumerate(named.items()):
         color = f"C{k}"
         means = [_nan_mean(row) for row in rep.alpha]

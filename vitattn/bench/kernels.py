@@ -273,8 +273,13 @@ def implementations(device: str, local: bool = False) -> list[Impl]:
         Impl("gaussian flex", "gaussian", _flex, no_cpu_backward=_NEEDS_CUDA_FLEX),
         Impl("gaussian vitattn", "gaussian", _vitattn("softmax", True)),
         Impl("entmax15 entmax_pkg", "entmax15", _entmax_pkg, (40, 60), module="entmax"),
-        Impl("entmax15 adasplash", "entmax15", _adasplash, module="adasplash",
-             cuda_only="AdaSplash allocates its block masks on CUDA"),
+        Impl(
+            "entmax15 adasplash",
+            "entmax15",
+            _adasplash,
+            module="adasplash",
+            cuda_only="AdaSplash allocates its block masks on CUDA",
+        ),
         Impl("entmax15 vitattn", "entmax15", _vitattn("entmax15", False)),
         Impl("entmax15+gaussian vitattn", "entmax15+gaussian", _vitattn("entmax15", True)),
     ]
@@ -394,8 +399,11 @@ def reference_outputs(family: str, x: Inputs, grad: torch.Tensor) -> tuple[torch
 
 
 def check_outputs(
-    out: torch.Tensor, grads: Sequence[torch.Tensor | None], ref: tuple[torch.Tensor, list[torch.Tensor]],
-    family: str, dtype: torch.dtype,
+    out: torch.Tensor,
+    grads: Sequence[torch.Tensor | None],
+    ref: tuple[torch.Tensor, list[torch.Tensor]],
+    family: str,
+    dtype: torch.dtype,
 ) -> dict[str, float]:
     """The gate of an implementation (see the module docstring): ``rel_err``, ``grad_err``, ``valid``,
     ``ranked``; ``grads`` are the implementation's gradients of the family's leaves (``None`` where it
@@ -690,8 +698,11 @@ def run_cases(
     out = []
     for name in names:
         case = CASES[name]
-        out.append(run_case(case, device=device, dtype=dtype, dry=dry, rounds=rounds, on_mode=on_mode,
-                            deadline=deadline))
+        out.append(
+            run_case(
+                case, device=device, dtype=dtype, dry=dry, rounds=rounds, on_mode=on_mode, deadline=deadline
+            )
+        )
         if device == "cuda":
             torch.cuda.empty_cache()
     return out

@@ -119,7 +119,15 @@ def _bounds(offs_r, offs_c, n_r, n_c, EVEN_R: tl.constexpr, EVEN_C: tl.constexpr
 
 @triton.jit
 def _load_tile(
-    base, offs_r, offs_c, stride_r, stride_c, n_r, n_c, EVEN_R: tl.constexpr, EVEN_C: tl.constexpr,
+    base,
+    offs_r,
+    offs_c,
+    stride_r,
+    stride_c,
+    n_r,
+    n_c,
+    EVEN_R: tl.constexpr,
+    EVEN_C: tl.constexpr,
 ):
     """``(len(offs_r), len(offs_c))`` tile with zeros outside ``n_r x n_c`` (no mask on even dims)."""
     ptrs = _tile_ptrs(base, offs_r, offs_c, stride_r, stride_c)
@@ -130,8 +138,9 @@ def _load_tile(
 
 
 @triton.jit
-def _store_tile(base, value, offs_r, offs_c, stride_r, stride_c, n_r, n_c, EVEN_R: tl.constexpr,
-                EVEN_C: tl.constexpr):
+def _store_tile(
+    base, value, offs_r, offs_c, stride_r, stride_c, n_r, n_c, EVEN_R: tl.constexpr, EVEN_C: tl.constexpr
+):
     ptrs = _tile_ptrs(base, offs_r, offs_c, stride_r, stride_c)
     if EVEN_R and EVEN_C:
         tl.store(ptrs, value.to(base.dtype.element_ty))
@@ -157,8 +166,11 @@ def _program(n_heads):
 def _bases(Q, K, V, ADD, KEEP, b, h, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ab, s_ah, s_mb, s_mh):
     """The ``(b, h)`` slices of q, k, v, the additive mask and the keep-mask (64-bit offsets)."""
     return (
-        _offset(Q, b, h, s_qb, s_qh), _offset(K, b, h, s_kb, s_kh), _offset(V, b, h, s_vb, s_vh),
-        _offset(ADD, b, h, s_ab, s_ah), _offset(KEEP, b, h, s_mb, s_mh),
+        _offset(Q, b, h, s_qb, s_qh),
+        _offset(K, b, h, s_kb, s_kh),
+        _offset(V, b, h, s_vb, s_vh),
+        _offset(ADD, b, h, s_ab, s_ah),
+        _offset(KEEP, b, h, s_mb, s_mh),
     )
 
 
@@ -237,7 +249,22 @@ def _coords_advance(row, col, step_r, step_c, gw):
 
 @triton.jit
 def gauss_rows(
-    DEN, ALPHA, b, h, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, offs_m, n_q, num_prefix, grid_w, clamp,
+    DEN,
+    ALPHA,
+    b,
+    h,
+    s_db,
+    s_dh,
+    s_dp,
+    s_dc,
+    s_alb,
+    s_alh,
+    s_alp,
+    offs_m,
+    n_q,
+    num_prefix,
+    grid_w,
+    clamp,
 ):
     """Per query row of ``offs_m``: ``(cr, fr, cc, fc, alpha)``, the :func:`axis_coefs` of both axes and
     the amplitude (0 on prefix and padded rows, where the bias is 0).
@@ -270,8 +297,21 @@ def gauss_tile(qr, qc, cr, fr, cc, fc, kr, kc, TRANS: tl.constexpr):
 
 @triton.jit
 def _mask_tile(
-    offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_km, s_kn,
-    HAS_ADD: tl.constexpr, HAS_KEEP: tl.constexpr, TRANS: tl.constexpr, EVEN_M: tl.constexpr,
+    offs_m,
+    offs_n,
+    n_q,
+    n_k,
+    scale,
+    add_base,
+    s_am,
+    s_an,
+    keep_base,
+    s_km,
+    s_kn,
+    HAS_ADD: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    TRANS: tl.constexpr,
+    EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
 ):
     """The masks of a tile as one additive tile in units of ``q kᵀ``: ``add / scale`` (raised to
@@ -328,11 +368,36 @@ def _probs(z, stat, ENTMAX: tl.constexpr, TRANS: tl.constexpr):
 
 @triton.jit
 def _score_tile(
-    a, b, offs_m, offs_n, n_q, n_k, scale, unit,
-    add_base, s_am, s_an, keep_base, s_mm, s_mn,
-    qr, qc, cr, fr, cc, fc, alpha, kr, kc,
-    GAUSS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_KEEP: tl.constexpr, F32_DOT: tl.constexpr,
-    TRANS: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    a,
+    b,
+    offs_m,
+    offs_n,
+    n_q,
+    n_k,
+    scale,
+    unit,
+    add_base,
+    s_am,
+    s_an,
+    keep_base,
+    s_mm,
+    s_mn,
+    qr,
+    qc,
+    cr,
+    fr,
+    cc,
+    fc,
+    alpha,
+    kr,
+    kc,
+    GAUSS: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    TRANS: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):
     """``(z, e)``: the masked score tile of query tile ``a = q (BLOCK_M, D)`` against key tile
     ``b = k (BLOCK_N, D)`` (with ``TRANS``, ``a = k``, ``b = q`` and the tile is ``(BLOCK_N, BLOCK_M)``),
@@ -347,8 +412,22 @@ def _score_tile(
     """
     if HAS_ADD or HAS_KEEP:
         pen = _mask_tile(
-            offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_mm, s_mn,
-            HAS_ADD, HAS_KEEP, TRANS, EVEN_M, EVEN_N,
+            offs_m,
+            offs_n,
+            n_q,
+            n_k,
+            scale,
+            add_base,
+            s_am,
+            s_an,
+            keep_base,
+            s_mm,
+            s_mn,
+            HAS_ADD,
+            HAS_KEEP,
+            TRANS,
+            EVEN_M,
+            EVEN_N,
         )
         qk = _dot_acc(a, tl.trans(b), pen, F32_DOT)
     else:
@@ -365,11 +444,44 @@ def _score_tile(
 
 @triton.jit
 def _fwd_prologue(
-    Q, K, V, ADD, KEEP, DEN, ALPHA,
-    s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_vb, s_vh, s_ab, s_ah, s_mb, s_mh,
-    s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, n_heads, n_q, head_d, num_prefix, grid_w, clamp,
-    GAUSS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
+    Q,
+    K,
+    V,
+    ADD,
+    KEEP,
+    DEN,
+    ALPHA,
+    s_qb,
+    s_qh,
+    s_qm,
+    s_qd,
+    s_kb,
+    s_kh,
+    s_vb,
+    s_vh,
+    s_ab,
+    s_ah,
+    s_mb,
+    s_mh,
+    s_db,
+    s_dh,
+    s_dp,
+    s_dc,
+    s_alb,
+    s_alh,
+    s_alp,
+    n_heads,
+    n_q,
+    head_d,
+    num_prefix,
+    grid_w,
+    clamp,
+    GAUSS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     """The common start of the forward kernels, for query block ``program_id(0)`` of ``(b, h)``.
 
@@ -389,7 +501,21 @@ def _fwd_prologue(
     if GAUSS:
         qr, qc = _coords_start(offs_m, num_prefix, grid_w)
         cr, fr, cc, fc, alpha = gauss_rows(
-            DEN, ALPHA, b, h, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, offs_m, n_q, num_prefix, grid_w,
+            DEN,
+            ALPHA,
+            b,
+            h,
+            s_db,
+            s_dh,
+            s_dp,
+            s_dc,
+            s_alb,
+            s_alh,
+            s_alp,
+            offs_m,
+            n_q,
+            num_prefix,
+            grid_w,
             clamp,
         )
     return bh, offs_m, offs_d, offs_dv, q, k_base, v_base, add_base, keep_base, qr, qc, cr, fr, cc, fc, alpha

@@ -142,7 +142,19 @@ class TritonBackend:
             t is not None and t.requires_grad for t in (q, k, v, add, den, alpha)
         )
         out, _, _ = ops.attention_fwd(
-            q, k, v, add, keep, den, alpha, float(call.scale), int(num_prefix), int(grid_w), clamp, entmax,
-            tf32_allowed(), entmax and grads,
+            q,
+            k,
+            v,
+            add,
+            keep,
+            den,
+            alpha,
+            float(call.scale),
+            int(num_prefix),
+            int(grid_w),
+            clamp,
+            entmax,
+            tf32_allowed(),
+            entmax and grads,
         )
         return out, None

@@ -49,42 +49,55 @@ AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
         "fwd_softmax": (
             TileConfig(128, 64, 8, 3, max_head_dim_fp32=64, max_head_dim_ragged=64),
             TileConfig(64, 64, 4, 3, max_head_dim_fp32=64, max_head_dim_ragged=64),
-            TileConfig(128, 64, 8, 4, max_head_dim_fp32=64, max_head_dim_ragged=64), TileConfig(64, 32, 4, 3),
+            TileConfig(128, 64, 8, 4, max_head_dim_fp32=64, max_head_dim_ragged=64),
+            TileConfig(64, 32, 4, 3),
         ),
         "fwd_entmax15": (
-            TileConfig(128, 64, 8, 3, max_head_dim=64), TileConfig(64, 64, 4, 3, max_head_dim=64),
-            TileConfig(128, 32, 8, 3), TileConfig(64, 32, 4, 3),
+            TileConfig(128, 64, 8, 3, max_head_dim=64),
+            TileConfig(64, 64, 4, 3, max_head_dim=64),
+            TileConfig(128, 32, 8, 3),
+            TileConfig(64, 32, 4, 3),
         ),
         # 4 warps: with 8, the M = 64 key rows of the wgmma tiles are split over two warpgroups along the
         # queries, and Triton recomputes p in the second dot's operand layout (1.33x the exps)
         "bwd_dkdv": (
-            TileConfig(32, 64, 4, 3, max_head_dim=64), TileConfig(64, 32, 4, 3, max_head_dim_ragged=64),
-            TileConfig(32, 32, 4, 3), TileConfig(64, 32, 4, 4, max_head_dim_fp32=64, max_head_dim_ragged=64),
+            TileConfig(32, 64, 4, 3, max_head_dim=64),
+            TileConfig(64, 32, 4, 3, max_head_dim_ragged=64),
+            TileConfig(32, 32, 4, 3),
+            TileConfig(64, 32, 4, 4, max_head_dim_fp32=64, max_head_dim_ragged=64),
         ),
         # a mask's gradient tile (its 64-bit pointers, the atomics) spills the 64-key tiles at any head dim
         "bwd_dq": (
             TileConfig(64, 64, 4, 3, max_head_dim=64, max_head_dim_masked=0, max_head_dim_ragged=0),
-            TileConfig(64, 32, 4, 3, max_head_dim_ragged=64), TileConfig(128, 32, 8, 3, max_head_dim_fp32=64),
+            TileConfig(64, 32, 4, 3, max_head_dim_ragged=64),
+            TileConfig(128, 32, 8, 3, max_head_dim_fp32=64),
             TileConfig(32, 32, 4, 3),
         ),
     },
     80: {
         "fwd_softmax": (
-            TileConfig(128, 64, 8, 2, max_head_dim_fp32=64), TileConfig(64, 64, 4, 2, max_head_dim_fp32=64),
-            TileConfig(64, 32, 4, 3, max_head_dim_fp32=64), TileConfig(64, 32, 4, 2),
+            TileConfig(128, 64, 8, 2, max_head_dim_fp32=64),
+            TileConfig(64, 64, 4, 2, max_head_dim_fp32=64),
+            TileConfig(64, 32, 4, 3, max_head_dim_fp32=64),
+            TileConfig(64, 32, 4, 2),
         ),
         "fwd_entmax15": (
-            TileConfig(128, 64, 8, 2, max_head_dim=64), TileConfig(64, 64, 4, 2, max_head_dim=64),
-            TileConfig(128, 32, 8, 2, max_head_dim_fp32=64), TileConfig(64, 32, 4, 2),
+            TileConfig(128, 64, 8, 2, max_head_dim=64),
+            TileConfig(64, 64, 4, 2, max_head_dim=64),
+            TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
+            TileConfig(64, 32, 4, 2),
         ),
         "bwd_dkdv": (
-            TileConfig(32, 64, 4, 2, max_head_dim=64), TileConfig(64, 32, 4, 2), TileConfig(32, 32, 4, 2),
+            TileConfig(32, 64, 4, 2, max_head_dim=64),
+            TileConfig(64, 32, 4, 2),
+            TileConfig(32, 32, 4, 2),
             TileConfig(64, 32, 4, 3, max_head_dim_fp32=64),
         ),
         "bwd_dq": (
             TileConfig(64, 64, 4, 2, max_head_dim=64, max_head_dim_masked=0),
             TileConfig(128, 64, 8, 2, max_head_dim=64, max_head_dim_masked=0),
-            TileConfig(64, 32, 4, 2), TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
+            TileConfig(64, 32, 4, 2),
+            TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
         ),
     },
 }
@@ -107,7 +120,11 @@ def ragged(n_q: int, n_k: int, even_d: bool) -> bool:
 
 
 def autotune_list(
-    kernel: str, block_d: int, masked: bool, fp32: bool = False, arch: int = DEFAULT_ARCH,
+    kernel: str,
+    block_d: int,
+    masked: bool,
+    fp32: bool = False,
+    arch: int = DEFAULT_ARCH,
     ragged: bool = False,
 ) -> tuple[TileConfig, ...]:
     """The configs of ``kernel`` on ``arch`` usable at padded head dim ``block_d`` (with a mask tile if

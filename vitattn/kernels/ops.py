@@ -282,8 +282,14 @@ def _launch(
 
         def run(tile: configs.TileConfig, warm: bool = False) -> None:
             even = even_flags(tile.block_m, tile.block_n, n_q, n_k, even_d)
-            kw = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps,
-                      num_stages=tile.num_stages, **meta, **even)
+            kw = dict(
+                BLOCK_M=tile.block_m,
+                BLOCK_N=tile.block_n,
+                num_warps=tile.num_warps,
+                num_stages=tile.num_stages,
+                **meta,
+                **even,
+            )
             if warm:
                 fn.warmup(*args, grid=grid(tile.block_m, tile.block_n), **kw)
             else:
@@ -387,8 +393,17 @@ class KernelLaunch:
 
     def scalars(self) -> list[Any]:
         q, v = self.q, self.v
-        return [q.shape[1], q.shape[2], self.k.shape[2], q.shape[3], v.shape[3], self.scale, self.num_prefix,
-                self.grid_w, self.clamp]
+        return [
+            q.shape[1],
+            q.shape[2],
+            self.k.shape[2],
+            q.shape[3],
+            v.shape[3],
+            self.scale,
+            self.num_prefix,
+            self.grid_w,
+            self.clamp,
+        ]
 
     @property
     def even_d(self) -> bool:
@@ -398,9 +413,12 @@ class KernelLaunch:
     def flags(self) -> dict[str, Any]:
         q = self.q
         return dict(
-            GAUSS=self.den is not None, HAS_ADD=self.add is not None, HAS_KEEP=self.keep is not None,
+            GAUSS=self.den is not None,
+            HAS_ADD=self.add is not None,
+            HAS_KEEP=self.keep is not None,
             F32_DOT=dot_mode(q.dtype, q.device.type, self.tf32, interpret_requested()),
-            BLOCK_D=block_dim(q.shape[3]), BLOCK_DV=block_dim(self.v.shape[3]),
+            BLOCK_D=block_dim(q.shape[3]),
+            BLOCK_DV=block_dim(self.v.shape[3]),
         )
 
 
@@ -427,8 +445,12 @@ def _forward(launch: KernelLaunch, store_og: bool) -> tuple[torch.Tensor, torch.
 
 
 def _backward(
-    launch: KernelLaunch, grad_out: torch.Tensor, o_or_og: torch.Tensor, stat: torch.Tensor,
-    add_grad: bool, gauss_grad: bool,
+    launch: KernelLaunch,
+    grad_out: torch.Tensor,
+    o_or_og: torch.Tensor,
+    stat: torch.Tensor,
+    add_grad: bool,
+    gauss_grad: bool,
 ) -> tuple[torch.Tensor, ...]:
     """``(dq, dk, dv, dadd, dden, dalpha)`` in the shapes of q, k, v (their dtypes) and of add, den,
     alpha (float32); ``dadd`` / ``dden``, ``dalpha`` are empty ``(0,)`` tensors unless asked for."""
@@ -446,18 +468,34 @@ def _backward(
     delta = torch.empty(b, h, n_q, device=q.device, dtype=torch.float32)
     rows = configs.INTERPRET_DELTA_ROWS if interpret_requested() else configs.DELTA_ROWS
     delta_args = (o_or_og, do, delta, b * h * n_q, dv)
-    _run_or_warm(kernels()["bwd_delta"], (triton.cdiv(b * h * n_q, rows),), delta_args, [o_or_og],
-                 BLOCK_M=rows, BLOCK_DV=block_dim(dv))
+    _run_or_warm(
+        kernels()["bwd_delta"],
+        (triton.cdiv(b * h * n_q, rows),),
+        delta_args,
+        [o_or_og],
+        BLOCK_M=rows,
+        BLOCK_DV=block_dim(dv),
+    )
 
     rows_buf = dummy
     if launch.den is not None:  # the Gaussian row terms, once per query (read by dK/dV)
         assert launch.alpha is not None
         rows_buf = torch.empty(b * h, 5, n_q, device=q.device, dtype=torch.float32)
         block = configs.INTERPRET_DELTA_ROWS if interpret_requested() else configs.ROW_TERMS_ROWS
-        rows_args = (launch.den, launch.alpha, rows_buf, *launch.gauss_strides(), h, n_q, launch.num_prefix,
-                     launch.grid_w, launch.clamp)
-        _run_or_warm(kernels()["bwd_rows"], (triton.cdiv(n_q, block), b * h), rows_args, [launch.den],
-                     BLOCK_M=block)
+        rows_args = (
+            launch.den,
+            launch.alpha,
+            rows_buf,
+            *launch.gauss_strides(),
+            h,
+            n_q,
+            launch.num_prefix,
+            launch.grid_w,
+            launch.clamp,
+        )
+        _run_or_warm(
+            kernels()["bwd_rows"], (triton.cdiv(n_q, block), b * h), rows_args, [launch.den], BLOCK_M=block
+        )
 
     dq = torch.empty(b, h, n_q, d, device=q.device, dtype=q.dtype)
     dk = torch.empty(b, h, n_k, d, device=q.device, dtype=k.dtype)
@@ -480,18 +518,43 @@ def _backward(
     meta["ENTMAX"] = launch.entmax
     strides, scalars, operands = launch.strides(), launch.scalars(), launch.operands(dummy)
     _launch(
-        "bwd_dkdv", lambda bm, bn: (triton.cdiv(n_k, bn), b * h),
-        [q, k, v, do, stat, delta, rows_buf, dk, dvv, *operands, *strides, *scalars], meta, launch.shape,
+        "bwd_dkdv",
+        lambda bm, bn: (triton.cdiv(n_k, bn), b * h),
+        [q, k, v, do, stat, delta, rows_buf, dk, dvv, *operands, *strides, *scalars],
+        meta,
+        launch.shape,
         launch.even_d,
     )
     zero_dadd = dadd.zero_ if add_mode == 2 else None  # atomics accumulate: reset after benchmarking
     _launch(
-        "bwd_dq", lambda bm, bn: (triton.cdiv(n_q, bm), b * h),
-        [q, k, v, do, stat, delta, dq, dadd if add_mode else dummy, dden if gauss_grad else dummy,
-         dalpha if gauss_grad else dummy, *operands, *strides, *g_strides, *scalars],
-        {**meta, "ADD_GRAD": add_mode, "GAUSS_GRAD": gauss_grad, "DADD_BCAST_M": bcast_m,
-         "DADD_BCAST_N": bcast_n},
-        launch.shape, launch.even_d, reset=zero_dadd,
+        "bwd_dq",
+        lambda bm, bn: (triton.cdiv(n_q, bm), b * h),
+        [
+            q,
+            k,
+            v,
+            do,
+            stat,
+            delta,
+            dq,
+            dadd if add_mode else dummy,
+            dden if gauss_grad else dummy,
+            dalpha if gauss_grad else dummy,
+            *operands,
+            *strides,
+            *g_strides,
+            *scalars,
+        ],
+        {
+            **meta,
+            "ADD_GRAD": add_mode,
+            "GAUSS_GRAD": gauss_grad,
+            "DADD_BCAST_M": bcast_m,
+            "DADD_BCAST_N": bcast_n,
+        },
+        launch.shape,
+        launch.even_d,
+        reset=zero_dadd,
     )
     return dq, dk, dvv, dadd, dden, dalpha
 
@@ -509,9 +572,20 @@ BWD_SCHEMA = (
 
 @torch.library.custom_op("vitattn::attention_fwd", mutates_args=(), schema=FWD_SCHEMA)
 def attention_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, add: torch.Tensor | None, keep: torch.Tensor | None,
-    den: torch.Tensor | None, alpha: torch.Tensor | None, scale: float, num_prefix: int, grid_w: int,
-    clamp: float, entmax: bool, tf32: bool, store_og: bool,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    add: torch.Tensor | None,
+    keep: torch.Tensor | None,
+    den: torch.Tensor | None,
+    alpha: torch.Tensor | None,
+    scale: float,
+    num_prefix: int,
+    grid_w: int,
+    clamp: float,
+    entmax: bool,
+    tf32: bool,
+    store_og: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``normalize(q kᵀ · scale + gaussian + add, masked by keep) v``: ``(out, stat, og)`` (:func:`_forward`).
 
@@ -536,10 +610,24 @@ def _attention_fwd_fake(
 
 @torch.library.custom_op("vitattn::attention_bwd", mutates_args=(), schema=BWD_SCHEMA)
 def attention_bwd(
-    grad_out: torch.Tensor, o_or_og: torch.Tensor, stat: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-    v: torch.Tensor, add: torch.Tensor | None, keep: torch.Tensor | None, den: torch.Tensor | None,
-    alpha: torch.Tensor | None, scale: float, num_prefix: int, grid_w: int, clamp: float, entmax: bool,
-    tf32: bool, add_grad: bool, gauss_grad: bool,
+    grad_out: torch.Tensor,
+    o_or_og: torch.Tensor,
+    stat: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    add: torch.Tensor | None,
+    keep: torch.Tensor | None,
+    den: torch.Tensor | None,
+    alpha: torch.Tensor | None,
+    scale: float,
+    num_prefix: int,
+    grid_w: int,
+    clamp: float,
+    entmax: bool,
+    tf32: bool,
+    add_grad: bool,
+    gauss_grad: bool,
 ) -> tuple[torch.Tensor, ...]:
     """``(dq, dk, dv, dadd, dden, dalpha)`` of :func:`_backward` for ``grad_out`` ``(B, H, Nq, Dv)``;
     ``o_or_og`` is the forward's out (softmax) or og (entmax-1.5), ``stat`` its row statistic."""
@@ -548,11 +636,31 @@ def attention_bwd(
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(grad_out, o_or_og, stat, q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w,
-                        clamp, entmax, tf32, add_grad, gauss_grad):
+def _attention_bwd_fake(
+    grad_out,
+    o_or_og,
+    stat,
+    q,
+    k,
+    v,
+    add,
+    keep,
+    den,
+    alpha,
+    scale,
+    num_prefix,
+    grid_w,
+    clamp,
+    entmax,
+    tf32,
+    add_grad,
+    gauss_grad,
+):
     gauss = gauss_grad and den is not None
     return (
-        q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
         q.new_empty(add.shape if add is not None and add_grad else (0,), dtype=torch.float32),
         q.new_empty(den.shape if gauss else (0,), dtype=torch.float32),
         q.new_empty(alpha.shape if gauss else (0,), dtype=torch.float32),
@@ -580,8 +688,14 @@ def _attention_backward(ctx: Any, grad_out: torch.Tensor | None, *_stat_og: Any)
         grad_out, o_or_og, stat, q, k, v, add, keep, den, alpha, *ctx.scalars, add_grad, gauss_grad
     )
     return (
-        dq, dk, dv, dadd.to(add.dtype) if add_grad else None, None,
-        dden if gauss_grad else None, dalpha if gauss_grad else None, *none[7:],
+        dq,
+        dk,
+        dv,
+        dadd.to(add.dtype) if add_grad else None,
+        None,
+        dden if gauss_grad else None,
+        dalpha if gauss_grad else None,
+        *none[7:],
     )
 
 

@@ -90,4 +90,3 @@ class CpuBlockedBackend:
                 return softmax.gaussian_softmax_attention_train(q, k, v, scale, bias, window=window)
             return softmax.gaussian_softmax_attention(q, k, v, scale, bias, window=window)
         return entmax.entmax15_attention(q, k, v, scale, bias, window=window)
-

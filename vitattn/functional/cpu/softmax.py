@@ -42,8 +42,12 @@ def check_operands(
             f"q, k, v must share one dtype, float32 or float64; got {q.dtype}, {k.dtype}, {v.dtype}"
         )
     b, h, n = q.shape[:3] if q.dim() == 4 else (-1, -1, -1)
-    if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != (b, h, n) or v.shape[:3] != (b, h, n) or (
-        n != bias.num_tokens
+    if (
+        k.dim() != 4
+        or v.dim() != 4
+        or k.shape[:3] != (b, h, n)
+        or v.shape[:3] != (b, h, n)
+        or (n != bias.num_tokens)
     ):
         raise ValueError(
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be (B, H, N, D) with one "
