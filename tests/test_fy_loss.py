@@ -213,3 +213,71 @@ def test_attention_sized_rows_match_attention_probs() -> None:
     y = torch.softmax(rand_rows(2, 3, 9, 9, seed=22), -1)
     (g,) = torch.autograd.grad(fy_loss(s, y).sum(), s)
     torch.testing.assert_close(g, probs - y)
+
+
+# ---- precision, targets outside the simplex, reduction ----------------------------------------------
+@pytest.mark.parametrize("normalizer", NORMALIZERS, ids=str)
+@pytest.mark.parametrize("layout", ["near 30", "times 30"])
+def test_float32_scores_lose_no_precision(normalizer: str | float, layout: str) -> None:
+    """Large float32 scores, a target close to the prediction (a loss near 0): within 1e-6 of float64
+    (the unshifted ``logsumexp(z) − ⟨z, y⟩`` was off by 6e-6 near 30)."""
+    from vitattn.functional import normalize
+
+    g = torch.Generator().manual_seed(3)
+    z = (
+        torch.randn(128, 40, generator=g) + 30
+        if layout == "near 30"
+        else torch.randn(128, 40, generator=g) * 30
+    )
+    y = normalize(z + 0.1 * torch.randn(128, 40, generator=g), normalizer, -1)
+    exact = fy_loss(z.double(), y.double(), normalizer)
+    assert (fy_loss(z, y, normalizer).double() - exact).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("normalizer", NORMALIZERS, ids=str)
+def test_a_negative_target_gives_nan_for_every_normalizer(normalizer: str | float) -> None:
+    z = rand_rows(3, 5)
+    y = torch.softmax(rand_rows(3, 5, seed=1), -1)
+    y[1, 0] -= 0.5
+    y[1, 1] += 0.5
+    loss = fy_loss(z, y, normalizer)
+    assert torch.isnan(loss[1]) and torch.isfinite(loss[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("normalizer", NORMALIZERS, ids=str)
+def test_value_checks_refuse_a_target_off_the_simplex(normalizer: str | float) -> None:
+    from vitattn.functional.value_checks import set_value_checks
+
+    z, y = rand_rows(3, 5), torch.softmax(rand_rows(3, 5, seed=1), -1)
+    negative, unnormalized = y.clone(), y.clone()
+    negative[2, 4] = -0.25
+    unnormalized[0] *= 2
+    set_value_checks(True)
+    try:
+        with pytest.raises(ValueError, match=r"target must be >= 0 .*-0\.25 at index \(2, 4\)"):
+            fy_loss(z, negative, normalizer)
+        with pytest.raises(
+            ValueError, match="target's rows must sum to 1 along dim=1, got a row summing to 2"
+        ):
+            fy_loss(z, unnormalized, normalizer)
+        fy_loss(z, y, normalizer)  # a distribution passes
+    finally:
+        set_value_checks(False)
+    assert torch.isfinite(fy_loss(z, unnormalized, normalizer)).all()  # off: not read back
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
+def test_reduction_mean_and_sum(normalizer: str) -> None:
+    z = rand_rows(2, 3, 7).requires_grad_()
+    y = torch.softmax(rand_rows(2, 3, 7, seed=2), -1)
+    rows = fy_loss(z, y, normalizer)
+    assert rows.shape == (2, 3)
+    torch.testing.assert_close(fy_loss(z, y, normalizer, reduction="mean"), rows.mean())
+    torch.testing.assert_close(fy_loss(z, y, normalizer, reduction="sum"), rows.sum())
+    (grad,) = torch.autograd.grad(fy_loss(z, y, normalizer, reduction="mean"), z)
+    (want,) = torch.autograd.grad(rows.mean(), z)
+    torch.testing.assert_close(grad, want)
+    with pytest.raises(
+        ValueError, match=r"reduction must be one of \['none', 'mean', 'sum'\], got 'batchmean'"
+    ):
+        fy_loss(z, y, normalizer, reduction="batchmean")  # type: ignore[arg-type]

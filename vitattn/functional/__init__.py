@@ -19,6 +19,7 @@ from .gaussian import GaussianBias, gaussian_clamp, gaussian_eps, gaussian_expon
 from .normalize import Normalizer, normalize
 from .prr import prr
 from .scoring import apply_mask, scores
+from .value_checks import set_value_checks, value_checks_enabled
 from .window import WindowMask, window_starts
 
 __all__ = [
@@ -48,6 +49,8 @@ __all__ = [
     "register_backend",
     "scores",
     "set_default_backend",
+    "set_value_checks",
     "sparsemax",
+    "value_checks_enabled",
     "window_starts",
 ]

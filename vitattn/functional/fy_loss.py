@@ -13,7 +13,7 @@ the cross-entropy minus the target's entropy, i.e. ``KL(y ‖ softmax(z))``), Ts
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -21,8 +21,12 @@ from torch.autograd.function import once_differentiable
 from ._checks import check_floating, check_tensor, normalize_dim, shape_str
 from .dtypes import compute_dtype
 from .normalize import Normalizer, normalize, resolve_normalizer
+from .value_checks import check_at_least, value_checks_enabled
 
-__all__ = ["fy_grad", "fy_loss", "fy_loss_formula", "normalizer_entropy"]
+__all__ = ["Reduction", "fy_grad", "fy_loss", "fy_loss_formula", "normalizer_entropy"]
+
+#: How :func:`fy_loss` reduces the rows' losses, as torch's losses do.
+Reduction = Literal["none", "mean", "sum"]
 
 _ALPHA = {"entmax15": 1.5, "sparsemax": 2.0}
 
@@ -39,6 +43,17 @@ def normalizer_entropy(p: torch.Tensor, normalizer: Normalizer, dim: int = -1) -
         return -torch.special.xlogy(p, p).sum(dim)
     alpha = _ALPHA[kind] if isinstance(kind, str) else float(kind)
     return (p - p.pow(alpha)).sum(dim) / (alpha * (alpha - 1.0))
+
+
+def _check_target_values(target: torch.Tensor, dim: int) -> None:
+    """With value checks on: the target's entries non-negative and its rows summing to 1 (1e-3)."""
+    check_at_least("target", target, 0.0, "a distribution along dim")
+    sums = target.detach().double().sum(dim)
+    off = (sums - 1.0).abs() > 1e-3
+    if bool(off.any()):
+        raise ValueError(
+            f"target's rows must sum to 1 along dim={dim}, got a row summing to {sums[off][0]:.6g}"
+        )
 
 
 def _checked(scores: object, target: object, dim: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -59,18 +74,28 @@ def _checked(scores: object, target: object, dim: int) -> tuple[torch.Tensor, to
 
 
 def _row_loss(z: torch.Tensor, y: torch.Tensor, p: torch.Tensor, kind: Normalizer, dim: int) -> torch.Tensor:
-    """The loss of each row from scores ``z``, target ``y`` and ``p = normalize(z)``."""
+    """The loss of each row from scores ``z``, target ``y`` and ``p = normalize(z)``.
+
+    Both forms work on shifted scores, so that large scores (float32 near 30) lose no precision:
+    softmax as ``KL(y ‖ p) = Σ y log y − Σ y log_softmax(z)`` (the log-probabilities shifted by the row
+    max inside ``log_softmax``); α-entmax with ``z − max z`` in ``⟨p − y, z⟩``, which the shift does not
+    change on rows of ``y`` that sum to 1.
+    """
     masked = torch.isneginf(z)
-    dead = masked.all(dim)
-    finite = z.masked_fill(masked, 0.0)  # 0 · (-inf) would be NaN (also in backward)
+    dead = masked.all(dim, keepdim=True)
     unreachable = (masked & (y > 0)).any(dim)
-    if kind == "softmax":  # ⟨z, p⟩ + H(p) = logsumexp(z): no log of p, whose zeros autograd dislikes
-        lse = torch.logsumexp(z.masked_fill(dead.unsqueeze(dim), 0.0), dim)
-        loss = lse - (y * finite).sum(dim)
+    negative = (y < 0).any(dim)  # no distribution: the loss is undefined (NaN for every normalizer)
+    live = z.masked_fill(dead, 0.0)
+    if kind == "softmax":  # no log of p, whose zeros autograd dislikes: log_softmax is finite on live keys
+        log_p = torch.log_softmax(live, dim).masked_fill(masked, 0.0)  # 0 · (-inf) would be NaN
+        loss = (torch.special.xlogy(y, y) - y * log_p).sum(dim)
     else:
-        loss = ((p - y) * finite).sum(dim) + normalizer_entropy(p, kind, dim)
-    loss = loss - normalizer_entropy(y, kind, dim)
-    return loss.masked_fill(unreachable, float("inf")).masked_fill(dead, 0.0)
+        shifted = (live - live.amax(dim, keepdim=True)).masked_fill(masked, 0.0)
+        loss = (
+            ((p - y) * shifted).sum(dim) + normalizer_entropy(p, kind, dim) - normalizer_entropy(y, kind, dim)
+        )
+    loss = loss.masked_fill(unreachable, float("inf")).masked_fill(negative, float("nan"))
+    return loss.masked_fill(dead.squeeze(dim), 0.0)
 
 
 def fy_loss_formula(
@@ -121,7 +146,11 @@ class _FYLoss(torch.autograd.Function):
 
 
 def fy_loss(
-    scores: torch.Tensor, target: torch.Tensor, normalizer: Normalizer = "entmax15", dim: int = -1
+    scores: torch.Tensor,
+    target: torch.Tensor,
+    normalizer: Normalizer = "entmax15",
+    dim: int = -1,
+    reduction: Reduction = "none",
 ) -> torch.Tensor:
     """Fenchel–Young loss of ``normalizer`` for each row of ``scores`` against a target distribution.
 
@@ -132,15 +161,33 @@ def fy_loss(
 
     Args:
         scores: floating scores of any shape ``(..., n, ...)``; ``-inf`` entries are masked.
-        target: a distribution along ``dim`` (non-negative, summing to 1; not checked), the shape of
-            ``scores``. A constant: no gradient flows to it.
+        target: a distribution along ``dim``, the shape of ``scores``: entries ``>= 0``, each row summing
+            to 1. Not read back (that would sync the device): a row with a negative entry has a NaN
+            loss, whatever the normalizer; with ``VITATTN_CHECK_VALUES=1`` (or
+            :func:`~vitattn.functional.value_checks.set_value_checks`) both rules raise a
+            ``ValueError`` instead. A constant: no gradient flows to it.
         normalizer: ``"softmax"``, ``"entmax15"``, ``"sparsemax"`` or a float α > 1.
         dim: the dimension the rows run along.
+        reduction: ``"none"`` (the default: one loss per row), ``"mean"`` over the rows or ``"sum"``.
 
     Returns:
-        The loss of each row: ``scores``' shape without ``dim``, float32 at least. A row whose scores
-        are all ``-inf`` has loss 0 and gradient 0; a positive target on a ``-inf`` score gives ``+inf``.
+        The loss of each row: ``scores``' shape without ``dim``, float32 at least (a 0-d tensor when
+        reduced). A row whose scores are all ``-inf`` has loss 0 and gradient 0; a positive target on
+        a ``-inf`` score gives ``+inf``.
+
+    Example::
+
+        scores = torch.randn(4, 10)                  # 4 rows of 10 scores
+        target = torch.softmax(torch.randn(4, 10), -1)
+        loss = fy_loss(scores, target, "entmax15", reduction="mean")
     """
     scores, target, dim = _checked(scores, target, dim)
+    if reduction not in get_args(Reduction):
+        raise ValueError(f"reduction must be one of {list(get_args(Reduction))}, got {reduction!r}")
     kind = resolve_normalizer(normalizer)
-    return _FYLoss.apply(scores, target.detach(), kind, dim)
+    if value_checks_enabled():
+        _check_target_values(target, dim)
+    loss = _FYLoss.apply(scores, target.detach(), kind, dim)
+    if reduction == "mean":
+        return loss.mean()
+    return loss.sum() if reduction == "sum" else loss
