@@ -89,7 +89,7 @@ def test_errors_name_shapes():
         GaussianBias(torch.rand(12, 2), a, (3, 4))
     with pytest.raises(ValueError, match="grid_size must be two positive ints"):
         GaussianBias(s, a, (0, 12))
-    with pytest.raises(ValueError, match="num_prefix_tokens must be >= 0"):
+    with pytest.raises(ValueError, match="num_prefix_tokens must be an int >= 0, got -1"):
         GaussianBias(s, a, (3, 4), num_prefix_tokens=-1)
 
 

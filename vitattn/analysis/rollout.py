@@ -56,6 +56,8 @@ def _block_list(maps: Maps, name: str) -> list[torch.Tensor]:
             raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(m).__name__}")
         if m.dim() != 4 or m.shape[-1] != m.shape[-2]:
             raise ValueError(f"{name}[{i}] must be (B, H, N, N), got shape {tuple(m.shape)}")
+        if m.shape[1] == 0:
+            raise ValueError(f"{name}[{i}] has 0 heads (shape {tuple(m.shape)}): nothing to fuse")
         if not m.is_floating_point():
             raise TypeError(f"{name}[{i}] must be floating-point, got dtype {m.dtype}")
         if first is None:
@@ -66,6 +68,18 @@ def _block_list(maps: Maps, name: str) -> list[torch.Tensor]:
                 "block needs the same batch B and token count N"
             )
     return items
+
+
+def _check_probabilities(name: str, blocks: list[torch.Tensor]) -> None:
+    """Every entry of every block non-negative and finite (attention weights; read back: analysis only)."""
+    for i, m in enumerate(blocks):
+        bad = ~torch.isfinite(m) | (m < 0)
+        if bool(bad.any()):
+            index = tuple(int(j) for j in bad.nonzero()[0])
+            raise ValueError(
+                f"{name}[{i}] must hold attention weights (finite, >= 0), got {m[index].item()!r} at index "
+                f"{index}; pass the normalized maps, not scores"
+            )
 
 
 def fuse_heads(attn: torch.Tensor, head_fusion: HeadFusion = "mean") -> torch.Tensor:
@@ -122,7 +136,8 @@ def attention_rollout(
     sum to 1. The blocks' matrices are multiplied with the first block rightmost.
 
     Args:
-        maps: one ``(B, H, N, N)`` probability tensor per block in block order (a list, or the dict
+        maps: one ``(B, H, N, N)`` probability tensor per block in block order (``H >= 1``; entries
+            finite and ``>= 0``, checked: a ``ValueError`` names the first bad one) (a list, or the dict
             :func:`vitattn.analysis.attention_maps` returns: read in key order; a transformers model's
             ``outputs.attentions`` works as it is). Blocks left out are skipped.
         discard_ratio: the fraction of each row's patch weights to drop, in ``[0, 1]``.
@@ -134,6 +149,7 @@ def attention_rollout(
         rows sum to 1.
     """
     blocks = _block_list(maps, "maps")
+    _check_probabilities("maps", blocks)
     ratio = _check_ratio(discard_ratio)
     if head_fusion not in HEAD_FUSIONS:
         raise ValueError(f"head_fusion must be one of {HEAD_FUSIONS}, got {head_fusion!r}")
@@ -168,6 +184,7 @@ def gradient_rollout(maps: Maps, grads: Maps) -> torch.Tensor:
         ``(B, N, N)`` relevance of input token ``j`` for output token ``i``, float32 at least.
     """
     blocks = _block_list(maps, "maps")
+    _check_probabilities("maps", blocks)
     grad_blocks = _block_list(grads, "grads")
     if len(grad_blocks) != len(blocks):
         raise ValueError(f"grads has {len(grad_blocks)} blocks but maps has {len(blocks)}")

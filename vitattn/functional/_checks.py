@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from collections.abc import Sequence
 
@@ -70,3 +72,29 @@ def grid_pair(name: str, value: int | Sequence[int]) -> tuple[int, int]:
             f"{name} must be two positive ints (rows, columns) or one positive int, got {value!r}"
         )
     return int(pair[0]), int(pair[1])
+
+
+def check_count(name: str, value: object) -> int:
+    """``value`` as a non-negative int (``operator.index``: ints, numpy ints, integer 0-d tensors; not
+    bools, floats or strings), else a ``TypeError`` / ``ValueError`` naming ``name``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int >= 0, got {value!r}")
+    try:
+        count = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{name} must be an int >= 0, got {value!r} ({type(value).__name__})") from None
+    if count < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {count}")
+    return int(count)
+
+
+def check_scale(scale: object, head_dim: int) -> float:
+    """The score scale: ``head_dim ** -0.5`` for ``None`` (1 for an empty head dim, whose scores are
+    all 0), else ``scale`` as a finite float (a ``TypeError`` / ``ValueError`` naming it otherwise)."""
+    if scale is None:
+        return float(head_dim**-0.5) if head_dim > 0 else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {scale!r} ({type(scale).__name__})")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    return float(scale)

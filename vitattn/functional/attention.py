@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
 import torch
 
-from ._checks import check_floating, check_rank, shape_str
+from ._checks import check_floating, check_rank, check_scale, shape_str
 from .capture import active_callbacks
 from .cpu.backend import CpuBlockedBackend
 from .dispatch import (
@@ -19,11 +19,12 @@ from .dispatch import (
     resolve_backend,
     select_backend,
 )
-from .gaussian import GaussianBias
+from .gaussian import GaussianBias, check_gaussian_values
 from .normalize import AttentionNormalizer, alpha_tensor, resolve_normalizer
 from .reference import ReferenceBackend
 from .scoring import check_mask_and_bias
 from .sdpa import SdpaBackend
+from .value_checks import value_checks_enabled
 from .window import WindowMask
 
 # The pure-PyTorch backends in "auto" order (the Triton backend is registered ahead of them by
@@ -114,7 +115,8 @@ def attention(
         normalizer: ``"softmax"``, ``"entmax15"``, ``"sparsemax"``, a float alpha > 1 (alpha-entmax),
             or a tensor of alphas > 1 (alpha-entmax per head, differentiable in them): ``()``, ``(H,)``
             or 4-D broadcastable to ``(B, H, Nq, 1)``.
-        scale: score scale, ``D ** -0.5`` by default.
+        scale: score scale, a finite number; ``D ** -0.5`` by default (1 when ``D = 0``: no scores
+            but the bias).
         mask: boolean keep-mask (``True`` = attend) or additive float mask, broadcastable to
             ``(B, H, Nq, Nk)``, or a :class:`WindowMask` (neighbourhood attention on the patch grid).
             A query whose keys are all masked gets zero weights and a zero output.
@@ -162,6 +164,8 @@ def make_call(
     mask, bias, scale = options.get("mask"), options.get("bias"), options.get("scale")
     dropout_p = float(options.get("dropout_p", 0.0))
     _validate(q, k, v, mask, bias, dropout_p)
+    if value_checks_enabled() and isinstance(bias, GaussianBias):
+        check_gaussian_values(bias)
     window = mask if isinstance(mask, WindowMask) else None
     tensor_mask = None if isinstance(mask, WindowMask) else mask
     normalizer = options.get("normalizer", "softmax")
@@ -174,7 +178,7 @@ def make_call(
         k=k,
         v=v,
         normalizer=normalizer,
-        scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
+        scale=check_scale(scale, q.shape[-1]),
         mask=tensor_mask,
         bias=bias,
         return_weights=bool(options.get("return_weights", False)) or bool(active_callbacks()),

@@ -25,10 +25,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_floating, check_rank, grid_pair, shape_str
+from ._checks import check_count, check_floating, check_rank, grid_pair, shape_str
 from .dtypes import compute_dtype
+from .value_checks import check_at_least, check_finite
 
-__all__ = ["EXPONENT_FLOOR", "GaussianBias", "LOG2E", "gaussian_clamp", "gaussian_eps", "gaussian_exponent"]
+__all__ = [
+    "EXPONENT_FLOOR",
+    "LOG2E",
+    "GaussianBias",
+    "check_gaussian_values",
+    "gaussian_clamp",
+    "gaussian_eps",
+    "gaussian_exponent",
+]
 
 _FP16_HALF_MAX = 32500.0  # half of float16's largest value (65000 / 2): the exponent's bound per axis
 _CLAMP_FLOOR = -6550.0  # float16-safe floor of D_m at the smallest eps
@@ -147,8 +156,13 @@ class GaussianBias:
 
     Args:
         sigma: ``(B, H, Np, 2)`` variances per spatial query, (row, column), after the layer's
-            activation, as predicted for the initial grid.
-        alpha: ``(B, H, Np, 1)`` non-negative amplitudes per spatial query.
+            activation, as predicted for the initial grid: ``>= 0`` (a negative σ makes the
+            exponent's denominator ``r·σ + eps`` vanish or change sign; NaN gives NaN rows). Checked by
+            the ``reference`` backend and, with value checks on (``VITATTN_CHECK_VALUES=1``), by every
+            call; not read back otherwise (a device sync).
+        alpha: ``(B, H, Np, 1)`` finite amplitudes per spatial query. LocAt's are ``softplus(·) >= 0``;
+            a negative amplitude (a gated start's signed gate) pushes the query away from its
+            neighbours and is computed exactly too.
         grid_size: current patch grid ``(gh, gw)`` with ``gh * gw == Np``.
         num_prefix_tokens: class / register tokens before the patches (their rows/columns get 0).
         initial_grid_size: the grid the model was built for; defaults to ``grid_size``. It fixes
@@ -165,9 +179,8 @@ class GaussianBias:
         object.__setattr__(self, "grid_size", grid_pair("grid_size", self.grid_size))
         init = self.grid_size if self.initial_grid_size is None else self.initial_grid_size
         object.__setattr__(self, "initial_grid_size", grid_pair("initial_grid_size", init))
-        if int(self.num_prefix_tokens) < 0:
-            raise ValueError(f"num_prefix_tokens must be >= 0, got {self.num_prefix_tokens}")
-        object.__setattr__(self, "num_prefix_tokens", int(self.num_prefix_tokens))
+        prefix = check_count("num_prefix_tokens", self.num_prefix_tokens)
+        object.__setattr__(self, "num_prefix_tokens", prefix)
         check_rank("sigma", self.sigma, 4, "(B, H, Np, 2)")
         check_rank("alpha", self.alpha, 4, "(B, H, Np, 1)")
         check_floating("sigma", self.sigma)
@@ -298,3 +311,10 @@ class GaussianBias:
         if p:
             s = torch.nn.functional.pad(s, (p, 0, p, 0))
         return s if dtype is None else s.to(dtype)
+
+
+def check_gaussian_values(bias: GaussianBias) -> None:
+    """The values of a Gaussian bias in range: σ ``>= 0`` and α finite (reads them back: the
+    ``reference`` backend and value-check mode only); a ``ValueError`` naming the first bad entry."""
+    check_at_least("bias.sigma", bias.sigma, 0.0, "a variance")
+    check_finite("bias.alpha", bias.alpha)

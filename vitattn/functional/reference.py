@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .dispatch import AttentionCall, run_in_call_dtype
+from .gaussian import GaussianBias, check_gaussian_values
 from .normalize import normalize
 from .scoring import scores_unchecked
 
@@ -28,6 +29,8 @@ def reference_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor
 
     ``probs`` are before dropout, in the scores' compute dtype; ``out`` is in ``v``'s dtype.
     """
+    if isinstance(call.bias, GaussianBias) and not call.compiling:  # the slow path: values read back
+        check_gaussian_values(call.bias)
     scores = scores_unchecked(call.q, call.k, call.scale, call.bias, call.mask, call.window)
     masked = call.mask is not None or call.window is not None
     probs = normalize(scores, call.normalizer, masked=masked)

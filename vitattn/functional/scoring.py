@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_broadcastable, check_floating, check_rank, shape_str
+from ._checks import check_broadcastable, check_floating, check_rank, check_scale, shape_str
 from .dtypes import compute_dtype
 from .gaussian import GaussianBias
 from .window import WindowMask
@@ -79,6 +79,16 @@ def _check_token_layout(layout: WindowMask | GaussianBias, q: torch.Tensor, k: t
         )
 
 
+def _check_same_layout(window: WindowMask, bias: GaussianBias) -> None:
+    """A window and a Gaussian bias of one call describe the same grid and prefix tokens."""
+    if (window.grid_size, window.num_prefix_tokens) != (bias.grid_size, bias.num_prefix_tokens):
+        raise ValueError(
+            f"mask (a WindowMask on grid {window.grid_size}, {window.num_prefix_tokens} prefix tokens) and "
+            f"bias (a GaussianBias on grid {bias.grid_size}, {bias.num_prefix_tokens} prefix tokens) must "
+            "describe the same token layout"
+        )
+
+
 def check_mask_and_bias(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -99,6 +109,8 @@ def check_mask_and_bias(
         check_broadcastable("mask", mask, target, "(B, H, Nq, Nk)")
     if isinstance(bias, GaussianBias):
         _check_token_layout(bias, q, k)
+        if isinstance(mask, WindowMask):
+            _check_same_layout(mask, bias)
         check_broadcastable(
             "bias.sigma", bias.sigma[..., :1, :1], (q.shape[0], q.shape[1], 1, 1), "(B, H, ., .)"
         )
@@ -175,5 +187,4 @@ def scores(
     """
     check_qk(q, k)
     check_mask_and_bias(q, k, mask, bias)
-    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    return scores_unchecked(q, k, scale, bias, mask)
+    return scores_unchecked(q, k, check_scale(scale, q.shape[-1]), bias, mask)

@@ -58,8 +58,8 @@ class SdpaBackend:
             return f"normalizer {call.normalizer!r} (SDPA computes softmax only)"
         if call.return_weights:
             return "return_weights=True (SDPA does not return the weights)"
-        if min(*call.q.shape[:3], call.k.shape[2]) == 0:
-            return "an empty dimension (SDPA gives a bias or mask no gradient then)"
+        if min(*call.q.shape, call.k.shape[2], call.v.shape[3]) == 0:
+            return "an empty dimension (B, H, Nq, Nk, D or Dv of 0: SDPA's output is then detached)"
         return None
 
     def path(self, call: AttentionCall) -> str:

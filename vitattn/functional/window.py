@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import grid_pair
+from ._checks import check_count, grid_pair
 
 __all__ = ["WindowMask", "window_starts"]
 
@@ -80,9 +80,8 @@ class WindowMask:
         object.__setattr__(self, "grid_size", grid_pair("grid_size", self.grid_size))
         object.__setattr__(self, "window", grid_pair("window", self.window))
         object.__setattr__(self, "dilation", grid_pair("dilation", self.dilation))
-        if isinstance(self.num_prefix_tokens, bool) or int(self.num_prefix_tokens) < 0:
-            raise ValueError(f"num_prefix_tokens must be an int >= 0, got {self.num_prefix_tokens!r}")
-        object.__setattr__(self, "num_prefix_tokens", int(self.num_prefix_tokens))
+        prefix = check_count("num_prefix_tokens", self.num_prefix_tokens)
+        object.__setattr__(self, "num_prefix_tokens", prefix)
 
     @property
     def num_tokens(self) -> int:

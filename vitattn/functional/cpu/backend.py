@@ -43,8 +43,8 @@ class CpuBlockedBackend:
                 return f"softmax without a Gaussian bias (SDPA computes that fused{window})"
         elif call.normalizer != "entmax15":
             return f"normalizer {call.normalizer!r} (the row-blocked paths compute softmax and entmax15)"
-        if min(*q.shape[:3], call.k.shape[2]) == 0:
-            return "an empty dimension"
+        if min(*q.shape, call.k.shape[2], call.v.shape[3]) == 0:
+            return "an empty dimension (B, H, Nq, Nk, D or Dv of 0)"
         return None
 
     def path(self, call: AttentionCall) -> str:
