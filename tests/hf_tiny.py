@@ -44,9 +44,44 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any], int]] = {
 NAMES = tuple(FAMILIES)
 
 
+#: family -> a model class with a head on the family's tower (what `architectures` then names)
+HEADS: dict[str, str] = {
+    "vit": "ViTForImageClassification",
+    "deit": "DeiTForImageClassificationWithTeacher",
+    "dinov2": "Dinov2ForImageClassification",
+    "dinov2_reg": "Dinov2WithRegistersForImageClassification",
+    "vit_mae": "ViTMAEForPreTraining",
+    "clip": "CLIPVisionModelWithProjection",  # in no Auto mapping: found by its name, as pipelines do
+    "siglip": "SiglipForImageClassification",  # built from a SiglipConfig (vision and text)
+}
+TEXT: dict[str, Any] = dict(
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    intermediate_size=64,
+    vocab_size=99,
+    max_position_embeddings=16,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=1,
+)
+
+
 def tiny_config(family: str, **overrides: Any) -> Any:
     config_cls, _, extra, _ = FAMILIES[family]
     return getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
+
+
+def randomize(model: nn.Module) -> nn.Module:
+    """Random, not near-zero, values everywhere (a fresh model's init hides bugs in biases and norms),
+    drawn from torch's generator as it stands; eval mode."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name.split(".")[-2]:  # LayerNorm weights near 1
+                p.add_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.2 * torch.randn_like(p))
+    return model.eval()
 
 
 def tiny_model(family: str, attn: str = "eager", seed: int = 0, **overrides: Any) -> nn.Module:
@@ -55,15 +90,30 @@ def tiny_model(family: str, attn: str = "eager", seed: int = 0, **overrides: Any
     config = tiny_config(family, **overrides)
     config._attn_implementation = attn
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config)
-    # random, not near-zero, values everywhere (a fresh model's init hides bugs in biases and norms)
+    return randomize(getattr(transformers, model_cls)(config))
+
+
+def tiny_head_model(family: str, seed: int = 0) -> nn.Module:
+    """The family's tiny tower inside the model class :data:`HEADS` names (3 labels, or a 16-d
+    projection for CLIP), random weights, eval mode; transformers' default attention implementation,
+    as a loaded copy gets (ViT-MAE's decoder keeps the one it was built with)."""
+    if family == "siglip":
+        config = transformers.SiglipConfig(vision_config=dict(COMMON), text_config=dict(TEXT), num_labels=3)
+    else:
+        config = tiny_config(family, num_labels=3, projection_dim=16)
+    torch.manual_seed(seed)
+    return randomize(getattr(transformers, HEADS[family])(config))
+
+
+def head_output(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What a model of :data:`HEADS` computes on ``x``: its logits, else its image embeddings."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name.split(".")[-2]:  # LayerNorm weights near 1
-                p.add_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.2 * torch.randn_like(p))
-    return model.eval()
+        out = hidden(model, x)
+    for name in ("logits", "image_embeds", "last_hidden_state"):
+        value = getattr(out, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    raise AssertionError(f"no output tensor in {type(out).__name__}")
 
 
 def prefix_tokens(family: str) -> int:

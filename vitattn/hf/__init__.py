@@ -5,8 +5,10 @@
   :func:`attention_name`, and ``vitattn`` for patched models);
 - :func:`vitattn.patch` takes transformers ViT, DeiT, DINOv2 (with and without registers), ViT-MAE,
   CLIP vision and SigLIP vision models (:func:`patch_transformers`);
-- :func:`from_pretrained` rebuilds a saved patched model; :func:`load_model` resolves
-  ``hf:<model id or folder>`` offline for the command line;
+- :func:`from_pretrained` loads a saved model as the class it was saved as
+  (:func:`saved_model_class`), its vitattn patch rebuilt before the weights load
+  (:func:`patching_class`); :func:`load_model` resolves ``hf:<model id or folder>`` offline for the
+  command line;
 - :func:`hf_layout` finds the vision tower, its layers and attention modules, the token layout.
 
 Importing this package registers the attention functions with transformers (importing it), so
@@ -33,8 +35,17 @@ from .loading import (
     image_normalization,
     load_gaug_weights,
     load_model,
+    patching_class,
+    saved_model_class,
 )
-from .patching import RECORD_KEY, apply_record, patch_transformers, set_implementation, vitattn_implementation
+from .patching import (
+    RECORD_KEY,
+    ImplementationSetter,
+    apply_record,
+    patch_transformers,
+    set_implementation,
+    vitattn_implementation,
+)
 
 __all__ = [
     "ATTENTION_NAMES",
@@ -45,6 +56,7 @@ __all__ = [
     "HFAttentionSettings",
     "HFFamily",
     "HFLayout",
+    "ImplementationSetter",
     "LoadedModel",
     "apply_record",
     "attention_name",
@@ -58,8 +70,10 @@ __all__ = [
     "load_model",
     "normalizer_of_name",
     "patch_transformers",
+    "patching_class",
     "register",
     "run_backbone",
+    "saved_model_class",
     "set_implementation",
     "vitattn_implementation",
 ]

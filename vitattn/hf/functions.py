@@ -97,13 +97,18 @@ def normalizer_of_name(name: str) -> Normalizer | None:
             return resolve_normalizer(normalizer)  # type: ignore[arg-type]  # one of the three names
     if name.startswith(_ALPHA_PREFIX):
         text = name[len(_ALPHA_PREFIX) :]
+        hint = (
+            f"alpha-entmax's name is vitattn.hf.attention_name(alpha), e.g. attention_name(1.25) -> "
+            f"'{_ALPHA_PREFIX}1.25' (alpha > 1)"
+        )
         try:
             alpha = float(text)
         except ValueError:
-            raise ValueError(
-                f"{name!r}: {text!r} after {_ALPHA_PREFIX!r} is not a number (alpha > 1)"
-            ) from None
-        return resolve_normalizer(alpha)
+            raise ValueError(f"{name!r}: {text!r} after {_ALPHA_PREFIX!r} is not a number; {hint}") from None
+        try:
+            return resolve_normalizer(alpha)
+        except ValueError as err:
+            raise ValueError(f"{name!r}: {err}; {hint}") from None
     return None
 
 
@@ -317,7 +322,8 @@ def register(*names: str) -> tuple[str, ...]:
             if normalizer is None:
                 raise ValueError(
                     f"{name!r} is not a vitattn attention name: use {PATCHED_NAME!r}, "
-                    f"{', '.join(repr(n) for n in ATTENTION_NAMES.values())} or {_ALPHA_PREFIX}<alpha>"
+                    f"{', '.join(repr(n) for n in ATTENTION_NAMES.values())} or "
+                    f"vitattn.hf.attention_name(alpha) ({_ALPHA_PREFIX}<alpha>)"
                 )
         AttentionInterface.register(name, _named(normalizer, name))
         _register_mask(name)

@@ -7,7 +7,9 @@ Nothing is replaced: each chosen attention module gets ``module.vitattn`` (an
 ``module.gaug`` (a :class:`~vitattn.layers.GaussianAugment`: state-dict keys ``...gaug.log_var.*``,
 ``...gaug.log_alpha.*``, the official names), and the model's attention implementation becomes
 ``"vitattn"``, which reads them. A forward pre-hook on the vision tower's embeddings sets the patch
-grid of each input.
+grid of each input. The model's weight init starts the GAug heads
+(:mod:`vitattn.hf.weight_init`), and its ``set_attn_implementation`` keeps the patch
+(:class:`ImplementationSetter`: a vitattn name changes the normalizer only, another is refused).
 """
 
 from __future__ import annotations
@@ -24,21 +26,26 @@ from ..layers import PRR, GaussianAugment
 from ..layers.locat import GaugInit, check_gaug_init
 from ..models.blocks import block_indices
 from .functions import (
+    ATTENTION_NAMES,
     PATCHED_NAME,
     SETTINGS_ATTR,
     HFAttentionSettings,
     is_vitattn_implementation,
+    normalizer_of_name,
     register,
 )
 from .layout import HFLayout, attention_head_dim, hf_layout
+from .weight_init import GAUG_START_ATTR, install_gaug_init
 
 __all__ = [
     "RECORD_KEY",
+    "ImplementationSetter",
     "apply_record",
     "current_implementation",
     "patch_transformers",
     "set_implementation",
     "vitattn_implementation",
+    "vitattn_names",
 ]
 
 RECORD_KEY = "vitattn"  # config attribute: what vitattn.patch did, saved with the config
@@ -83,7 +90,9 @@ def vitattn_implementation(model: nn.Module) -> Iterator[None]:
 class GridHook:
     """Forward pre-hook on the vision tower's embeddings: the patch grid of each ``pixel_values`` input
     goes to every GAug-patched attention module; a ViT-MAE keeping every patch (``mask_ratio`` 0)
-    gets ``noise`` in position order, so its tokens stay in grid order."""
+    gets ``noise`` in position order, so its tokens stay in grid order. A ``RuntimeError`` when the
+    tower's attention implementation is not vitattn's (set on the config directly), which would
+    skip the GAug heads."""
 
     def __init__(self, layout: HFLayout) -> None:
         self.layout = layout
@@ -95,10 +104,20 @@ class GridHook:
         if not isinstance(pixels, torch.Tensor) or pixels.dim() != 4:
             return None
         grid = self.layout.grid(pixels.shape[-2:])
+        gaug = False
         for attn in self.layout.attentions:
             settings: HFAttentionSettings | None = getattr(attn, SETTINGS_ATTR, None)
             if settings is not None and getattr(attn, "gaug", None) is not None:
                 settings.grid_size = grid
+                gaug = True
+        implementation = getattr(self.layout.config, "_attn_implementation", None)
+        if gaug and isinstance(implementation, str) and not is_vitattn_implementation(implementation):
+            raise RuntimeError(
+                f"{type(self.layout.model).__name__} has GAug heads (vitattn.patch attention='locat'), but "
+                f"its attention implementation is {implementation!r}, which would skip them: set it back "
+                f"with model.set_attn_implementation({PATCHED_NAME!r}) (or remove GAug first: "
+                "vitattn.patch(model, 'softmax'))"
+            )
         if (
             self.layout.family.model_type == "vit_mae"
             and kwargs.get("noise") is None
@@ -188,6 +207,7 @@ def _patch_layer(
             weight = _projection_weight(attn)
             heads = GaussianAugment(attention_head_dim(attn), weight.device, weight.dtype, init=gaug_init)
             attn.gaug = heads.train(attn.training)
+            setattr(attn.gaug, GAUG_START_ATTR, gaug_init)  # the model's weight init starts it so again
     elif isinstance(getattr(attn, "gaug", None), nn.Module):
         del attn.gaug
     setattr(attn, SETTINGS_ATTR, settings)
@@ -260,12 +280,129 @@ def _indices(blocks: int | Iterable[int] | None, depth: int) -> Sequence[int]:
 
 
 def _finish(layout: HFLayout, prr: bool) -> None:
-    if any(getattr(a, "gaug", None) is not None for a in layout.attentions):
+    gaug = [name for name, a in zip(layout.attention_names, layout.attentions, strict=True) if _has_gaug(a)]
+    if gaug:
         _attach_grid_hook(layout)
+        install_gaug_init(layout.model, gaug)
     if prr:
         _attach_prr(layout)
     set_implementation(layout.model, PATCHED_NAME)
     _write_record(layout, prr)
+    _install_setter(layout.model)
+
+
+def _has_gaug(attn: nn.Module) -> bool:
+    return isinstance(getattr(attn, "gaug", None), GaussianAugment)
+
+
+def _normalizer_layers(layout: HFLayout) -> dict[int, Normalizer]:
+    """Layers whose patched normalizer is not softmax (and so what another implementation would drop)."""
+    out: dict[int, Normalizer] = {}
+    for i, attn in enumerate(layout.attentions):
+        settings: HFAttentionSettings | None = getattr(attn, SETTINGS_ATTR, None)
+        if settings is not None and settings.normalizer != "softmax":
+            out[i] = settings.normalizer
+    return out
+
+
+def _tower_request(layout: HFLayout, requested: Any) -> Any:
+    """The implementation ``set_attn_implementation(requested)`` gives the vision tower: a name, or a
+    dict keyed by sub-config names (``""``: the config itself), read as transformers reads it (a
+    sub-config it does not name keeps its own)."""
+    current = getattr(layout.config, "_attn_implementation", None)
+    root = getattr(layout.model, "config", None)
+    value = requested
+    if root is not None and root is not layout.config:
+        # the path of sub-config names from the model's config down to the tower's
+        queue: list[tuple[Any, list[str]]] = [(root, [])]
+        path: list[str] | None = None
+        while queue and path is None:
+            config, keys = queue.pop(0)
+            for key in getattr(config, "sub_configs", {}) or {}:
+                sub = getattr(config, key, None)
+                if sub is layout.config:
+                    path = [*keys, key]
+                    break
+                if sub is not None:
+                    queue.append((sub, [*keys, key]))
+        for key in path or []:
+            if not isinstance(value, dict):
+                break
+            value = value.get(key, current)
+    if isinstance(value, dict):
+        value = value.get("", current)
+    return value
+
+
+def vitattn_names(requested: Any) -> list[str]:
+    """The ``vitattn_<normalizer>`` names in an ``attn_implementation`` value (a name or a dict of them)."""
+    if isinstance(requested, dict):
+        return [n for v in requested.values() for n in vitattn_names(v)]
+    return [requested] if is_vitattn_implementation(requested) and requested != PATCHED_NAME else []
+
+
+class ImplementationSetter:
+    """``model.set_attn_implementation`` on a model patched by :func:`vitattn.patch`: the patch stays.
+
+    - a vitattn name (``"vitattn_entmax15"``, ``vitattn.hf.attention_name(1.25)``, ...; registered
+      here if needed) changes the normalizer of every layer and nothing else: GAug heads and PRR stay,
+      and the record in the config follows, so a saved copy loads as the same model;
+    - ``"vitattn"`` uses each layer's patch as it is;
+    - any other name (``"eager"``, ``"sdpa"``, ...) computes plain softmax without vitattn: it is
+      refused with a ``ValueError`` while a layer has GAug heads or a normalizer other than softmax
+      (remove them first with ``vitattn.patch(model, "softmax")``), allowed otherwise.
+
+    A dict of sub-config names (transformers' form) is read for the vision tower the same way.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, attn_implementation: Any, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        register(*vitattn_names(attn_implementation))  # unknown vitattn_* names: a clear ValueError
+        layout = hf_layout(model)
+        name = _tower_request(layout, attn_implementation)
+        normalizer = normalizer_of_name(name) if isinstance(name, str) else None
+        if not is_vitattn_implementation(name):
+            self._refuse_if_patched(layout, name)
+        result = type(model).set_attn_implementation(model, attn_implementation, *args, **kwargs)  # type: ignore[attr-defined]
+        if normalizer is not None:
+            for attn in layout.attentions:
+                settings: HFAttentionSettings = getattr(attn, SETTINGS_ATTR, None) or HFAttentionSettings()
+                settings.normalizer = normalizer
+                setattr(attn, SETTINGS_ATTR, settings)
+            _write_record(layout, prr=False)
+        return result
+
+    @staticmethod
+    def _refuse_if_patched(layout: HFLayout, name: object) -> None:
+        gaug = [i for i, a in enumerate(layout.attentions) if _has_gaug(a)]
+        normalizers = _normalizer_layers(layout)
+        if not gaug and not normalizers:
+            return
+        what = []
+        if gaug:
+            what.append(f"GAug heads on layers {gaug}")
+        by_normalizer: dict[str, list[int]] = {}
+        for i, n in normalizers.items():
+            by_normalizer.setdefault(repr(n), []).append(i)
+        what.extend(f"normalizer {n} on layers {layers}" for n, layers in by_normalizer.items())
+        names = ", ".join(repr(n) for n in (PATCHED_NAME, *ATTENTION_NAMES.values()))
+        raise ValueError(
+            f"attn_implementation={name!r} would compute plain softmax attention without vitattn's patch "
+            f"of {type(layout.model).__name__} ({'; '.join(what)}), and a saved copy would load with the "
+            f"patch again. To change the normalizer only, give a vitattn name ({names}, or "
+            "vitattn.hf.attention_name(alpha)); to leave vitattn, remove the patch first: "
+            "vitattn.patch(model, 'softmax') (no GAug, softmax everywhere)"
+        )
+
+
+def _install_setter(model: nn.Module) -> None:
+    if callable(getattr(type(model), "set_attn_implementation", None)) and not isinstance(
+        model.__dict__.get("set_attn_implementation"), ImplementationSetter
+    ):
+        model.__dict__["set_attn_implementation"] = ImplementationSetter(model)
 
 
 def apply_record(model: nn.Module, record: dict[str, Any], gaug_init: GaugInit = "paper") -> nn.Module:
