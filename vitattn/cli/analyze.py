@@ -141,9 +141,8 @@ def check_args(args: argparse.Namespace) -> None:
 def check_model_args(args: argparse.Namespace, model: nn.Module, spec: InputSpec) -> None:
     """What needs the model: its input size against its patches, and ``--layers`` / ``--map-layer``
     against its blocks."""
-    from ..analysis.model import check_image_size
     from ..models.blocks import block_indices
-    from ..probe.features import backbone_depth
+    from ..probe.features import backbone_depth, check_image_size
 
     check_image_size(model, spec.size, "the model's input size")
     depth = backbone_depth(model)

@@ -203,7 +203,7 @@ def load_backbone(name_or_path: str, model_args: dict[str, Any], checkpoint: str
 def _check_image_size(model: nn.Module, size: int) -> None:
     """Refuse an ``--image-size`` the model cannot take whole: not its fixed input size, or not a
     multiple of its patch size (the patch embedding would drop the remainder)."""
-    from ..analysis.model import check_image_size
+    from ..probe.features import check_image_size
 
     check_image_size(model, size, "--image-size")
     embed = getattr(model, "patch_embed", None)

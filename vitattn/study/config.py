@@ -297,7 +297,7 @@ class StudyConfig:
         the input size is a multiple of its patch size; its number of blocks."""
         import torch
 
-        from ..analysis.model import check_image_size
+        from ..probe.features import check_image_size
         from .backbone import create_timm_model
 
         assert self.model is not None
