@@ -491,7 +491,7 @@ def test_images_that_are_not_a_multiple_of_the_patch_are_refused() -> None:
     (nor the masks under them): refused at the first batch, naming both sizes."""
     from vitattn.probe.features import check_image_size, patch_size_of
 
-    vit = timm.create_model("vit_tiny_patch16_224", img_size=40, depth=1, num_classes=0, dynamic_img_size=True)
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=40, depth=1, num_classes=0)
     items = [(torch.rand(3, 40, 40), torch.zeros(40, 40, dtype=torch.int64)) for _ in range(2)]
     with pytest.raises(ValueError, match=r"image size 40 is not a multiple of the patch size 16 .*32 or 48"):
         extract_dense_features(vit, items, num_classes=K, progress=False)

@@ -299,22 +299,31 @@ def test_compile_on_the_cpu_reports_a_steady_rate(tmp_path: Path) -> None:
     assert first["compile_seconds"] > 1.0 and first["train_images_per_s"] > 0.2 * second["train_images_per_s"]
 
 
-def test_window_flag_and_the_note_when_it_covers_the_grid(tmp_path: Path, capsys) -> None:
-    """--window reaches the run's model; on a 4x4 patch grid the default 5x5 window holds every patch
-    (the window attention is softmax there): the study says so, and a 3x3 window is not noted."""
-    tiny = ["--model", "vit_tiny_patch16_224", "--img-size", "16", "--no-probe", *SOFTMAX[:1], "window"]
-    tiny += [
-        f"--model-arg={k}={v}"
-        for k, v in {"patch_size": 4, "embed_dim": 32, "depth": 2, "num_heads": 2}.items()
-    ]
-    assert study(tmp_path / "w5", *tiny) == 0
-    text = capsys.readouterr().out
+def test_window_flag_and_the_note_when_it_covers_the_grid() -> None:
+    """--window / --window-dilation reach the configuration; on a 4x4 patch grid the default 5x5 window
+    holds every patch (the window attention is softmax there): the study's opening lines say so, and
+    a 3x3 window is not noted."""
+    from vitattn.cli import build_parser
+    from vitattn.cli.study import config_from_args
+    from vitattn.study.distributed import DistEnv
+    from vitattn.study.runner import describe_study
+
+    tiny = ["study", "--model", "vit_tiny_patch16_224", "--img-size", "16", "--attention", "window"]
+    tiny += [f"--model-arg={k}={v}" for k, v in {"patch_size": 4, "embed_dim": 32, "depth": 2}.items()]
+
+    def lines(*extra: str) -> str:
+        config = config_from_args(build_parser().parse_args([*tiny, "--model-arg=num_heads=2", *extra]))
+        return "\n".join(describe_study(config, 1, DistEnv()))
+
+    text = lines()
     assert "4x4 patch grid" in text and "window 5x5" in text
     assert "note: the 5x5 window covers the whole 4x4 patch grid" in text and "--window" in text
-    assert study(tmp_path / "w3", *tiny, "--window", "3") == 0
-    text = capsys.readouterr().out
+    text = lines("--window", "3")
     assert "window 3x3" in text and "covers the whole" not in text
-    assert json.loads((tmp_path / "w3" / "results.json").read_text())["config"]["window"] == 3
+    text = lines("--window", "4", "--window-dilation", "2")
+    assert "window 4x4, dilation 2" in text and "covers the whole" not in text  # dilated: 2 sub-grids
+    config = config_from_args(build_parser().parse_args(["study", "--attention", "window", "--window", "3"]))
+    assert (config.window, config.window_size, config.dilation) == (3, 3, 1)
 
 
 def test_resume_flag_reads_the_stored_config(tmp_path: Path, capsys) -> None:
@@ -430,6 +439,23 @@ def test_presets_and_defaults() -> None:
         make_config(dim=30, heads=8)
     with pytest.raises(ValueError, match="probe_layer 5"):
         make_config(probe_layer=5)
+
+
+def test_a_config_written_before_a_field_existed_means_its_old_value() -> None:
+    """A study folder from before ``window`` / ``window_dilation`` (or ``gaug_lr_scale``) existed
+    resumes: a missing key means the field's default; a missing ``scenes_version`` means version 2."""
+    from vitattn.study.config import config_diff
+
+    new = make_config("quick").to_dict()
+    old = {k: v for k, v in new.items() if k not in ("window", "window_dilation", "gaug_lr_scale")}
+    assert config_diff(old, new) == []
+    assert config_diff(old, make_config("quick", attentions=["window"], window=3).to_dict()) == [
+        "attentions: ['softmax', 'entmax15', 'locat'] -> ['window']",
+        "window: None -> 3",
+    ]
+    older = {k: v for k, v in new.items() if k != "scenes_version"}
+    assert config_diff(older, new) == ["scenes_version: 2 -> 3"]
+    assert StudyConfig.from_dict(older).scenes_version == 2
 
 
 def test_scenes_normalization_matches_the_dataset() -> None:

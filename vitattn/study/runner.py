@@ -34,9 +34,11 @@ __all__ = [
     "StudyOutcome",
     "check_inputs",
     "default_out_dir",
+    "describe_study",
     "prepare_config",
     "run_specs",
     "run_study",
+    "window_covers_grid",
 ]
 
 
@@ -76,7 +78,7 @@ def window_covers_grid(grid: tuple[int, int], window: int, dilation: int) -> boo
     return all(all(count == size for _, count in window_starts(size, window, dilation)) for size in grid)
 
 
-def _describe(config: StudyConfig, n_runs: int, env: DistEnv) -> list[str]:
+def describe_study(config: StudyConfig, n_runs: int, env: DistEnv) -> list[str]:
     """The study's opening lines: what runs on what (and a note when a window covers the whole grid)."""
     import dataclasses
 
@@ -320,7 +322,7 @@ def run_study(
             _clear(out)
         barrier(env)
         cfg_dict = config.to_dict()
-        for line in _describe(config, len(specs), env):
+        for line in describe_study(config, len(specs), env):
             say(line)
         say(f"output: {out}")
         if env.is_main:
