@@ -44,6 +44,8 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     save_file({"blocks.0.attn.qkv.weight": torch.zeros(3, 3)}, str(folder / "other.safetensors"))
     (folder / "a_file").write_text("not a folder")
     (folder / "a_folder").mkdir()
+    (folder / "broken_study").mkdir()
+    (folder / "broken_study" / "results.json").write_text("{not json")
     return folder
 
 
@@ -106,6 +108,20 @@ CASES = [
     _case("study", ["--out", "{inputs}/a_file"], "--out", out=False),
     _case("study", ["--resume", "--out", "nothing"], "nothing to resume", out=False),
     _case("study", ["--resume"], "--resume needs --out", out=False),
+    _case("study", ["--resume", "--out", "{inputs}/broken_study"], "results.json", out=False),
+    _case(
+        "study",
+        [
+            "--model",
+            TIMM,
+            "--model-arg",
+            "depth=1",
+            "--pretrained",
+            "--model-arg",
+            "pretrained_cfg_overlay={'file': 'none.safetensors'}",
+        ],
+        "none.safetensors",
+    ),  # fmt: skip
     # --- probe ---
     _case("probe", ["--batch-size", "0"], "--batch-size"),
     _case("probe", ["--epochs", "0"], "--epochs"),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -278,10 +277,12 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
     if args.resume:
         if not args.out:
             raise ValueError("--resume needs --out DIR (the folder of the study to continue)")
+        from ..study.results import load_results
+
         path = Path(args.out) / "results.json"
         if not path.is_file():
             raise FileNotFoundError(f"nothing to resume: {str(path)!r} does not exist")
-        stored = StudyConfig.from_dict(json.loads(path.read_text())["config"])
+        stored = StudyConfig.from_dict(load_results(path)["config"])
         return stored.with_runtime(**_runtime(args, stored.dataset))
     protocols = list(PROTOCOLS) if args.ablation else args.protocol
     if args.seeds is not None and args.seeds < 1:

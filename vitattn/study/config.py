@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -438,7 +439,8 @@ class StudyConfig:
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (Python's or NumPy's), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _at_least(config: StudyConfig, low: int, *names: str, optional: bool = False) -> None:
@@ -456,7 +458,7 @@ def _in_range(
 ) -> None:
     """Refuse a field that is not a number in the interval (NaN never is)."""
     value = getattr(config, name)
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
     if ok:
         ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
     if not ok:

@@ -180,6 +180,9 @@ def check_inputs(config: StudyConfig, env: DistEnv, specs: list[RunSpec]) -> Non
     batch over the ranks, the dataset's files, and each run's starting checkpoint (it exists, is
     readable, and fits the model of each attention: shapes only, the models built on the meta device).
 
+    A local file of timm's pretrained weights (``pretrained_cfg_overlay={"file": ...}``) must exist;
+    the Hugging Face Hub cache is left to timm.
+
     Raises :class:`ConfigError`, ``DatasetMissingError``, ``FileNotFoundError`` or
     :class:`~.backbone.CheckpointMismatch`, each naming what is wrong.
     """
@@ -198,6 +201,10 @@ def check_inputs(config: StudyConfig, env: DistEnv, specs: list[RunSpec]) -> Non
     if config.dataset == "imagefolder" and mixed and (batch // env.world_size) % 2:
         raise ConfigError(f"batch_size {batch}: timm's Mixup needs an even batch on every rank", "batch_size")
     check_dataset(config.dataset, config.data_dir, config.download)
+    overlay = config.model_args.get("pretrained_cfg_overlay") if config.pretrained else None
+    local = overlay.get("file") if isinstance(overlay, dict) else None
+    if local is not None and not Path(local).is_file():  # timm's pretrained weights from a local file
+        raise FileNotFoundError(f"--pretrained: the weights file {str(local)!r} does not exist")
     if config.checkpoint is None:
         return
     bare = dataclasses.replace(config, pretrained=False, checkpoint=None, gaug_init=config.gaug_init)

@@ -245,7 +245,7 @@ class _Training:
     scaler: torch.amp.GradScaler | None
     first_epoch: int
     history: list[dict[str, Any]]
-    compiling: bool = False  # torch.compile compiles on the next step (the first this process takes)
+    compiling: bool = False  # torch.compile compiles in the next step (the run's first in this process)
 
 
 def _setup_training(
@@ -350,8 +350,8 @@ def _train_epoch(
     lr, seconds, train_images_per_s, test_acc, eval_images_per_s, peak_memory_mb}``, plus
     ``compile_seconds`` under ``torch.compile``.
 
-    ``seconds`` is the whole epoch. Under ``torch.compile`` the first step a process takes compiles
-    the model: its time is ``compile_seconds`` (0 in later epochs), and ``train_images_per_s`` is the
+    ``seconds`` is the whole epoch. Under ``torch.compile`` the run's first step in this process
+    compiles the model: its time is ``compile_seconds`` (0 in later epochs), and ``train_images_per_s`` is the
     steady rate of the other steps (all steps when the epoch has only the one).
     """
     reset_peak_memory(env.device)
