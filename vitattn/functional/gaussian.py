@@ -148,7 +148,9 @@ class GaussianBias:
     Args:
         sigma: ``(B, H, Np, 2)`` variances per spatial query, (row, column), after the layer's
             activation, as predicted for the initial grid.
-        alpha: ``(B, H, Np, 1)`` non-negative amplitudes per spatial query.
+        alpha: ``(B, H, Np, 1)`` amplitudes per spatial query, any real values: GAug's softplus gives
+            α ≥ 0, its identity start's signed per-head gate may make them negative (every backend
+            computes either sign).
         grid_size: current patch grid ``(gh, gw)`` with ``gh * gw == Np``.
         num_prefix_tokens: class / register tokens before the patches (their rows/columns get 0).
         initial_grid_size: the grid the model was built for; defaults to ``grid_size``. It fixes
