@@ -135,9 +135,9 @@ class LocAtModelMixin:
         normalizer: the attention normalizer of every block (``"softmax"``, ``"entmax15"``, ...;
             ``"adaptive"``: one learnable alpha-entmax alpha per head and block, from 1.5).
         gaug_init: how the GAug heads start: ``"paper"`` (the release's init) or ``"identity"``
-            (α tiny, so a model loaded from a plain, GAug-free checkpoint keeps that checkpoint's
-            function; see :class:`~vitattn.layers.GaussianAugment`). A checkpoint with GAug weights
-            overwrites them either way.
+            (a per-head gate at 0, so a model loaded from a plain, GAug-free checkpoint keeps that
+            checkpoint's function; see :class:`~vitattn.layers.GaussianAugment`). A checkpoint with
+            GAug weights overwrites them either way (gate 1 where it has none).
 
     A subclass names its ``family`` and what it ``needs`` at each block (for the ``TypeError``);
     ``patch_grid`` (ViT, Eva) gives GAug the model's patch grid and prefix tokens and keeps them in
