@@ -125,9 +125,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--gaug-lr-scale",
         type=float,
         metavar="F",
-        help="learning rate of LocAt's GAug heads times F (default 1; with --gaug-init identity, whose "
-        "alpha starts at 1e-5, AdamW moves log-alpha by about lr per step: e.g. 100 lets it grow within "
-        "a short fine-tuning)",
+        help="learning rate of LocAt's GAug heads times F (default 1; with --gaug-init identity their "
+        "per-head gate starts at 0 and AdamW moves it by about lr per step: F sets how fast GAug may move)",
     )
     b.add_argument(
         "--init",
