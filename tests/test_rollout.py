@@ -378,7 +378,7 @@ def test_cli_analyze_rollout(tmp_path, capsys) -> None:
             str(out),
         ]
     )
-    assert rc == 2 and "--rollout-images must be >= 1, got 0" in capsys.readouterr().err
+    assert rc == 2 and "--rollout-images: must be >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("family", ["vit", "dinov2_reg", "siglip"])
