@@ -18,8 +18,8 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-import vitattn  # noqa: F401  (registers the models and the hub config hook)
-from vitattn.models import HUB_WEIGHTS, LocAtViT
+import vitattn  # noqa: F401  (registers the models)
+from vitattn.models import HUB_WEIGHTS, LocAtViT, hub
 from vitattn.models.hub import mixin_config_to_timm
 
 from .test_models import REF_FILES, load_reference
@@ -159,7 +159,12 @@ def test_hf_hub_prefix_with_mixin_config(hub_cache: Path) -> None:
     file = write_snapshot(
         hub_cache, "sinahmr/locatvit_tiny", trained_like_state("locatvit_tiny", **SMALL), config
     )
-    model = timm.create_model("hf-hub:sinahmr/locatvit_tiny", pretrained=True)
+    assert not hub.installed()  # import vitattn leaves timm's parser alone
+    with pytest.raises(KeyError, match="architecture"):  # timm alone: the mixin style is not its own
+        timm.create_model("hf-hub:sinahmr/locatvit_tiny", pretrained=True)
+    with hub.mixin_configs():
+        model = timm.create_model("hf-hub:sinahmr/locatvit_tiny", pretrained=True)
+    assert not hub.installed()  # restored on exit
     assert isinstance(model, LocAtViT) and len(model.blocks) == 2 and model.prr is not None
     assert model.pretrained_cfg["architecture"] == "locatvit_tiny"
     assert model.pretrained_cfg["mean"] == (0.5, 0.5, 0.5) and model.pretrained_cfg["num_classes"] == 1000
@@ -171,7 +176,11 @@ def test_hf_hub_official_state_dict_reproduces_official_logits(hub_cache: Path) 
     """An official state dict with its builder arguments as a mixin config: the official outputs."""
     cfg, sd, t = load_reference(REF_FILES[0])
     write_snapshot(hub_cache, "sinahmr/locatvit_tiny", sd, cfg)
-    model = timm.create_model("hf-hub:sinahmr/locatvit_tiny", pretrained=True).eval()
+    hub.install()
+    try:
+        model = timm.create_model("hf-hub:sinahmr/locatvit_tiny", pretrained=True).eval()
+    finally:
+        hub.uninstall()
     with torch.no_grad():
         torch.testing.assert_close(model(t["x0"]), t["logits0"], atol=1e-4, rtol=0)
 
@@ -186,3 +195,19 @@ def test_mixin_config_conversion() -> None:
     assert by_shape is not None and by_shape["architecture"] == "locatvit_small"
     assert mixin_config_to_timm({"hidden_size": 10}, "someone/other") is None  # left to timm as it was
     assert mixin_config_to_timm({"embed_dim": 100}, "sinahmr/locatvit_other") is None
+
+
+def test_install_is_explicit_idempotent_and_undone() -> None:
+    from timm.models import _hub
+
+    timm_own = _hub._parse_model_cfg
+    assert not hub.installed()
+    hub.install()
+    hub.install()  # once only: uninstall restores timm's own parser in one step
+    assert hub.installed() and _hub._parse_model_cfg is not timm_own
+    hub.uninstall()
+    assert _hub._parse_model_cfg is timm_own and not hub.installed()
+    hub.uninstall()  # a no-op
+    with hub.mixin_configs():
+        hub.install()  # installed before the block's end: the block still restores the state it found
+    assert _hub._parse_model_cfg is timm_own

@@ -8,8 +8,6 @@ from .locatrope import LocAtRoPEViT, locatvit_base_rope_mixed, locatvit_tiny_rop
 from .locatswin import LocAtSwin, locatswin_base, locatswin_tiny
 from .locatvit import HUB_WEIGHTS, LocAtViT, locatvit_base, locatvit_small, locatvit_tiny
 
-hub.install()  # timm's ``hf-hub:`` loader also takes the official release's mixin-style config.json
-
 __all__ = [
     "HUB_WEIGHTS",
     "Jumbo",

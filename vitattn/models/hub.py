@@ -8,7 +8,8 @@ architecture is registered (``import vitattn``). The official ``LocAtViT`` class
 of plain constructor arguments (``{"patch_size": 16, "embed_dim": 192, ...}``) with no
 ``architecture``, on which timm fails with ``KeyError: 'architecture'``.
 
-:func:`install` wraps that parser once: a config with neither ``architecture`` nor
+:func:`install` (explicit, never on import; or :func:`mixin_configs` around a block) wraps that
+parser: a config with neither ``architecture`` nor
 ``pretrained_cfg`` that describes a LocAtViT (a ``sinahmr/locatvit_*`` repo, or constructor
 arguments matching a registered variant) is rewritten into the timm form first. Any other config goes
 to timm unchanged.
@@ -16,12 +17,14 @@ to timm unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .locatvit import _ARCHS, HUB_WEIGHTS, _cfg
 
-__all__ = ["install", "mixin_config_to_timm"]
+__all__ = ["install", "installed", "mixin_config_to_timm", "mixin_configs", "uninstall"]
 
 # VisionTransformer's defaults for the arguments that tell the variants apart
 _VIT_DEFAULTS = dict(patch_size=16, embed_dim=768, depth=12, num_heads=12)
@@ -69,13 +72,8 @@ def mixin_config_to_timm(cfg: dict[str, Any], hub_id: str | None = None) -> dict
     }
 
 
-def install() -> None:
-    """Wrap timm's hub config parser (idempotent); called on ``import vitattn``."""
-    from timm.models import _hub
-
-    original = _hub._parse_model_cfg
-    if getattr(original, "_vitattn", False):
-        return
+def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` (timm's hub config parser) taking the mixin style too."""
 
     @functools.wraps(original)
     def parse(cfg: dict[str, Any], extra_fields: dict[str, Any]) -> Any:
@@ -85,5 +83,48 @@ def install() -> None:
                 cfg = converted
         return original(cfg, extra_fields)
 
-    parse._vitattn = True  # type: ignore[attr-defined]
-    _hub._parse_model_cfg = parse
+    parse._vitattn_original = original  # type: ignore[attr-defined]
+    return parse
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect (timm's ``hf-hub:`` loader reads mixin-style configs)."""
+    from timm.models import _hub
+
+    return hasattr(_hub._parse_model_cfg, "_vitattn_original")
+
+
+def install() -> None:
+    """Let timm's ``hf-hub:`` loader read the official release's mixin-style ``config.json`` too.
+
+    Explicit and process-wide (``import vitattn`` does not do it): wraps timm's hub config parser
+    (``timm.models._hub._parse_model_cfg``, a private function of timm) so that a config describing a
+    LocAtViT in constructor arguments is rewritten to timm's form first (:func:`mixin_config_to_timm`);
+    every other config reaches timm unchanged. Idempotent; :func:`uninstall` undoes it, and
+    :func:`mixin_configs` does both around a block.
+    """
+    from timm.models import _hub
+
+    if not installed():
+        _hub._parse_model_cfg = _wrap(_hub._parse_model_cfg)
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (a no-op when it is not in effect)."""
+    from timm.models import _hub
+
+    if installed():
+        _hub._parse_model_cfg = _hub._parse_model_cfg._vitattn_original  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def mixin_configs() -> Iterator[None]:
+    """Within the block, timm's ``hf-hub:`` loader reads mixin-style configs (:func:`install`); on
+    exit the parser is as it was before."""
+    was = installed()
+    install()
+    try:
+        yield
+    finally:
+        if not was:
+            uninstall()
