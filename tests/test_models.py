@@ -303,6 +303,8 @@ def test_block_indices_sorts_dedups_and_rejects_bad_input() -> None:
         block_indices(["1"], depth=4)
     with pytest.raises(ValueError, match="layers is empty"):
         block_indices([], depth=4)
+    with pytest.raises(ValueError, match="out of range for a model with 1 block$"):
+        block_indices([5], depth=1)
 
 
 def test_block_indices_names_the_callers_argument() -> None:
