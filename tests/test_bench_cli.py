@@ -28,6 +28,40 @@ def test_compare_runs_every_implementation_interleaved():
     assert calls == ["a", "b"] + ["a", "b"] * 3  # warm-up, then rounds alternate
 
 
+def test_timed_rounds_interleaves_implementations_through_torch_benchmark():
+    from vitattn.bench.harness import timed_rounds
+
+    calls: list[str] = []
+    rows = timed_rounds(
+        "case", {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3, min_run_time=0.0
+    )
+    assert [(r.case, r.impl) for r in rows] == [("case", "a"), ("case", "b")]
+    assert all(r.repeats == 3 and 0 <= r.ms_min <= r.ms for r in rows)  # one block per round, merged
+    assert calls[:2] == ["a", "b"]  # the warm-up call of each, then every round times a, then b
+    runs = [name for i, name in enumerate(calls[2:]) if i == 0 or calls[2:][i - 1] != name]
+    assert runs == ["a", "b"] * 3
+
+
+def test_timed_rounds_counts_page_faults_per_call_and_refuses_bad_settings(monkeypatch):
+    import vitattn.bench.harness as harness
+
+    counter = [0]
+    monkeypatch.setattr(harness, "_minor_faults", lambda: counter[0])
+
+    def faulting(n: int):
+        def fn() -> None:
+            counter[0] += n
+
+        return fn
+
+    rows = harness.timed_rounds("c", {"three": faulting(3), "seven": faulting(7)}, rounds=2, min_run_time=0.0)
+    assert [(r.impl, r.extra["page_faults"]) for r in rows] == [("three", 3.0), ("seven", 7.0)]
+    with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
+        harness.timed_rounds("c", {"x": lambda: None}, rounds=0)
+    with pytest.raises(ValueError, match="min_run_time must be >= 0 seconds, got -1"):
+        harness.timed_rounds("c", {"x": lambda: None}, min_run_time=-1)
+
+
 def test_ratios_and_rendering_are_relative_to_the_reference_in_each_case():
     rows = [
         Measurement("x", "ref", 2.0, 2.0, 1),

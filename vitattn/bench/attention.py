@@ -6,12 +6,13 @@ import torch
 import torch.nn.functional as F
 
 from ..functional import attention
-from .harness import Goal, SuiteResult, compare, register_suite
+from .harness import Goal, SuiteResult, register_suite, timed_rounds
 
 SHAPES = [(8, 6, 197, 64), (2, 6, 785, 64)]
 OURS, PACKAGE, SOFTMAX = "vitattn entmax15", "entmax pkg entmax15", "softmax (materialized)"
 GOAL_OVER_SOFTMAX = 1.25  # ours / materialized softmax attention, at every shape (issue 15)
 GOAL_OVER_PACKAGE = 4.5  # the entmax package / ours, at the first shape
+ROUNDS, MIN_RUN_TIME = 5, 0.2  # interleaved rounds; seconds per implementation and round
 
 
 def _fwd_bwd(forward, q, k, v, grad):
@@ -56,7 +57,7 @@ def entmax_suite(quick: bool = False) -> SuiteResult:
             "softmax SDPA": _fwd_bwd(F.scaled_dot_product_attention, q, k, v, grad),
         }
         case = "(" + ", ".join(map(str, shape)) + ")"
-        rows += compare(case, impls, warmup=1 if quick else 3, repeat=3 if quick else 15)
+        rows += timed_rounds(case, impls, rounds=ROUNDS, min_run_time=MIN_RUN_TIME, quick=quick)
     result = SuiteResult(
         name="entmax",
         title="entmax-1.5 attention, forward+backward, float32, (B, H, N, D), ratio = ms / vitattn entmax15",

@@ -1,6 +1,12 @@
 """Side-by-side timing: every implementation of a case runs in the same process, interleaved in
 rounds so that drift (thermal, other load) hits all of them alike, and results print as ratios.
 
+Two ways to time a case. :func:`timed_rounds` (the CPU suites) leaves the timing itself to
+``torch.utils.benchmark``: each round runs ``Timer.blocked_autorange`` once per implementation and
+``Measurement.merge`` pools an implementation's rounds. :func:`compare` times one call per
+implementation per round with ``time.perf_counter``, for callers that need that exact call order
+(the GPU kernels suite sizes its own samples). Both count minor page faults per call.
+
 One process is one sample of the allocator's and the OpenMP runtime's state: :func:`run_processes`
 runs a suite in several fresh processes and reports the spread (min / median / max) of each
 per-process ratio, so that no ratio comes from one lucky process.
@@ -9,6 +15,7 @@ per-process ratio, so that no ratio comes from one lucky process.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import statistics
@@ -19,6 +26,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -267,6 +276,80 @@ def compare(
         Measurement(case, name, statistics.median(t), min(t), repeat, {"page_faults": faults[name] / repeat})
         for name, t in times.items()
     ]
+
+
+def _torch_benchmark() -> ModuleType:
+    """``torch.utils.benchmark``, imported on first use. Its import loads ``torch.utils.cpp_extension``,
+    which warns about ``CUDA_HOME`` on a CUDA build without a GPU; the harness compiles nothing, so that
+    one logger is muted for the import."""
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        import torch.utils.benchmark as benchmark
+    finally:
+        log.setLevel(level)
+    return benchmark
+
+
+def timed_rounds(
+    case: str,
+    impls: Mapping[str, Callable[[], object]],
+    *,
+    rounds: int = 5,
+    min_run_time: float = 0.5,
+    warmup: int = 1,
+    quick: bool = False,
+) -> list[Measurement]:
+    """Time each callable of ``impls`` on one case with ``torch.utils.benchmark``, interleaved.
+
+    After ``warmup`` calls of each, ``rounds`` rounds run ``Timer.blocked_autorange(min_run_time=...)``
+    once per implementation, in order (torch's timer sizes the block with untimed calls first, keeps
+    torch's thread count and synchronizes an accelerator); ``Measurement.merge`` pools an
+    implementation's blocks. ``ms`` is the median and ``ms_min`` the best per-call time over the
+    blocks, ``repeats`` the number of timed blocks, ``extra["page_faults"]`` the mean minor page faults
+    per call, the untimed ones included (see :func:`compare`). ``quick`` (a smoke run): 2 rounds of one
+    block each.
+    """
+    if quick:
+        rounds, min_run_time = 2, 0.0
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if min_run_time < 0:
+        raise ValueError(f"min_run_time must be >= 0 seconds, got {min_run_time}")
+    benchmark = _torch_benchmark()
+    calls = dict.fromkeys(impls, 0)
+
+    def counted(name: str, fn: Callable[[], object]) -> Callable[[], None]:
+        def call() -> None:
+            calls[name] += 1
+            fn()
+
+        return call
+
+    threads = torch.get_num_threads()
+    timers = {
+        name: benchmark.Timer(
+            "fn()", globals={"fn": counted(name, fn)}, label=case, description=name, num_threads=threads
+        )
+        for name, fn in impls.items()
+    }
+    for fn in impls.values():
+        for _ in range(warmup):
+            fn()
+    blocks: dict[str, list[Any]] = {name: [] for name in impls}
+    faults = dict.fromkeys(impls, 0)
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            f0 = _minor_faults()
+            blocks[name].append(timer.blocked_autorange(min_run_time=min_run_time))
+            faults[name] += _minor_faults() - f0
+    out = []
+    for name, measured in blocks.items():
+        (merged,) = benchmark.Measurement.merge(measured)
+        times, per_call = merged.times, {"page_faults": faults[name] / max(calls[name], 1)}
+        out.append(Measurement(case, name, merged.median * 1e3, min(times) * 1e3, len(times), per_call))
+    return out
 
 
 KEEP_HEAP_HELP = "keep freed memory in the heap (glibc): no page-fault noise from the allocator"

@@ -11,11 +11,13 @@ import torch
 from torch import nn
 
 from ..models import LocAtViT
-from .harness import Goal, SuiteResult, compare, register_suite
+from .harness import Goal, SuiteResult, register_suite, timed_rounds
 
 REFERENCE = "timm vit_tiny"
 CASES = [(224, 16), (448, 2)]  # (image size, batch)
 # issue 15: within these ratios to timm ViT-Tiny in every one of several fresh processes
+# per case: interleaved rounds, and each implementation's seconds per round (Timer.blocked_autorange)
+ROUNDS, MIN_RUN_TIME = 5, 0.5
 GOALS = {("inference", 224): 1.05, ("train", 224): 1.10, ("inference", 448): 1.10, ("train", 448): 1.15}
 TINY: dict[str, Any] = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3)
 
@@ -60,7 +62,7 @@ def models_suite(quick: bool = False) -> SuiteResult:
             train = mode == "train"
             impls = {name: _step(m.train(train), x, train) for name, m in models.items()}
             case = f"{mode} {size}px b{batch}"
-            rows += compare(case, impls, warmup=1 if quick else 2, repeat=3 if quick else 10)
+            rows += timed_rounds(case, impls, rounds=ROUNDS, min_run_time=MIN_RUN_TIME, quick=quick)
     result = SuiteResult(
         name="models",
         title=f"LocAtViT-Tiny vs timm ViT-Tiny, float32, CPU, ratio = ms / {REFERENCE}",
@@ -96,7 +98,7 @@ def compiled_suite(quick: bool = False) -> SuiteResult:
             compiled = cast(nn.Module, torch.compile(model))  # an OptimizedModule wrapping it
             impls[f"{name} compiled"] = _step(compiled, x, train=False)
         case = f"inference {size}px b{batch}"
-        rows += compare(case, impls, warmup=1 if quick else 2, repeat=3 if quick else 10)
+        rows += timed_rounds(case, impls, rounds=ROUNDS, min_run_time=MIN_RUN_TIME, quick=quick)
     return SuiteResult(
         name="compiled",
         title=f"torch.compile (inductor), inference, float32, CPU, ratio = ms / {COMPILED_REFERENCE}",

@@ -17,11 +17,12 @@ from torch import nn
 
 from ..models import LocAtViT
 from ..patch import patch
-from .harness import SuiteResult, compare, register_suite
+from .harness import SuiteResult, register_suite, timed_rounds
 
 REFERENCE = "timm vit_tiny"
 TINY = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3)
 SIZE = 224
+ROUNDS, MIN_RUN_TIME = 5, 1.5  # interleaved rounds; seconds per model and round
 
 
 def models() -> dict[str, nn.Module]:
@@ -69,7 +70,7 @@ def train_suite(quick: bool = False) -> SuiteResult:
     steps = {name: training_step(m.to(device).train(), x, y, dtype) for name, m in models().items()}
     precision = "bf16 autocast" if cuda else "float32"
     case = f"train step {SIZE}px b{batch} {device.type} {precision}"
-    rows = compare(case, steps, warmup=1 if quick else 2, repeat=3 if quick else 10)
+    rows = timed_rounds(case, steps, rounds=ROUNDS, min_run_time=MIN_RUN_TIME, quick=quick)
     return SuiteResult(
         name="train",
         title=f"One training step, {device.type} {precision}, ratio = ms / {REFERENCE}",
@@ -77,6 +78,6 @@ def train_suite(quick: bool = False) -> SuiteResult:
         rows=rows,
         notes=[
             "a step: forward, cross-entropy, backward and AdamW's update; the three models take turns "
-            "in every round (vitattn.bench.harness.compare)"
+            "in every round (vitattn.bench.harness.timed_rounds)"
         ],
     )

@@ -32,16 +32,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from .harness import Measurement, SuiteResult, machine_line, register_suite
+from .harness import Measurement, SuiteResult, machine_line, register_suite, timed_rounds
 
 MODEL = "vit_small_patch16_224"
 STUDENT = "student only"
@@ -145,13 +143,9 @@ def measure(variant: str, size: int, batch: int, repeat: int, loss: str = "ce") 
         before = _rss_kib("VmRSS")
         step()
         rss = (_rss_kib("VmHWM") - before) / 1024
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - t0) * 1e3)
+    (timed,) = timed_rounds(variant, {variant: step}, rounds=repeat, min_run_time=0.0, warmup=0)
     peak = _profiled_peak(step) / 2**20
-    return {"peak_mib": peak, "rss_mib": rss, "ms": statistics.median(times), "ms_min": min(times)}
+    return {"peak_mib": peak, "rss_mib": rss, "ms": timed.ms, "ms_min": timed.ms_min}
 
 
 def _run_child(variant: str, size: int, batch: int, repeat: int, loss: str) -> dict[str, float]:
