@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vitattn
+from vitattn.adapter.timm import layer_normalizer
 from vitattn.analysis import LocalityReport, head_alphas, locality_report, plot_alpha_per_layer
 from vitattn.functional import attention, explain, make_call, normalize
 from vitattn.layers import AdaptiveAlpha, Attention, LocAtAttention, convert_attention
 from vitattn.layers.adaptive import ALPHA_FLOOR
 from vitattn.models import LocAtViT
-from vitattn.transfer.intercept import layer_normalizer
 
 
 def _bisect_attention(q, k, v, alpha, scale=None):

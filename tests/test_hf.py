@@ -61,6 +61,9 @@ def test_register_names_and_alpha_factory() -> None:
 def test_import_vitattn_does_not_import_transformers() -> None:
     code = (
         "import sys, vitattn, vitattn.analysis, vitattn.probe, vitattn.transfer, vitattn.patch\n"
+        "from timm.models.vision_transformer import VisionTransformer\n"
+        "from vitattn.adapter import layout_of\n"
+        "layout_of(VisionTransformer(img_size=16, patch_size=8, embed_dim=8, depth=1, num_heads=2)).grid()\n"
         "assert 'transformers' not in sys.modules, sorted(m for m in sys.modules if 'transformers' in m)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,10 +1,13 @@
 """``vitattn.patch``: swap the attention of a timm ViT, Eva (RoPE ViT) or Swin, or of a transformers
 vision model, in place, weights kept.
 
-One :class:`~vitattn.models._locat_common.Family` per timm attention family (the ones the LocAt
-models convert with): each says which modules it takes, how to convert one and which vitattn layer
-each ``attention=`` name becomes. transformers models go to :func:`vitattn.hf.patch_transformers`
-(imported only for them).
+The model is read through its layout (:func:`vitattn.adapter.layout_of`). Patching is the one step
+where the two kinds of layout differ in kind, not in where things are: a timm-style model's attention
+modules are swapped for vitattn layers, one :class:`~vitattn.models._locat_common.Family` per timm
+attention family (the ones the LocAt models convert with: which modules it takes, how to convert one
+and which vitattn layer each ``attention=`` name becomes); a transformers model keeps its modules and
+computes through vitattn's attention implementation (:func:`vitattn.hf.patching.patch_layout`,
+imported only for it).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Literal
 
 from torch import nn
 
+from .adapter import ModelLayout, TimmLayout, layout_of
 from .layers import (
     PRR,
     Attention,
@@ -29,7 +33,7 @@ from .layers.locat import GaugInit, check_gaug_init
 from .layers.prr import PRRPool, PRRPoolNHWC
 from .models._grid import attach_grid_sync
 from .models._locat_common import EVA, SWIN, VIT, Family, prr_heads
-from .models.blocks import block_indices, is_transformers_model, module_items
+from .models.blocks import chosen_blocks
 from .models.locatrope import LocAtRoPEViT
 from .models.locatswin import LocAtSwin
 from .models.locatvit import LocAtViT
@@ -45,34 +49,6 @@ _LAYERS: dict[str, type[Attention]] = {
 _DEFAULT_WINDOW = 7
 # The rotary family comes first: vitattn's rotary layers are Attention subclasses too.
 _FAMILIES = (EVA, VIT)
-
-
-def _attention_slots(model: object) -> tuple[list[tuple[str, nn.Module]], bool]:
-    """``(label, block)`` of every block with an attention, and whether the model is a Swin.
-
-    A ViT / Eva has ``patch_embed`` + ``blocks``; a Swin has ``patch_embed`` + ``layers[i].blocks``
-    (its blocks are numbered stage by stage).
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a timm VisionTransformer (an nn.Module), got {type(model).__name__}")
-    if isinstance(getattr(model, "patch_embed", None), nn.Module):
-        blocks = getattr(model, "blocks", None)
-        if isinstance(blocks, nn.Module):
-            return [(f"blocks[{i}]", b) for i, b in enumerate(module_items(blocks))], False
-        layers = getattr(model, "layers", None)
-        if isinstance(layers, nn.Module) and all(
-            isinstance(getattr(s, "blocks", None), nn.Module) for s in module_items(layers)
-        ):
-            return [
-                (f"layers[{s}].blocks[{j}]", b)
-                for s, stage in enumerate(module_items(layers))
-                for j, b in enumerate(module_items(stage.get_submodule("blocks")))
-            ], True
-    raise TypeError(
-        f"model must be a timm VisionTransformer or Eva (patch_embed + blocks) or SwinTransformer "
-        f"(patch_embed + layers[i].blocks), or a transformers ViT / DeiT / DINOv2 / ViT-MAE / CLIP vision / "
-        f"SigLIP vision model, got {type(model).__name__}"
-    )
 
 
 def _family(attn: object, swin: bool) -> Family | None:
@@ -127,13 +103,6 @@ def _unsupported_attention(label: str, attn: object) -> TypeError:
     )
 
 
-def _block_indices(blocks: int | Iterable[int] | None, depth: int) -> list[int]:
-    if blocks is None:
-        return list(range(depth))
-    items = [blocks] if isinstance(blocks, int) else list(blocks)
-    return list(block_indices(items, depth, name="blocks")) if items else []
-
-
 def _add_prr(model: nn.Module) -> None:
     layer = PRR(int(model.embed_dim), prr_heads(model.get_submodule("blocks")))  # type: ignore[arg-type]
     if isinstance(model, (LocAtViT, LocAtRoPEViT)):
@@ -154,9 +123,9 @@ def _add_prr(model: nn.Module) -> None:
     model.pool_include_prefix = True  # type: ignore[assignment]  # nn.Module types only tensors, modules
 
 
-def _add_prr_swin(model: nn.Module, slots: list[tuple[str, nn.Module]]) -> None:
+def _add_prr_swin(model: nn.Module, blocks: list[nn.Module]) -> None:
     """PRR over the last stage's NHWC output, before the head's pooling (``head.global_pool``)."""
-    layer = PRR(int(model.num_features), prr_heads([block for _, block in slots]))  # type: ignore[arg-type]
+    layer = PRR(int(model.num_features), prr_heads(blocks))  # type: ignore[arg-type]
     if isinstance(model, LocAtSwin):
         if model.prr is None:
             model.prr = layer
@@ -315,49 +284,90 @@ def patch(
     """
     gaug_init = check_gaug_init(gaug_init)
     name = _attention_name(attention)
-    if is_transformers_model(model):
-        from .hf.patching import patch_transformers
+    layout = layout_of(model)
+    options = _Options(name, prr, normalizer, gaug_init, window, dilation)
+    if isinstance(layout, TimmLayout):
+        _patch_timm(layout, options, blocks)
+    else:
+        _patch_transformers(layout, options, blocks)
+    return model
 
-        if window is not None or dilation is not None or name == "window":
-            raise ValueError("window= / attention='window' is for timm ViTs, not transformers models")
-        if normalizer == "adaptive":
-            raise ValueError("normalizer='adaptive' is for timm models, not transformers models")
-        return patch_transformers(
-            model, name, prr=prr, blocks=blocks, normalizer=normalizer, gaug_init=gaug_init
+
+@dataclass(frozen=True)
+class _Options:
+    """What a :func:`patch` call asks for, its names checked (``attention`` a key of ``_LAYERS``)."""
+
+    attention: str | None
+    prr: bool
+    normalizer: LayerNormalizer | None
+    gaug_init: GaugInit
+    window: int | Sequence[int] | None
+    dilation: int | Sequence[int] | None
+
+
+def _patch_transformers(layout: ModelLayout, options: _Options, blocks: int | Iterable[int] | None) -> None:
+    """Set the chosen blocks of a transformers model to compute through vitattn as ``options`` say."""
+    from .hf.layout import HFLayout
+    from .hf.patching import patch_layout
+
+    assert isinstance(layout, HFLayout)  # layout_of gives a transformers model no other layout
+    if options.window is not None or options.dilation is not None or options.attention == "window":
+        raise ValueError("window= / attention='window' is for timm ViTs, not transformers models")
+    if options.normalizer == "adaptive":
+        raise ValueError("normalizer='adaptive' is for timm models, not transformers models")
+    indices = chosen_blocks(blocks, layout.depth)
+    patch_layout(layout, options.attention, options.prr, indices, options.normalizer, options.gaug_init)
+
+
+_Plan = tuple[Family, str, str, dict[str, object]]  # (family, its layer name, kind, layer kwargs)
+
+
+def _patch_timm(layout: TimmLayout, options: _Options, blocks: int | Iterable[int] | None) -> None:
+    """Swap the chosen blocks' attention modules for the vitattn layers ``options`` name."""
+    if layout.depth == 0 or layout.grid() is None:
+        raise TypeError(
+            f"model must be a timm VisionTransformer or Eva (patch_embed + blocks) or SwinTransformer "
+            f"(patch_embed + layers[i].blocks), or a transformers ViT / DeiT / DINOv2 / ViT-MAE / CLIP "
+            f"vision / SigLIP vision model, got {type(layout.model).__name__}"
         )
-    slots, swin = _attention_slots(model)
-    layer_normalizer = _layer_normalizer(name, normalizer)
-    all_blocks = [block for _, block in slots]
-    indices = _block_indices(blocks, len(all_blocks))
-    plans: dict[int, tuple[Family, str, str, dict[str, object]]] = {}
-    for i in indices:
-        label, old = slots[i][0], getattr(all_blocks[i], "attn", None)
-        family = _family(old, swin)
-        if family is None:
-            raise _unsupported_attention(label, old)
-        assert isinstance(old, nn.Module)
-        layer, kind, kwargs = _target(label, _current(old), name, layer_normalizer, window, dilation, swin)
-        if layer not in family.layers:
-            raise ValueError(f"attention={layer!r} is not available for {family.name} ({label})")
-        plans[i] = (family, layer, kind, kwargs)
-    grid_layers = not swin and any(kind != "none" for _, _, kind, _ in plans.values())
-    grid: dict[str, object] = {}
-    if grid_layers:  # a Swin's GAug grid is each layer's window
-        patch_drop = getattr(model, "patch_drop", None)
-        if getattr(patch_drop, "prob", 0.0):
-            kinds = sorted({kind for _, _, kind, _ in plans.values() if kind != "none"})
-            raise ValueError(f"attention={kinds[0]!r} needs every patch token: this model uses patch dropout")
-        size = tuple(int(g) for g in model.patch_embed.grid_size)  # type: ignore[union-attr]
-        grid = {"grid_size": size, "num_prefix_tokens": int(getattr(model, "num_prefix_tokens", 0))}
+    layer_normalizer = _layer_normalizer(options.attention, options.normalizer)
+    plans = {i: _plan(layout, i, options, layer_normalizer) for i in chosen_blocks(blocks, layout.depth)}
+    grid = _grid_options(layout, plans)
     for i, (family, layer, kind, kwargs) in plans.items():
-        old = all_blocks[i].attn
-        extra = {**kwargs, "gaug_init": gaug_init, **(grid if kind != "none" else {})}
+        block = layout.blocks[i]
+        old = block.attn
+        extra = {**kwargs, "gaug_init": options.gaug_init, **(grid if kind != "none" else {})}
         new = family.convert(old, family.layers[layer], **extra)
         if isinstance(new, LocAtAttention) and isinstance(old, GridAttention) and old.initial_grid_size:
             new.set_grid(grid["grid_size"], initial_grid_size=old.initial_grid_size)  # type: ignore[arg-type]
-        all_blocks[i].attn = new
-    if grid_layers:
-        attach_grid_sync(model)
-    if prr:
-        _add_prr_swin(model, slots) if swin else _add_prr(model)
-    return model
+        block.attn = new
+    if grid:
+        attach_grid_sync(layout.model)
+    if options.prr:
+        _add_prr_swin(layout.model, layout.blocks) if layout.windowed else _add_prr(layout.model)
+
+
+def _plan(layout: TimmLayout, index: int, options: _Options, normalizer: str | float | None) -> _Plan:
+    """What block ``index`` becomes: its family, the family's layer name, the kind and the layer kwargs."""
+    label, old = layout.block_names[index], layout.attentions[index]
+    family = _family(old, layout.windowed)
+    if family is None:
+        raise _unsupported_attention(label, old)
+    assert old is not None
+    layer, kind, kwargs = _target(
+        label, _current(old), options.attention, normalizer, options.window, options.dilation, layout.windowed
+    )
+    if layer not in family.layers:
+        raise ValueError(f"attention={layer!r} is not available for {family.name} ({label})")
+    return family, layer, kind, kwargs
+
+
+def _grid_options(layout: TimmLayout, plans: dict[int, _Plan]) -> dict[str, object]:
+    """The token layout a grid-aware layer (LocAt, neighbourhood) is built with; none when no plan
+    makes one, or on a Swin (its GAug grid is each layer's window)."""
+    kinds = sorted({kind for _, _, kind, _ in plans.values() if kind != "none"})
+    if layout.windowed or not kinds:
+        return {}
+    if getattr(getattr(layout.model, "patch_drop", None), "prob", 0.0):
+        raise ValueError(f"attention={kinds[0]!r} needs every patch token: this model uses patch dropout")
+    return {"grid_size": layout.grid(), "num_prefix_tokens": layout.num_prefix_tokens or 0}

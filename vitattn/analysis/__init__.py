@@ -10,7 +10,6 @@ matplotlib, progress bars tqdm and the digits data scikit-learn (the ``study`` e
 loaded from a checkpoint.
 """
 
-from ..models.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
 from .checkpoint import load_checkpoint, read_state_dict
 from .data import InputSpec, digits_images, image_folder_batches, input_spec
 from .maps import attention_maps, record_attention, resolve_layers, timm_attention_probs
@@ -53,9 +52,7 @@ __all__ = [
     "load_checkpoint",
     "locality_report",
     "mean_attention_distance",
-    "model_grid_size",
     "model_heatmap",
-    "model_num_prefix_tokens",
     "model_rollout",
     "plot_alpha_per_layer",
     "plot_locality_plane",
@@ -65,7 +62,6 @@ __all__ = [
     "read_state_dict",
     "record_attention",
     "resolve_layers",
-    "resolve_layout",
     "rollout_heatmap",
     "timm_attention_probs",
     "upsample_heatmap",

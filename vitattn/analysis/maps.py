@@ -7,98 +7,60 @@ the module's input with timm's own math, ``softmax(q·scale @ kᵀ + mask)`` aft
 ``k_norm``. A transformers vision model computes its attention through vitattn for the length of the
 capture (:func:`vitattn.hf.vitattn_implementation`: its own vitattn implementation, else ``"vitattn"``,
 which for an unpatched model is softmax, the same math as transformers' eager and SDPA paths); its
-vision tower runs with every patch as a token (:func:`vitattn.hf.run_backbone`). Either way the
-model's forward is left to run as it is and every hook is removed after.
+vision tower runs with every patch as a token (:func:`vitattn.hf.run_backbone`). The model is read
+through its layout (:func:`vitattn.adapter.layout_of`: the blocks, their attention modules, the
+context in which maps can be read, the forward on images). Either way the model's forward is left
+to run as it is and every hook is removed after.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, cast
 
 import torch
 from torch import nn
 
+from ..adapter import ModelLayout, layout_of
 from ..functional import capture_attention_weights, scores
 from ..layers.attention import TimmStyleAttention, project_qkv, resolve_attn_mask
-from ..models.blocks import block_indices, is_transformers_model, model_blocks
-from ..models.layout import model_grid_size, model_num_prefix_tokens
+from ..models.blocks import block_indices
 
 __all__ = [
+    "analysis_layout",
     "attention_maps",
-    "attention_modules",
     "evaluating",
-    "forward_images",
+    "layout_layers",
+    "layout_maps",
     "record_attention",
+    "record_layout",
     "resolve_layers",
     "timm_attention_probs",
-    "token_layout",
 ]
 
 MapSink = Callable[[int, torch.Tensor], None]
 
 
-def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module | None]]:
-    """``(label, attention module)`` per block: ``blocks[i].attn`` of a timm-style ViT, the attention
-    module of each encoder layer of a transformers vision model (None where a block has none)."""
-    if is_transformers_model(model):
-        from ..hf.layout import hf_layout
-
-        layout = hf_layout(model)
-        return list(zip(layout.attention_names, layout.attentions, strict=True))
-    out: list[tuple[str, nn.Module | None]] = []
-    for i, block in enumerate(model_blocks(model)):
-        attn = getattr(block, "attn", None)
-        out.append((f"blocks[{i}].attn", attn if isinstance(attn, nn.Module) else None))
-    return out
+def analysis_layout(model: nn.Module) -> ModelLayout:
+    """``model``'s layout for reading attention maps: a ViT attending over all its tokens (timm-style
+    with ``blocks``, or a transformers vision model); a ``TypeError`` otherwise."""
+    return layout_of(model, windowed=False)
 
 
-@contextmanager
-def _attention_through_vitattn(model: nn.Module) -> Iterator[None]:
-    """A transformers model computes its attention through vitattn in the block; others as they are."""
-    if not is_transformers_model(model):
-        yield
-        return
-    from ..hf.patching import vitattn_implementation
-
-    with vitattn_implementation(model):
-        yield
-
-
-def forward_images(model: nn.Module, x: torch.Tensor) -> Any:
-    """The model's forward on images ``x: (B, C, H, W)``: ``model(x)``, or the vision tower of a
-    transformers model with every patch a token (:func:`vitattn.hf.run_backbone`)."""
-    if is_transformers_model(model):
-        from ..hf.layout import hf_layout, run_backbone
-
-        return run_backbone(hf_layout(model), x)
-    return model(x)
-
-
-def token_layout(
-    model: nn.Module, image_size: Sequence[int] | None = None
-) -> tuple[tuple[int, int] | None, int | None]:
-    """``(patch grid, prefix tokens)`` of the model on an ``image_size = (H, W)`` input (None where
-    unknown): :func:`~vitattn.models.layout.model_grid_size` and ``model_num_prefix_tokens`` of a
-    timm-style ViT, or the family's layout of a transformers vision model (:func:`vitattn.hf.hf_layout`:
-    class, distillation and register tokens; the input size over the patch size)."""
-    if is_transformers_model(model):
-        from ..hf.layout import hf_layout
-
-        layout = hf_layout(model)
-        return layout.grid(image_size), layout.num_prefix_tokens
-    return model_grid_size(model, image_size), model_num_prefix_tokens(model)
+def layout_layers(layout: ModelLayout, layers: int | Iterable[int] | None) -> list[int]:
+    """``layers`` as sorted block indices of ``layout`` (all by default)."""
+    depth = len(layout.blocks)
+    if layers is None:
+        return list(range(depth))
+    items = [layers] if isinstance(layers, int) else list(layers)
+    return list(block_indices(items, depth))
 
 
 def resolve_layers(model: nn.Module, layers: int | Iterable[int] | None = None) -> list[int]:
     """Sorted, de-duplicated block indices into ``model.blocks`` (or the encoder layers of a
     transformers model); negatives count from the end."""
-    depth = len(attention_modules(model))
-    if layers is None:
-        return list(range(depth))
-    items = [layers] if isinstance(layers, int) else list(layers)
-    return list(block_indices(items, depth))
+    return layout_layers(analysis_layout(model), layers)
 
 
 def _timm_attention_cls() -> type[nn.Module] | None:
@@ -136,10 +98,9 @@ def _call_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Ten
     return x, mask, bool(causal)
 
 
-@contextmanager
 def record_attention(
     model: nn.Module, sink: MapSink, layers: int | Iterable[int] | None = None
-) -> Iterator[list[int]]:
+) -> AbstractContextManager[list[int]]:
     """Within the block, every forward of a chosen block's ``attn`` calls ``sink(block_index, probs)``.
 
     ``probs`` is the detached ``(B, H, N, N)`` probability tensor of that forward. Yields the chosen
@@ -150,8 +111,16 @@ def record_attention(
     ``Attention`` nor calls :func:`vitattn.functional.attention`, and ``RuntimeError`` for one that
     calls it more than once per forward.
     """
-    modules = attention_modules(model)
-    chosen = resolve_layers(model, layers)
+    return record_layout(analysis_layout(model), sink, layers)
+
+
+@contextmanager
+def record_layout(
+    layout: ModelLayout, sink: MapSink, layers: int | Iterable[int] | None = None
+) -> Iterator[list[int]]:
+    """:func:`record_attention` on a model's layout."""
+    modules = list(zip(layout.attention_names, layout.attentions, strict=True))
+    chosen = layout_layers(layout, layers)
     state: dict[str, Any] = {"block": None, "probs": []}
     handles = []
 
@@ -195,7 +164,7 @@ def record_attention(
             pre_hook, post_hook = make_hooks(i, attn)
             handles.append(attn.register_forward_pre_hook(pre_hook, with_kwargs=True))
             handles.append(attn.register_forward_hook(post_hook, with_kwargs=True))
-        with capture_attention_weights(on_probs), _attention_through_vitattn(model):
+        with capture_attention_weights(on_probs), layout.reading_maps():
             yield chosen
     finally:
         for handle in handles:
@@ -237,6 +206,13 @@ def attention_maps(
         on the model's device; rows are queries, ``N`` counts prefix (class/register) tokens too.
         The forward runs under ``torch.no_grad()``; no hook is left behind.
     """
+    return layout_maps(analysis_layout(model), x, layers, eval_mode=eval_mode)
+
+
+def layout_maps(
+    layout: ModelLayout, x: torch.Tensor, layers: int | Iterable[int] | None = None, *, eval_mode: bool = True
+) -> dict[int, torch.Tensor]:
+    """:func:`attention_maps` of a model's layout."""
     maps: dict[int, torch.Tensor] = {}
 
     def sink(i: int, probs: torch.Tensor) -> None:
@@ -244,8 +220,8 @@ def attention_maps(
             raise RuntimeError(f"blocks[{i}].attn ran more than once in one forward of the model")
         maps[i] = probs
 
-    with record_attention(model, sink, layers) as chosen, torch.no_grad(), evaluating(model, eval_mode):
-        forward_images(model, x)
+    with record_layout(layout, sink, layers) as chosen, torch.no_grad(), evaluating(layout.model, eval_mode):
+        layout.forward(x)
     missing = [i for i in chosen if i not in maps]
     if missing:
         raise RuntimeError(f"blocks {missing} did not run their attention in the model's forward")

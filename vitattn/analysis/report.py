@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..models.layout import resolve_layout
-from .maps import attention_modules, evaluating, forward_images, record_attention, token_layout
+from ..adapter import ModelLayout, resolve_layout
+from .maps import analysis_layout, evaluating, record_layout
 from .metrics import attention_entropy, grid_diagonal, mean_attention_distance
 
 __all__ = ["LocalityReport", "ReportDiff", "head_alphas", "iter_image_batches", "locality_report"]
@@ -335,12 +335,12 @@ def head_alphas(attn: nn.Module) -> tuple[list[float], bool]:
     return ([1.0] * int(heads) if isinstance(heads, int) else []), False
 
 
-def _report_alphas(model: nn.Module, layers: Sequence[int], heads: Sequence[int]) -> list[list[float]]:
+def _report_alphas(layout: ModelLayout, layers: Sequence[int], heads: Sequence[int]) -> list[list[float]]:
     """The alphas of ``layers`` (their ``heads`` counts) when one of them learns its alphas, else ``[]``."""
-    modules = attention_modules(model)
+    modules = layout.attentions
     rows, learned = [], False
     for i, count in zip(layers, heads, strict=True):
-        alphas, adaptive = head_alphas(modules[i][1] or nn.Identity())
+        alphas, adaptive = head_alphas(modules[i] or nn.Identity())
         learned = learned or adaptive
         rows.append(alphas if len(alphas) == count else [math.nan] * count)
     return rows if learned else []
@@ -386,14 +386,15 @@ def locality_report(
     """
     if max_images is not None and max_images < 1:
         raise ValueError(f"max_images must be >= 1 or None, got {max_images}")
+    layout = analysis_layout(model)
     param = next(model.parameters(), None)
     stats: dict[int, _LayerStats] = {}
     grids: set[tuple[int, int]] = set()
     prefixes: set[int] = set()
-    layout: dict[str, Any] = {}
+    tokens: dict[str, Any] = {}  # the grid and prefix count of the batch being read
 
     def sink(i: int, probs: torch.Tensor) -> None:
-        grid, prefix = resolve_layout(probs.shape[-1], layout["grid"], layout["prefix"])
+        grid, prefix = resolve_layout(probs.shape[-1], tokens["grid"], tokens["prefix"])
         grids.add(grid)
         prefixes.add(prefix)
         layer = stats.setdefault(i, _LayerStats())
@@ -405,16 +406,16 @@ def locality_report(
     total = _known_total(data)
     bar = _progress(min(total, max_images) if total and max_images else total or max_images, progress)
     try:
-        with record_attention(model, sink, layers) as chosen, torch.no_grad(), evaluating(model):
+        with record_layout(layout, sink, layers) as chosen, torch.no_grad(), evaluating(model):
             for x in iter_image_batches(data):
                 if max_images is not None:
                     x = x[: max_images - seen]
                 if param is not None:
                     x = x.to(param.device, param.dtype if x.is_floating_point() else None)
-                grid, prefix = token_layout(model, x.shape[-2:])
-                layout["grid"] = grid_size if grid_size is not None else grid
-                layout["prefix"] = num_prefix_tokens if num_prefix_tokens is not None else prefix
-                forward_images(model, x)
+                grid, prefix = layout.grid(x.shape[-2:]), layout.num_prefix_tokens
+                tokens["grid"] = grid_size if grid_size is not None else grid
+                tokens["prefix"] = num_prefix_tokens if num_prefix_tokens is not None else prefix
+                layout.forward(x)
                 seen += x.shape[0]
                 if bar is not None:
                     bar.update(x.shape[0])
@@ -439,5 +440,5 @@ def locality_report(
         num_prefix_tokens=next(iter(prefixes)) if len(prefixes) == 1 else -1,
         num_images=seen,
         model=name or type(model).__name__,
-        alpha=_report_alphas(model, chosen, [len(row) for row in mad]),
+        alpha=_report_alphas(layout, chosen, [len(row) for row in mad]),
     )

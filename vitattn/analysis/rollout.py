@@ -20,10 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..adapter import ModelLayout, resolve_layout
 from ..layers.attention import project_qkv
-from ..models.blocks import is_transformers_model
-from ..models.layout import resolve_layout
-from .maps import attention_maps, evaluating, record_attention, resolve_layers, token_layout
+from .maps import analysis_layout, evaluating, layout_layers, layout_maps, record_layout
 
 __all__ = [
     "HEAD_FUSIONS",
@@ -266,25 +265,44 @@ def attention_gradients(
         ``∂y/∂A = (∂y/∂O)·Vᵀ``, read from the input of the layer's ``norm`` and its value projection.
         The model runs in eval mode (restored after) with gradients; its parameters get none.
     """
-    maps: dict[int, torch.Tensor] = {}
-    inputs: dict[int, torch.Tensor] = {}
-    outputs: dict[int, torch.Tensor] = {}
-    blocks = list(getattr(model, "blocks", []))
-    chosen = resolve_layers(model, layers)
-    handles = []
+    return _layout_gradients(analysis_layout(model), x, target, layers)
+
+
+def _gradient_modules(layout: ModelLayout, chosen: list[int]) -> dict[int, tuple[nn.Module, nn.Module]]:
+    """``(attention module, its norm)`` of each chosen block, which has ``qkv`` (else a ``TypeError``)."""
+    modules = {}
     for i in chosen:
-        attn = getattr(blocks[i], "attn", None)
+        attn = layout.attentions[i]
         norm = getattr(attn, "norm", None)
         if not isinstance(attn, nn.Module) or not isinstance(norm, nn.Module) or not hasattr(attn, "qkv"):
             raise TypeError(
-                f"blocks[{i}].attn is {type(attn).__name__}: attention gradients need a ViT attention "
-                "with `qkv` and `norm` (timm's Attention or a vitattn layer)"
+                f"{layout.attention_names[i]} is {type(attn).__name__}: attention gradients need a ViT "
+                "attention with `qkv` and `norm` (timm's Attention or a vitattn layer)"
             )
+        modules[i] = (attn, norm)
+    return modules
+
+
+def _layout_gradients(
+    layout: ModelLayout,
+    x: torch.Tensor,
+    target: int | torch.Tensor | None = None,
+    layers: int | Iterable[int] | None = None,
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """:func:`attention_gradients` of a model's layout."""
+    maps: dict[int, torch.Tensor] = {}
+    inputs: dict[int, torch.Tensor] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    model = layout.model
+    chosen = layout_layers(layout, layers)
+    modules = _gradient_modules(layout, chosen)
+    handles = []
+    for i, (attn, norm) in modules.items():
         handles.append(attn.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0])))
         handles.append(norm.register_forward_pre_hook(lambda m, a, i=i: outputs.__setitem__(i, a[0])))
     try:
         with (
-            record_attention(model, lambda i, p: maps.__setitem__(i, p), chosen),
+            record_layout(layout, lambda i, p: maps.__setitem__(i, p), chosen),
             evaluating(model),
             torch.enable_grad(),
         ):
@@ -302,7 +320,7 @@ def attention_gradients(
     grads: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for i, d_out in zip(chosen, got, strict=True):
-            _, _, v = project_qkv(blocks[i].attn, inputs[i].detach(), need_qk=False)  # (B, H, N, d)
+            _, _, v = project_qkv(modules[i][0], inputs[i].detach(), need_qk=False)  # (B, H, N, d)
             heads = v.shape[1]
             d_out = d_out.reshape(b, d_out.shape[1], heads, -1).transpose(1, 2)
             grads[i] = (d_out @ v.transpose(-1, -2)).to(maps[i].dtype)
@@ -322,11 +340,12 @@ def model_rollout(
     of :func:`~vitattn.analysis.attention_maps`: a timm / vitattn ViT or a transformers vision model)
     or, with ``gradient=True``, :func:`gradient_rollout` for the class ``target`` (None: each image's
     top class; ``discard_ratio`` and ``head_fusion`` do not apply; timm / vitattn ViTs only)."""
-    prefix = token_layout(model, tuple(x.shape[-2:]))[1] or 0
+    layout = analysis_layout(model)
+    prefix = layout.num_prefix_tokens or 0
     if gradient:
-        maps, grads = attention_gradients(model, x, target)
+        maps, grads = _layout_gradients(layout, x, target)
         return gradient_rollout(maps, grads)
-    return attention_rollout(attention_maps(model, x), discard_ratio, head_fusion, prefix)
+    return attention_rollout(layout_maps(layout, x), discard_ratio, head_fusion, prefix)
 
 
 def model_heatmap(model: nn.Module, x: torch.Tensor, rollout: torch.Tensor) -> torch.Tensor:
@@ -334,12 +353,9 @@ def model_heatmap(model: nn.Module, x: torch.Tensor, rollout: torch.Tensor) -> t
     count: ``(B, gh, gw)``. The class token (token 0); the mean of the class tokens when there are
     several (Jumbo's J tokens: prefix tokens that are not registers); the mean of all tokens when
     there is no class token (average pooling)."""
-    grid, prefix_count = token_layout(model, tuple(x.shape[-2:]))
-    prefix = prefix_count or 0
-    if is_transformers_model(model):  # token 0 is the class token of every family that has one
-        classes = min(prefix, 1)
-    else:
-        classes = prefix - int(getattr(model, "num_reg_tokens", 0) or 0)
+    layout = analysis_layout(model)
+    grid, prefix = layout.grid(tuple(x.shape[-2:])), layout.num_prefix_tokens or 0
+    classes = layout.num_class_tokens
     query: int | str = 0 if classes == 1 else ("prefix" if classes > 1 else "all")
     return rollout_heatmap(rollout, grid, prefix, query=query)
 

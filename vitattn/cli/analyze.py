@@ -203,7 +203,7 @@ def compute_rollout(
     """The rollout of the first ``--rollout-images`` images: ``(images, heat maps, title)`` for
     :func:`~vitattn.analysis.plots.plot_rollout` (the class token's maps, or Jumbo's J tokens')."""
     from ..analysis.rollout import model_heatmap, model_rollout
-    from ..models.blocks import is_transformers_model
+    from ..models.origin import is_transformers_model
 
     if args.gradient_rollout and is_transformers_model(model):
         raise ValueError(
@@ -242,8 +242,9 @@ def run_analyze(args: argparse.Namespace) -> int:
     input has been checked and every number computed."""
     import torch
 
+    from ..adapter import layout_of, resolve_layout
     from ..analysis.data import digits_images, image_folder_batches
-    from ..analysis.maps import attention_maps, token_layout
+    from ..analysis.maps import attention_maps
     from ..analysis.plots import (
         plot_alpha_per_layer,
         plot_locality_plane,
@@ -253,7 +254,6 @@ def run_analyze(args: argparse.Namespace) -> int:
         query_token,
     )
     from ..analysis.report import LocalityReport, locality_report
-    from ..models.layout import resolve_layout
 
     check_args(args)
     torch.manual_seed(args.seed)
@@ -284,7 +284,9 @@ def run_analyze(args: argparse.Namespace) -> int:
     layer = report.layers[-1] if args.map_layer is None else args.map_layer
     maps = attention_maps(model, image[None].to(next(model.parameters()).dtype), [layer])
     layer = next(iter(maps))
-    grid, prefix = resolve_layout(maps[layer].shape[-1], *token_layout(model, image.shape[-2:]))
+    layout = layout_of(model)
+    tokens = maps[layer].shape[-1]
+    grid, prefix = resolve_layout(tokens, layout.grid(image.shape[-2:]), layout.num_prefix_tokens)
     query = parse_query(args.query)
     try:  # a query outside the grid fails here, before anything is written
         query_token(query, grid, prefix)

@@ -9,14 +9,15 @@
   (:func:`saved_model_class`), its vitattn patch rebuilt before the weights load
   (:func:`patching_class`); :func:`load_model` resolves ``hf:<model id or folder>`` offline for the
   command line;
-- :func:`hf_layout` finds the vision tower, its layers and attention modules, the token layout.
+- :func:`hf_layout` finds the vision tower, its layers and attention modules, the token layout: an
+  :class:`HFLayout`, the transformers implementation of :class:`vitattn.adapter.ModelLayout`.
 
 Importing this package registers the attention functions with transformers (importing it), so
 ``AutoModel.from_pretrained(path, attn_implementation="vitattn_entmax15")`` works right after
 ``import vitattn.hf``; ``import vitattn`` itself never imports transformers.
 """
 
-from ..models.blocks import is_transformers_model
+from ..models.origin import is_transformers_model
 from .functions import (
     ATTENTION_NAMES,
     PATCHED_NAME,
@@ -27,6 +28,7 @@ from .functions import (
     normalizer_of_name,
     register,
 )
+from .implementation import set_implementation, vitattn_implementation
 from .layout import FAMILIES, HFFamily, HFLayout, hf_layout, run_backbone
 from .loading import (
     HF_PREFIX,
@@ -43,8 +45,6 @@ from .patching import (
     ImplementationSetter,
     apply_record,
     patch_transformers,
-    set_implementation,
-    vitattn_implementation,
 )
 
 __all__ = [

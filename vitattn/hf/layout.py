@@ -1,6 +1,7 @@
 """Where things are in a Hugging Face transformers vision model: the vision tower, its encoder layers,
 the attention module of each (the one that calls transformers' attention interface), the final norm,
-and the token layout (patch grid, prefix tokens).
+and the token layout (patch grid, prefix tokens); and how its attention runs: :class:`HFLayout`, the
+transformers implementation of :class:`vitattn.adapter.ModelLayout`.
 
 Read by duck typing (attribute names and ``config.model_type``), so nothing here imports transformers;
 it finds the same things in transformers 4.5x (``encoder.layer[i].attention.attention`` with
@@ -12,15 +13,18 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from ..functional import grid_pair
+from ..functional import GaussianBias, grid_pair
+from ..functional.normalize import AttentionNormalizer
 from ..models.blocks import module_items
+from .functions import RULE_ATTR, SETTINGS_ATTR, gaug_bias
+from .implementation import vitattn_implementation
 
 __all__ = [
     "FAMILIES",
@@ -29,6 +33,7 @@ __all__ = [
     "all_patch_tokens",
     "backbone_kwargs",
     "hf_layout",
+    "prediction",
     "run_backbone",
     "supported_families",
 ]
@@ -100,18 +105,18 @@ class HFLayout:
     """The parts of a transformers vision model that vitattn uses.
 
     ``backbone`` is the vision tower (``model`` itself, ``model.vit``, ``model.vision_model``, ...),
-    ``layers[i]`` its encoder layers, ``attentions[i]`` the module of layer ``i`` that transformers'
+    ``blocks[i]`` its encoder layers, ``attentions[i]`` the module of layer ``i`` that transformers'
     attention interface receives, ``final_norm`` the norm after the last layer (CLIP's
     ``post_layernorm`` normalizes only the pooled class token in the model itself).
-    ``*_names`` are qualified names in ``model``.
+    ``*_names`` are qualified names in ``model``. The methods are :class:`~vitattn.adapter.ModelLayout`'s.
     """
 
     family: HFFamily
     model: nn.Module
     backbone: nn.Module
     backbone_name: str
-    layers: list[nn.Module]
-    layer_names: list[str]
+    blocks: list[nn.Module]
+    block_names: list[str]
     attentions: list[nn.Module]
     attention_names: list[str]
     final_norm: nn.Module | None
@@ -123,7 +128,11 @@ class HFLayout:
 
     @property
     def depth(self) -> int:
-        return len(self.layers)
+        return len(self.blocks)
+
+    @property
+    def windowed(self) -> bool:
+        return False  # every supported family attends over all tokens
 
     @property
     def num_prefix_tokens(self) -> int:
@@ -133,6 +142,10 @@ class HFLayout:
     @property
     def has_class_token(self) -> bool:
         return self.family.class_token
+
+    @property
+    def num_class_tokens(self) -> int:
+        return int(self.family.class_token)  # token 0 (DeiT's distillation token is not one)
 
     @property
     def patch_size(self) -> tuple[int, int]:
@@ -158,6 +171,75 @@ class HFLayout:
 
     def in_channels(self) -> int:
         return int(getattr(self.config, "num_channels", 3))
+
+    def forward(self, images: torch.Tensor) -> Any:
+        """The vision tower on ``images`` (:func:`run_backbone`)."""
+        return run_backbone(self, images)
+
+    def image_calls(self) -> AbstractContextManager[None]:
+        """Within the block ``model(images)`` runs on ``pixel_values=images`` with every patch a token
+        (the keyword arguments its forward takes) and returns its prediction tensor (:func:`prediction`)."""
+        return _image_calls(self)
+
+    def reading_maps(self) -> AbstractContextManager[None]:
+        return vitattn_implementation(self.model)
+
+    def normalizer(self, index: int) -> AttentionNormalizer:
+        """The one :func:`vitattn.patch` set, else softmax."""
+        return getattr(getattr(self.attentions[index], SETTINGS_ATTR, None), "normalizer", "softmax")
+
+    def scale(self, index: int) -> float:
+        attn = self.attentions[index]
+        for name in ("scaling", "scale"):
+            value = getattr(attn, name, None)
+            if isinstance(value, (int, float)):
+                return float(value)
+        return float(attention_head_dim(attn) ** -0.5)
+
+    def bias(self, index: int, q: torch.Tensor) -> torch.Tensor | GaussianBias | None:
+        """GAug's bias of a LocAt-patched module (:func:`vitattn.hf.functions.gaug_bias`), else None."""
+        return gaug_bias(self.attentions[index], q)
+
+    def dropout(self, index: int) -> float:
+        """The module's ``attention_dropout`` / ``dropout_prob`` / ``dropout`` rate while training."""
+        attn = self.attentions[index]
+        if attn.training:
+            for name in ("attention_dropout", "dropout_prob", "dropout"):
+                value = getattr(attn, name, None)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    return float(value)
+        return 0.0
+
+    def check_intercept(self, index: int) -> None:
+        """Nothing to refuse: every supported module hands q, k, v to the attention interface."""
+
+    @contextmanager
+    def intercept(
+        self, indices: Sequence[int], rule: Callable[..., torch.Tensor], *, need_qk: bool = True
+    ) -> Iterator[None]:
+        """The rule (an :data:`~vitattn.adapter.AttentionRule`) rides on each chosen module, which
+        vitattn's ``"vitattn"`` implementation (in force for the block) calls in place of the
+        attention; q, k there are always computed (``need_qk`` has no effect)."""
+        chosen = [(i, self.attentions[i]) for i in indices]
+        try:
+            for i, attn in chosen:
+
+                def hf_rule(
+                    module: nn.Module,
+                    q: torch.Tensor,
+                    k: torch.Tensor,
+                    v: torch.Tensor,
+                    scaling: Any,
+                    _i: int = i,
+                ) -> torch.Tensor:
+                    return rule(_i, module, q, k, v)
+
+                attn.__dict__[RULE_ATTR] = hf_rule
+            with vitattn_implementation(self.model):
+                yield
+        finally:
+            for _, attn in chosen:
+                attn.__dict__.pop(RULE_ATTR, None)
 
 
 def _pair(value: Any) -> tuple[int, int]:
@@ -216,8 +298,8 @@ def hf_layout(model: nn.Module) -> HFLayout:
             model=model,
             backbone=module,
             backbone_name=name,
-            layers=layers,
-            layer_names=[_join(name, path, str(i)) for i in range(len(layers))],
+            blocks=layers,
+            block_names=[_join(name, path, str(i)) for i in range(len(layers))],
             attentions=attentions,
             attention_names=attention_names,
             final_norm=norm if isinstance(norm, nn.Module) else None,
@@ -272,3 +354,42 @@ def run_backbone(layout: HFLayout, images: torch.Tensor, **kwargs: Any) -> Any:
     with all_patch_tokens(layout):
         call = cast(Callable[..., Any], layout.backbone)
         return call(pixel_values=images, **backbone_kwargs(layout, images), **kwargs)
+
+
+def prediction(output: Any) -> Any:
+    """A transformers model output's prediction tensor: ``logits``, ``image_embeds``, ``pooler_output``
+    or ``last_hidden_state``, the first it has (a tensor stays as it is)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    for name in ("logits", "image_embeds", "pooler_output", "last_hidden_state"):
+        value = getattr(output, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    return output
+
+
+@contextmanager
+def _image_calls(layout: HFLayout) -> Iterator[None]:
+    """:meth:`HFLayout.image_calls`: a forward pre-hook and a forward hook on the model."""
+
+    def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], Any]:
+        if not args:
+            return args, kwargs
+        images = args[0]
+        extra = backbone_kwargs(layout, images, callee=module)
+        return (), {"pixel_values": images, **extra, **kwargs}
+
+    def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        return prediction(output)
+
+    model = layout.model
+    handles = [
+        model.register_forward_pre_hook(pre, with_kwargs=True),
+        model.register_forward_hook(post, with_kwargs=True),
+    ]
+    try:
+        with all_patch_tokens(layout):
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()

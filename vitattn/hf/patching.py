@@ -14,8 +14,7 @@ grid of each input. The model's weight init starts the GAug heads
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ from torch import nn
 from ..functional.normalize import Normalizer, resolve_normalizer
 from ..layers import PRR, GaussianAugment
 from ..layers.locat import GaugInit, check_gaug_init
-from ..models.blocks import block_indices
+from ..models.blocks import block_indices, chosen_blocks
 from .functions import (
     ATTENTION_NAMES,
     PATCHED_NAME,
@@ -34,6 +33,7 @@ from .functions import (
     normalizer_of_name,
     register,
 )
+from .implementation import set_implementation
 from .layout import HFLayout, attention_head_dim, hf_layout
 from .weight_init import GAUG_START_ATTR, install_gaug_init
 
@@ -41,10 +41,8 @@ __all__ = [
     "RECORD_KEY",
     "ImplementationSetter",
     "apply_record",
-    "current_implementation",
+    "patch_layout",
     "patch_transformers",
-    "set_implementation",
-    "vitattn_implementation",
     "vitattn_names",
 ]
 
@@ -52,39 +50,6 @@ RECORD_KEY = "vitattn"  # config attribute: what vitattn.patch did, saved with t
 _GRID_HOOK = "_vitattn_grid_hook"
 _PRR_HOOK = "_vitattn_prr_hook"
 _PRR_MODULE = "vitattn_prr"
-
-
-def current_implementation(model: nn.Module) -> str | None:
-    """The model's ``config._attn_implementation`` (None when it has none)."""
-    value = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    return value if isinstance(value, str) else None
-
-
-def set_implementation(model: nn.Module, name: str) -> None:
-    """Switch the model's attention implementation to ``name`` (vitattn's names are registered first)."""
-    if is_vitattn_implementation(name):
-        register(name)
-    setter = getattr(model, "set_attn_implementation", None)
-    if callable(setter):
-        setter(name)
-    else:  # pragma: no cover - transformers without set_attn_implementation
-        model.config._attn_implementation = name  # type: ignore[union-attr]
-
-
-@contextmanager
-def vitattn_implementation(model: nn.Module) -> Iterator[None]:
-    """Within the block the model computes its attention through vitattn (``"vitattn"`` unless it
-    already uses one of vitattn's implementations: then nothing changes); restored on exit."""
-    before = current_implementation(model)
-    if is_vitattn_implementation(before):
-        yield
-        return
-    set_implementation(model, PATCHED_NAME)
-    try:
-        yield
-    finally:
-        if before is not None:
-            set_implementation(model, before)
 
 
 class GridHook:
@@ -282,23 +247,27 @@ def patch_transformers(
         )
     gaug_init = check_gaug_init(gaug_init)
     layout = hf_layout(model)
-    chosen = _indices(blocks, layout.depth)
+    patch_layout(layout, attention, prr, chosen_blocks(blocks, layout.depth), normalizer, gaug_init)
+    return model
+
+
+def patch_layout(
+    layout: HFLayout,
+    attention: str | None,
+    prr: bool,
+    indices: Sequence[int],
+    normalizer: Normalizer | None,
+    gaug_init: GaugInit,
+) -> None:
+    """:func:`patch_transformers` on a model's layout, its arguments checked (``indices``: the blocks)."""
     layer_normalizer = _layer_normalizer(attention, normalizer)
     gaug = None if attention is None else attention == "locat"
     if gaug:
         _check_all_patches(layout)
     register()
-    for i in chosen:
+    for i in indices:
         _patch_layer(layout, i, layer_normalizer, gaug, gaug_init)
     _finish(layout, prr)
-    return model
-
-
-def _indices(blocks: int | Iterable[int] | None, depth: int) -> Sequence[int]:
-    if blocks is None:
-        return range(depth)
-    items = [blocks] if isinstance(blocks, int) else list(blocks)
-    return block_indices(items, depth, name="blocks") if items else ()
 
 
 def _finish(layout: HFLayout, prr: bool) -> None:

@@ -1,4 +1,6 @@
-"""Block indices of a ViT (``model.blocks``), validated once for every tool that takes ``layers``."""
+"""A sequence of blocks: its items in order, and indices into it validated once for every tool that
+takes ``layers`` / ``blocks``. Where a model's blocks are is its layout's business
+(:func:`vitattn.adapter.layout_of`)."""
 
 from __future__ import annotations
 
@@ -7,35 +9,13 @@ from typing import cast
 
 from torch import nn
 
-__all__ = ["block_indices", "is_transformers_model", "model_blocks", "module_items"]
-
-
-def is_transformers_model(obj: object) -> bool:
-    """Whether ``obj`` is a module of a class defined in ``transformers`` (or a subclass of one).
-
-    Reads class module names only, so it never imports transformers (``import vitattn`` must not);
-    such models go through :mod:`vitattn.hf`.
-    """
-    return isinstance(obj, nn.Module) and any(
-        cls.__module__.split(".", 1)[0] == "transformers" for cls in type(obj).__mro__
-    )
+__all__ = ["block_indices", "chosen_blocks", "module_items"]
 
 
 def module_items(container: nn.Module) -> list[nn.Module]:
     """``list(container)`` of an iterable container (``nn.Sequential``, ``nn.ModuleList``), in order and
     with repeats kept (``children()`` drops a module that stands twice)."""
     return list(cast("Iterable[nn.Module]", container))
-
-
-def model_blocks(model: nn.Module, name: str = "model") -> list[nn.Module]:
-    """``model.blocks`` as a list, or a ``TypeError`` naming the argument ``name``."""
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(model, nn.Module) or not isinstance(blocks, nn.Module):
-        raise TypeError(
-            f"{name} must be a timm VisionTransformer or a vitattn model (a ViT with a `blocks` "
-            f"sequence), got {type(model).__name__}"
-        )
-    return module_items(blocks)
 
 
 def block_indices(items: Iterable[object], depth: int, name: str = "layers") -> tuple[int, ...]:
@@ -55,3 +35,13 @@ def block_indices(items: Iterable[object], depth: int, name: str = "layers") -> 
     if not out:
         raise ValueError(f"{name} is empty: give block indices, or None for the default")
     return tuple(sorted(out))
+
+
+def chosen_blocks(blocks: int | Iterable[int] | None, depth: int, name: str = "blocks") -> tuple[int, ...]:
+    """``blocks`` as sorted indices into ``depth`` blocks: ``None`` all of them, an int that one, an empty
+    iterable none; otherwise :func:`block_indices` (negative ones count from the end; errors name
+    ``name``)."""
+    if blocks is None:
+        return tuple(range(depth))
+    items = [blocks] if isinstance(blocks, int) else list(blocks)
+    return block_indices(items, depth, name=name) if items else ()

@@ -5,14 +5,13 @@ Four kinds of backbone:
 1. a timm-style ViT with ``forward_intermediates`` (timm ``VisionTransformer``, vitattn's
    ``LocAtViT``, ViTs patched by :func:`vitattn.patch`): the block outputs it returns, through the
    final norm when ``norm=True``, split into prefix and patch tokens by timm;
-2. a model with ``.blocks`` but no ``forward_intermediates``: forward hooks on the blocks, the token
-   layout from :func:`vitattn.models.layout.model_grid_size` / ``model_num_prefix_tokens``,
-   ``model.norm`` applied when ``norm=True`` and present;
+2. a model with ``.blocks`` but no ``forward_intermediates``, and
 3. a transformers vision model (ViT, DeiT, DINOv2 with or without registers, ViT-MAE, CLIP, SigLIP;
-   see :mod:`vitattn.hf`): forward hooks on its encoder layers while its vision tower runs with every
-   patch a token, the tower's final norm (``layernorm``, or ``post_layernorm`` for CLIP and SigLIP)
-   applied when ``norm=True``, the prefix tokens (class, distillation, register tokens) split off;
-   SigLIP has no class token;
+   see :mod:`vitattn.hf`): read through its layout (:func:`vitattn.adapter.layout_of`): forward
+   hooks on its blocks (encoder layers) while it runs on the images with every patch a token, its
+   final norm applied when ``norm=True`` (``model.norm``; a transformers tower's ``layernorm``, or
+   ``post_layernorm`` for CLIP and SigLIP), the prefix tokens (class, distillation, register tokens)
+   split off by the layout's grid and prefix count; SigLIP has no class token;
 4. any other callable ``(B, 3, H, W) -> (B, C, gh, gw)``: its output is the one "layer" (index 0,
    so ``layers`` must be ``(-1,)`` or ``(0,)``) and there is no class token.
 
@@ -27,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..adapter import ModelLayout, layout_of, resolve_layout
 from ..functional import grid_pair
-from ..models.blocks import block_indices, is_transformers_model, module_items
-from ..models.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
+from ..models.blocks import block_indices
 
 __all__ = ["FeatureMaps", "backbone_depth", "check_image_size", "patch_features", "patch_size_of"]
 
@@ -44,31 +43,26 @@ class FeatureMaps:
     cls: torch.Tensor | None
 
 
-def _blocks(backbone: Backbone) -> nn.Sequential | nn.ModuleList | None:
-    blocks = getattr(backbone, "blocks", None)
-    return blocks if isinstance(blocks, nn.Sequential | nn.ModuleList) else None
+def _block_layout(backbone: Backbone) -> ModelLayout | None:
+    """The layout of a backbone whose blocks the ``layers`` index (a ViT with ``.blocks`` attending
+    over all tokens, a transformers vision model); None for another one (a Swin, a CNN, a callable)."""
+    if not isinstance(backbone, nn.Module):
+        return None
+    layout = layout_of(backbone)
+    return layout if layout.depth > 0 and not layout.windowed else None
 
 
 def backbone_depth(backbone: Backbone) -> int:
     """Number of blocks the ``layers`` index into (encoder layers of a transformers model; 1 for a
     plain feature callable)."""
-    if is_transformers_model(backbone):
-        from ..hf.layout import hf_layout
-
-        return hf_layout(backbone).depth  # type: ignore[arg-type]
-    blocks = _blocks(backbone)
-    return len(blocks) if blocks is not None else 1
+    layout = _block_layout(backbone)
+    return 1 if layout is None else layout.depth
 
 
 def patch_size_of(model: nn.Module) -> tuple[int, int] | None:
     """``(rows, columns)`` of a patch of a timm-style ViT (``patch_embed.patch_size``) or of a
     transformers vision model (its config's ``patch_size``); None for a model without patches."""
-    if is_transformers_model(model):
-        from ..hf.layout import hf_layout
-
-        return hf_layout(model).patch_size
-    size = getattr(getattr(model, "patch_embed", None), "patch_size", None)
-    return None if size is None else grid_pair("patch_embed.patch_size", tuple(size))
+    return layout_of(model).patch_size
 
 
 def check_image_size(model: nn.Module, size: int | Sequence[int], name: str = "image size") -> None:
@@ -97,12 +91,6 @@ def check_image_size(model: nn.Module, size: int | Sequence[int], name: str = "i
     )
 
 
-def _has_class_token(backbone: Backbone) -> bool:
-    if getattr(backbone, "cls_token", None) is not None:
-        return True
-    return bool(getattr(backbone, "has_class_token", False))
-
-
 def _from_intermediates(
     model: nn.Module,
     forward_intermediates: Callable[..., Sequence[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]],
@@ -120,7 +108,7 @@ def _from_intermediates(
         return_prefix_tokens=True,
         stop_early=True,
     )
-    cls_ok = _has_class_token(model)
+    cls_ok = layout_of(model).has_class_token
     maps: dict[int, FeatureMaps] = {}
     for layer, item in zip(layers, out, strict=True):
         if isinstance(item, tuple):
@@ -176,29 +164,10 @@ def _split_tokens(
 
 
 def _from_hooks(
-    model: nn.Module, images: torch.Tensor, layers: tuple[int, ...], norm: bool
+    layout: ModelLayout, images: torch.Tensor, layers: tuple[int, ...], norm: bool
 ) -> dict[int, FeatureMaps]:
-    blocks = _blocks(model)
-    assert blocks is not None
-    seen = _hooked_tokens(module_items(blocks), layers, lambda: model(images))
-    final_norm = getattr(model, "norm", None) if norm else None
-    grid, prefix = model_grid_size(model, images.shape[-2:]), model_num_prefix_tokens(model)
-    return {
-        i: _split_tokens(
-            seen[i], i, final_norm if callable(final_norm) else None, grid, prefix, _has_class_token(model)
-        )
-        for i in layers
-    }
-
-
-def _from_transformers(
-    model: nn.Module, images: torch.Tensor, layers: tuple[int, ...], norm: bool
-) -> dict[int, FeatureMaps]:
-    """Features of a transformers vision model: its encoder layers' outputs, its final norm."""
-    from ..hf.layout import hf_layout, run_backbone
-
-    layout = hf_layout(model)
-    seen = _hooked_tokens(layout.layers, layers, lambda: run_backbone(layout, images))
+    """Features from hooks on the layout's blocks while it runs on ``images``."""
+    seen = _hooked_tokens(list(layout.blocks), layers, lambda: layout.forward(images))
     final_norm = layout.final_norm if norm else None
     grid, prefix = layout.grid(images.shape[-2:]), layout.num_prefix_tokens
     return {i: _split_tokens(seen[i], i, final_norm, grid, prefix, layout.has_class_token) for i in layers}
@@ -218,20 +187,19 @@ def patch_features(
     """
     if images.ndim != 4:
         raise ValueError(f"images must be (B, C, H, W), got shape {tuple(images.shape)}")
-    idx = block_indices(layers, backbone_depth(backbone), "layers")
+    layout = _block_layout(backbone)
+    idx = block_indices(layers, 1 if layout is None else layout.depth, "layers")
     module = backbone if isinstance(backbone, nn.Module) else None
     was_training = module.training if module is not None else False
     if module is not None:
         module.eval()
     try:
         with torch.no_grad():
-            if module is not None and is_transformers_model(module):
-                return _from_transformers(module, images, idx, norm)
             intermediates = getattr(module, "forward_intermediates", None)
             if module is not None and callable(intermediates):
                 return _from_intermediates(module, intermediates, images, idx, norm)
-            if module is not None and _blocks(module) is not None:
-                return _from_hooks(module, images, idx, norm)
+            if layout is not None:
+                return _from_hooks(layout, images, idx, norm)
             out = backbone(images)
             if not isinstance(out, torch.Tensor) or out.ndim != 4 or out.shape[0] != images.shape[0]:
                 shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__

@@ -102,7 +102,7 @@ def plot_attention_comparison(
 
     from safetensors.torch import load_file
 
-    from ..models.layout import model_grid_size
+    from ..adapter import layout_of
     from ..probe import pca_images
     from .config import StudyConfig
     from .data import probe_transform
@@ -141,7 +141,7 @@ def plot_attention_comparison(
         model: Any = build_model(bare, run["attention"])  # a timm ViT (blocks, forward_intermediates)
         model.load_state_dict(load_file(str(folder / run["checkpoint"])))
         model.eval()
-        gh, gw = model_grid_size(model) or tuple(cfg["grid_size"])
+        gh, gw = layout_of(model).grid() or tuple(cfg["grid_size"])
         queries = [_query_patch(it[2], int(it[1]), (gh, gw)) for it in items]
         probe = run.get("probe") or {}
         layer = int(probe.get("layer", len(model.blocks) - 1))

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from ..adapter import layout_of
 from ..functional.window import window_starts
-from ..models.layout import model_grid_size
 from .config import ConfigError, StudyConfig, config_diff
 from .distributed import DistEnv, barrier, init_distributed, shutdown_distributed
 from .results import load_results, run_record, summary_table, write_csv, write_results
@@ -89,7 +89,7 @@ def describe_study(config: StudyConfig, n_runs: int, env: DistEnv) -> list[str]:
         bare = dataclasses.replace(config, pretrained=False, checkpoint=None, gaug_init=config.gaug_init)
         model = build_model(bare, config.attentions[0])
     params = count_parameters(model)
-    grid = model_grid_size(model) or config.spec.grid_size
+    grid = layout_of(model).grid() or config.spec.grid_size
     size = config.input_size
     ddp = f", DDP over {env.world_size} ranks" if env.distributed else ""
     if config.model is None:

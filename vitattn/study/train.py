@@ -17,9 +17,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler, Subset
 
+from ..adapter import layout_of
 from ..analysis import LocalityReport, locality_report
 from ..datasets.sized import dataset_length
-from ..models.layout import model_grid_size
 from .amp import AmpMode, autocast, grad_scaler, resolve_amp
 from .checkpoint import load_state, save_model, save_state
 from .config import StudyConfig
@@ -461,7 +461,7 @@ def _finish_run(
         probe = dense_probe_record(tr.model, config, env.device)
         save_model(tr.model, folder / "model.safetensors")
     barrier(env)
-    grid = model_grid_size(tr.model)
+    grid = layout_of(tr.model).grid()
     return RunResult(
         spec=spec,
         test_acc=test_acc,

@@ -1,31 +1,37 @@
 """What AttentionCopy and AttentionDistill share: the checked teacher/student pair, the frozen teacher
-kept out of the module registry, the choice of layers, and the teacher's recorded scores."""
+kept out of the module registry, the choice of layers, and the teacher's recorded scores.
+
+Both models are read through their layouts (:func:`vitattn.adapter.layout_of`): the chosen blocks'
+attention computes through a *rule* ``rule(block_index, attn, q, k, v) -> (B, H, N, Dv)`` (record the
+scores, copy the teacher's probabilities, ...) for the length of one forward
+(:meth:`~vitattn.adapter.ModelLayout.intercept`); the modules, their parameters and state dicts are
+untouched.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+from ..adapter import ModelLayout, layout_of
+from ..functional import attention
 from ..functional.normalize import AttentionNormalizer
-from ..models.blocks import block_indices, is_transformers_model
-from .intercept import (
-    blocks_of,
-    layer_attention,
-    layer_heads,
-    layer_normalizer,
-    layer_scores,
-    model_forward,
-    override_attention,
-    plain_rule,
-)
+from ..models.blocks import block_indices
 from .scores import ScoreInputs
 
-__all__ = ["AttentionTransfer", "TeacherLayer", "TransferOutput", "select_layers"]
+__all__ = [
+    "AttentionTransfer",
+    "TeacherLayer",
+    "TransferOutput",
+    "layer_scores",
+    "plain_rule",
+    "select_layers",
+    "transfer_layout",
+]
 
 
 class TransferOutput(NamedTuple):
@@ -72,96 +78,70 @@ def select_layers(layers: int | Iterable[int] | None, depth: int, default: Itera
     return block_indices(items, depth)
 
 
-def _token_layout(model: nn.Module) -> tuple[int, str] | None:
-    """``(N, description)`` of the tokens a timm-style ViT (or transformers vision model) is built for,
-    or ``None`` if unknown."""
-    if is_transformers_model(model):
-        from ..hf.layout import hf_layout
+def transfer_layout(model: nn.Module, name: str) -> ModelLayout:
+    """``model``'s layout for attention transfer (``name``: ``"teacher"`` or ``"student"``, in errors):
+    a ViT with blocks attending over all tokens, or a TypeError."""
+    layout = layout_of(model, name, windowed=False)
+    _ = layout.blocks  # a TypeError naming `name` when the model has none
+    return layout
 
-        layout = hf_layout(model)
-        gh, gw = layout.grid()
-        desc = f"{layout.num_prefix_tokens} prefix + {gh * gw} patches, image_size {layout.image_size}"
-        return layout.num_tokens(), desc
-    embed = getattr(model, "patch_embed", None)
-    patches = getattr(embed, "num_patches", None)
-    if patches is None:
+
+def layer_scores(layout: ModelLayout, index: int, q: torch.Tensor, k: torch.Tensor) -> ScoreInputs:
+    """Block ``index``'s scores ``q kᵀ · scale + bias`` as :class:`ScoreInputs`; the bias is the layer's
+    own (GAug's Gaussian bias for a LocAt layer or a LocAt-patched transformers module, none for
+    timm's and plain layers)."""
+    return ScoreInputs(q, k, layout.scale(index), layout.bias(index, q))
+
+
+def plain_rule(layout: ModelLayout, index: int, scores: ScoreInputs, v: torch.Tensor) -> torch.Tensor:
+    """What block ``index``'s attention itself computes from its scores: ``normalize(scores) v`` (with
+    its dropout); ``v: (B, H, N, Dv)`` -> ``(B, H, N, Dv)``."""
+    return attention(
+        scores.q,
+        scores.k,
+        v,
+        normalizer=layout.normalizer(index),
+        scale=scores.scale,
+        bias=scores.bias,
+        dropout_p=layout.dropout(index),
+    )
+
+
+def _token_count(layout: ModelLayout) -> tuple[int, str] | None:
+    """``(N, description)`` of the tokens the model is built for, or ``None`` if unknown."""
+    grid = layout.grid()
+    if grid is None:
         return None
-    prefix = int(getattr(model, "num_prefix_tokens", 0))
-    img = getattr(embed, "img_size", None)
-    return prefix + int(patches), f"{prefix} prefix + {int(patches)} patches, img_size {img}"
+    prefix, patches = layout.num_prefix_tokens or 0, grid[0] * grid[1]
+    return prefix + patches, f"{prefix} prefix + {patches} patches, image size {layout.image_size}"
 
 
-def _check_pair(teacher: nn.Module, student: nn.Module, layers: Iterable[int]) -> None:
-    if teacher is student:
-        raise ValueError("teacher and student must be two different models, got the same module twice")
-    t_blocks, s_blocks = blocks_of(teacher, "teacher"), blocks_of(student, "student")
-    if len(t_blocks) != len(s_blocks):
+def _check_pair(teacher: ModelLayout, student: ModelLayout, layers: Iterable[int]) -> None:
+    if teacher.depth != student.depth:
         raise ValueError(
-            f"teacher and student must have the same depth: teacher has {len(t_blocks)} blocks, "
-            f"student has {len(s_blocks)}"
+            f"teacher and student must have the same depth: teacher has {teacher.depth} blocks, "
+            f"student has {student.depth}"
         )
-    for i in range(len(t_blocks)):
-        th, sh = layer_heads(teacher, i, "teacher"), layer_heads(student, i, "student")
+    for i in range(teacher.depth):
+        th, sh = teacher.num_heads(i), student.num_heads(i)
         if th != sh:
             raise ValueError(
                 f"teacher and student must have the same number of heads: blocks[{i}].attn has {th} heads "
                 f"in the teacher and {sh} in the student"
             )
-    t_tokens, s_tokens = _token_layout(teacher), _token_layout(student)
+    t_tokens, s_tokens = _token_count(teacher), _token_count(student)
     if t_tokens and s_tokens and t_tokens[0] != s_tokens[0]:
         raise ValueError(
             f"teacher and student must see the same number of tokens: teacher has N = {t_tokens[0]} "
             f"({t_tokens[1]}), student has N = {s_tokens[0]} ({s_tokens[1]})"
         )
     for i in layers:
-        layer_attention(teacher, i, "teacher")
-        layer_attention(student, i, "student")
+        teacher.check_intercept(i)
+        student.check_intercept(i)
 
 
 class _TeacherDone(Exception):
     """Raised after the teacher's last needed layer: the rest of its forward is not needed."""
-
-
-def _logits(output: Any) -> Any:
-    """A transformers model output's prediction tensor: ``logits``, ``image_embeds``, ``pooler_output``
-    or ``last_hidden_state``, the first it has (a tensor stays as it is)."""
-    if isinstance(output, torch.Tensor):
-        return output
-    for name in ("logits", "image_embeds", "pooler_output", "last_hidden_state"):
-        value = getattr(output, name, None)
-        if isinstance(value, torch.Tensor):
-            return value
-    return output
-
-
-@contextmanager
-def _images_in_logits_out(model: nn.Module) -> Iterator[None]:
-    """Within the block, ``model(x)`` of a transformers model runs on ``pixel_values=x`` with every patch
-    a token (the keyword arguments its forward takes) and returns its prediction tensor."""
-    from ..hf.layout import all_patch_tokens, backbone_kwargs, hf_layout
-
-    layout = hf_layout(model)
-
-    def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], Any]:
-        if not args:
-            return args, kwargs
-        images = args[0]
-        extra = backbone_kwargs(layout, images, callee=module)
-        return (), {"pixel_values": images, **extra, **kwargs}
-
-    def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-        return _logits(output)
-
-    handles = [
-        model.register_forward_pre_hook(pre, with_kwargs=True),
-        model.register_forward_hook(post, with_kwargs=True),
-    ]
-    try:
-        with all_patch_tokens(layout):
-            yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 class AttentionTransfer(nn.Module):
@@ -188,9 +168,11 @@ class AttentionTransfer(nn.Module):
         default: Callable[[int], Iterable[int]],
     ) -> None:
         super().__init__()
-        depth = len(blocks_of(student, "student"))
-        chosen = select_layers(layers, depth, default(depth))
-        _check_pair(teacher, student, chosen)
+        student_layout = transfer_layout(student, "student")
+        chosen = select_layers(layers, student_layout.depth, default(student_layout.depth))
+        if teacher is student:
+            raise ValueError("teacher and student must be two different models, got the same module twice")
+        _check_pair(transfer_layout(teacher, "teacher"), student_layout, chosen)
         self.layers = chosen
         self.add_module("student", student)
         object.__setattr__(self, "_teacher", teacher)  # not a submodule: no parameters, no state dict
@@ -217,9 +199,7 @@ class AttentionTransfer(nn.Module):
         return f"teacher={type(self.teacher).__name__}, layers={list(self.layers)}"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not is_transformers_model(self.student):
-            return super().__call__(*args, **kwargs)
-        with _images_in_logits_out(self.student):
+        with layout_of(self.student, "student").image_calls():
             return super().__call__(*args, **kwargs)
 
     def check_student(self) -> None:
@@ -238,17 +218,18 @@ class AttentionTransfer(nn.Module):
         """Run the teacher on ``x`` (no grad, eval) up to its last chosen layer; record those layers."""
         records: dict[int, TeacherLayer] = {}
         last = self.layers[-1]
+        teacher = layout_of(self.teacher, "teacher")
 
         def rule(i: int, attn: nn.Module, q: Any, k: Any, v: torch.Tensor) -> torch.Tensor:
-            scores = layer_scores(attn, q, k)
-            records[i] = TeacherLayer(scores.detach(), layer_normalizer(attn))
+            scores = layer_scores(teacher, i, q, k)
+            records[i] = TeacherLayer(scores.detach(), teacher.normalizer(i))
             if i == last:
                 raise _TeacherDone
-            return plain_rule(attn, scores, v)
+            return plain_rule(teacher, i, scores, v)
 
-        with torch.no_grad(), override_attention(self.teacher, self.layers, rule, name="teacher"):
+        with torch.no_grad(), teacher.intercept(self.layers, rule):
             try:
-                model_forward(self.teacher, x)
+                teacher.forward(x)
             except _TeacherDone:
                 pass
         missing = [i for i in self.layers if i not in records]

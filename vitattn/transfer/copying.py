@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..adapter import layout_of
 from ..functional import attention
 from .base import AttentionTransfer, TransferOutput, check_tokens
-from .intercept import attention_dropout, override_attention
 
 __all__ = ["AttentionCopy"]
 
@@ -43,6 +43,7 @@ class AttentionCopy(AttentionTransfer):
         """``x: (B, C, H, W)`` -> ``TransferOutput(logits (B, num_classes), None)``."""
         self.check_student()
         teacher = self.teacher_layers(x)
+        student = layout_of(self.student, "student")
 
         def rule(i: int, attn: nn.Module, q: Any, k: Any, v: torch.Tensor) -> torch.Tensor:
             t = teacher.pop(i)
@@ -54,9 +55,9 @@ class AttentionCopy(AttentionTransfer):
                 normalizer=t.normalizer,
                 scale=t.scores.scale,
                 bias=t.scores.bias,
-                dropout_p=attention_dropout(attn),
+                dropout_p=student.dropout(i),
             )
 
-        with override_attention(self.student, self.layers, rule, need_qk=False, name="student"):
+        with student.intercept(self.layers, rule, need_qk=False):
             logits = self.student(x)
         return TransferOutput(logits, None)

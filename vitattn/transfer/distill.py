@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import AttentionTransfer, TransferOutput, check_tokens
-from .intercept import layer_normalizer, layer_scores, override_attention, plain_rule
+from ..adapter import layout_of
+from .base import AttentionTransfer, TransferOutput, check_tokens, layer_scores, plain_rule
 from .loss import CHUNK_ELEMENTS, DistillLoss, attention_distill_loss, resolve_loss
 
 __all__ = ["AttentionDistill", "DEFAULT_SKIP_LAST"]
@@ -89,10 +89,11 @@ class AttentionDistill(AttentionTransfer):
             return TransferOutput(self.student(x), None)
         self.check_student()
         teacher = self.teacher_layers(x)
+        student = layout_of(self.student, "student")
         losses: list[torch.Tensor] = []
 
         def rule(i: int, attn: nn.Module, q: Any, k: Any, v: torch.Tensor) -> torch.Tensor:
-            normalizer = layer_normalizer(attn)
+            normalizer = student.normalizer(i)
             target = teacher.pop(i)
             if isinstance(normalizer, torch.Tensor) or isinstance(target.normalizer, torch.Tensor):
                 raise TypeError(
@@ -104,7 +105,7 @@ class AttentionDistill(AttentionTransfer):
                 # the fused qkv buffer that the loss would keep alive: one copy each, shared by the
                 # attention and the loss, lets that buffer go (the softmax paths keep the views)
                 q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-            scores = layer_scores(attn, q, k)
+            scores = layer_scores(student, i, q, k)
             check_tokens(i, q, target.scores)
             losses.append(
                 attention_distill_loss(
@@ -117,9 +118,9 @@ class AttentionDistill(AttentionTransfer):
                     chunk_elements=self.chunk_elements,
                 )
             )
-            return plain_rule(attn, scores, v)
+            return plain_rule(student, i, scores, v)
 
-        with override_attention(self.student, self.layers, rule, name="student"):
+        with student.intercept(self.layers, rule):
             logits = self.student(x)
         if len(losses) != len(self.layers):
             raise RuntimeError(

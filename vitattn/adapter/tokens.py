@@ -1,32 +1,14 @@
-"""The token layout of a ViT: patch grid and number of prefix (class / register) tokens."""
+"""The token layout of attention maps: a patch grid and the prefix tokens before it, completed from the
+token count ``N`` of the maps where the model does not say."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 
-from torch import nn
-
 from ..functional import grid_pair
-from ._grid import feat_size
 
-__all__ = ["model_grid_size", "model_num_prefix_tokens", "resolve_layout"]
-
-
-def model_grid_size(model: nn.Module, image_size: Sequence[int] | None = None) -> tuple[int, int] | None:
-    """Patch grid ``(gh, gw)`` a timm-style ViT makes from an ``image_size = (H, W)`` input, or None.
-
-    Uses ``patch_embed.dynamic_feat_size`` when the input size is known (so ``dynamic_img_size``
-    models get the grid of each input), else ``patch_embed.grid_size``.
-    """
-    embed = getattr(model, "patch_embed", None)
-    return None if embed is None else feat_size(embed, image_size)
-
-
-def model_num_prefix_tokens(model: nn.Module) -> int | None:
-    """``model.num_prefix_tokens`` (class + register tokens) of a timm-style ViT, or None."""
-    p = getattr(model, "num_prefix_tokens", None)
-    return None if p is None else int(p)
+__all__ = ["resolve_layout"]
 
 
 def resolve_layout(
