@@ -304,7 +304,7 @@ def test_window_flag_and_the_note_when_it_covers_the_grid() -> None:
     holds every patch (the window attention is softmax there): the study's opening lines say so, and
     a 3x3 window is not noted."""
     from vitattn.cli import build_parser
-    from vitattn.cli.study import config_from_args
+    from vitattn.cli.study import config_of
     from vitattn.study.distributed import DistEnv
     from vitattn.study.runner import describe_study
 
@@ -312,7 +312,7 @@ def test_window_flag_and_the_note_when_it_covers_the_grid() -> None:
     tiny += [f"--model-arg={k}={v}" for k, v in {"patch_size": 4, "embed_dim": 32, "depth": 2}.items()]
 
     def lines(*extra: str) -> str:
-        config = config_from_args(build_parser().parse_args([*tiny, "--model-arg=num_heads=2", *extra]))
+        config = config_of(build_parser().parse_args([*tiny, "--model-arg=num_heads=2", *extra]))
         return "\n".join(describe_study(config, 1, DistEnv()))
 
     text = lines()
@@ -322,7 +322,7 @@ def test_window_flag_and_the_note_when_it_covers_the_grid() -> None:
     assert "window 3x3" in text and "covers the whole" not in text
     text = lines("--window", "4", "--window-dilation", "2")
     assert "window 4x4, dilation 2" in text and "covers the whole" not in text  # dilated: 2 sub-grids
-    config = config_from_args(build_parser().parse_args(["study", "--attention", "window", "--window", "3"]))
+    config = config_of(build_parser().parse_args(["study", "--attention", "window", "--window", "3"]))
     assert (config.window, config.window_size, config.dilation) == (3, 3, 1)
 
 

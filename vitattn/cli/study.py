@@ -1,242 +1,101 @@
-"""``vitattn study``: arguments and the glue from them to :func:`vitattn.study.run_study`."""
+"""``vitattn study``: its options, made from :class:`~vitattn.study.config.StudyConfig`'s fields (each
+field states its flag: :mod:`vitattn.study.flags`), and the glue from them to
+:func:`vitattn.study.run_study`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import typing
+from collections.abc import Callable
+from dataclasses import Field, fields
 from pathlib import Path
+from typing import Any
 
-from ..study.amp import AMP_CHOICES
-from ..study.config import ATTENTIONS, PRESETS, STUDY_WINDOW, ConfigError, StudyConfig, make_config
-from ..study.datasets import DATASETS
-from ..study.init import INIT_SCHEMES
+from ..study.config import RUNTIME_KEYS, ConfigError, StudyConfig, make_config
+from ..study.flags import Flag, flag_name, flag_of
 from ..study.protocols import PROTOCOLS
 from .options import USAGE_ERRORS, parse_model_args, report_error
 
-__all__ = ["HELP", "NAME", "add_arguments", "config_from_args", "option_of", "run"]
+__all__ = ["HELP", "NAME", "add_arguments", "config_of", "field_values", "option_of", "run"]
 
 NAME = "study"
 HELP = "train and compare attentions: the locality study, fine-tuning timm backbones (default: quick, scenes)"
 
+# the fields that have an option, by name
+_FLAGGED: dict[str, tuple[Field[Any], Flag]] = {
+    f.name: (f, flag) for f in fields(StudyConfig) if (flag := flag_of(f)) is not None
+}
+# the fields' types (the annotations are strings)
+_HINTS = typing.get_type_hints(StudyConfig)
+
+
+def _item_type(f: Field[Any]) -> Any:
+    """The type one command-line word of a field converts to: ``int | None`` -> int, ``list[str]`` -> str."""
+    hint = _HINTS[f.name]
+    inner = [a for a in typing.get_args(hint) if a is not type(None)]
+    return inner[0] if inner else hint
+
+
+def _keywords(f: Field[Any], flag: Flag) -> dict[str, Any]:
+    """``add_argument``'s keywords for a field's flag; an absent flag parses to None (the preset's value,
+    else the field's default)."""
+    kw: dict[str, Any] = dict(dest=f.name, default=None, help=flag.help)
+    if flag.metavar is not None:
+        kw["metavar"] = flag.metavar
+    if flag.choices is not None:
+        kw["choices"] = flag.choices
+    if flag.kind in ("on", "off", "switch"):
+        kw.update(action="store_const", const=flag.kind != "off")
+    elif flag.kind == "pairs":
+        kw["action"] = "append"
+    else:
+        kw["type"] = int if flag.kind == "count" else _item_type(f)
+        if flag.kind == "list":
+            kw["nargs"] = "+"
+    return kw
+
+
+def add_field_options(
+    p: argparse.ArgumentParser, after: dict[str, Callable[[Any], None]] | None = None
+) -> None:
+    """One option per flagged :class:`StudyConfig` field (two for a ``switch``), in field order, under
+    its group's title; ``after[name](container)`` adds options that are not fields right after field
+    ``name``'s, to the same group or mutually exclusive set."""
+    sections: dict[str | None, Any] = {None: p}
+    exclusive: dict[str, Any] = {}
+    for f, flag in _FLAGGED.values():
+        if flag.group not in sections:
+            sections[flag.group] = p.add_argument_group(flag.group)
+        target = sections[flag.group]
+        if flag.exclusive is not None:
+            if flag.exclusive not in exclusive:
+                exclusive[flag.exclusive] = target.add_mutually_exclusive_group()
+            target = exclusive[flag.exclusive]
+        elif flag.kind == "switch":
+            target = target.add_mutually_exclusive_group()
+        target.add_argument(flag_name(f), **_keywords(f, flag))
+        if flag.kind == "switch" and flag.negative is not None:
+            help_ = argparse.SUPPRESS if flag.negative_help is None else flag.negative_help
+            target.add_argument(flag.negative, dest=f.name, action="store_const", const=False, help=help_)
+        if after and f.name in after:
+            after[f.name](target)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``study`` subcommand's options (defaults of None keep the preset's values)."""
-    p.add_argument(
-        "--preset",
-        choices=sorted(PRESETS),
-        default="quick",
-        help="quick (default: the main job, a small ViT for 5 epochs, softmax vs entmax15 vs locat under "
-        "the baseline, under 2 minutes on 2 CPU cores) or paper (the study's model and 200-epoch "
-        "schedule, baseline and modern)",
+    """The ``study`` subcommand's options: one per :class:`StudyConfig` field with a flag, and those of
+    the command itself (``--ablation``, ``--first-seed``, ``--out``, ``--resume``, ``--overwrite``)."""
+    ablation = "all 8 combinations of AutoAugment, CutMix and label smoothing"
+    first_seed = "seeds are S, S+1, ... (default 0)"
+    add_field_options(
+        p,
+        after={
+            "protocols": lambda g: g.add_argument("--ablation", action="store_true", help=ablation),
+            "seeds": lambda g: g.add_argument(
+                "--first-seed", type=int, default=0, metavar="S", help=first_seed
+            ),
+        },
     )
-    p.add_argument(
-        "--dataset",
-        choices=list(DATASETS),
-        help="scenes (default: procedural digit scenes with masks, nothing to download; runs get a "
-        "dense probe), digits (scikit-learn's 8x8 digits), cifar10, cifar100, tinyimagenet, imagefolder "
-        "(--data-dir DIR with DIR/train/<class>/* and DIR/val/<class>/*, timm's data pipeline)",
-    )
-    p.add_argument(
-        "--data-dir",
-        default="data",
-        metavar="DIR",
-        help="where CIFAR / Tiny-ImageNet live, or the image folder (default data)",
-    )
-    p.add_argument("--download", action="store_true", help="download CIFAR into --data-dir if missing")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument(
-        "--protocol",
-        nargs="+",
-        metavar="NAME",
-        help=f"protocols to run (default: the preset's baseline modern); known: {' '.join(PROTOCOLS)}",
-    )
-    g.add_argument(
-        "--ablation",
-        action="store_true",
-        help="all 8 combinations of AutoAugment, CutMix and label smoothing",
-    )
-    p.add_argument(
-        "--attention",
-        nargs="+",
-        choices=ATTENTIONS,
-        metavar="KIND",
-        help="softmax, entmax15, locat, adaptive (alpha-entmax, one learnable alpha per head) and/or "
-        f"window ({STUDY_WINDOW}x{STUDY_WINDOW} neighbourhood softmax, --window) (default: the preset's; "
-        "quick: the first three); several give one run each",
-    )
-    p.add_argument(
-        "--window",
-        type=int,
-        metavar="K",
-        help="--attention window: each patch attends to the K x K patches around it (default "
-        f"{STUDY_WINDOW}; a window as large as the patch grid is plain softmax attention, which the "
-        "study notes)",
-    )
-    p.add_argument(
-        "--window-dilation",
-        type=int,
-        metavar="D",
-        help="--attention window: the window takes every D-th patch (default 1)",
-    )
-    p.add_argument("--prr", action="store_true", help="add PRR before the head")
-    b = p.add_argument_group("backbone and fine-tuning")
-    b.add_argument(
-        "--model",
-        metavar="NAME",
-        help="a timm model (ViT, Eva, Swin, vitattn's locatvit_*) instead of the study's own ViT; "
-        "--attention entmax15 / locat and --prr patch it with vitattn.patch (softmax keeps its attention)",
-    )
-    b.add_argument(
-        "--model-arg",
-        action="append",
-        metavar="KEY=VALUE",
-        help="extra timm.create_model argument (repeatable), e.g. depth=6 or "
-        "pretrained_cfg_overlay=\"{'file': 'weights.safetensors'}\" for --pretrained from a local file",
-    )
-    start = b.add_mutually_exclusive_group()
-    start.add_argument(
-        "--pretrained",
-        action="store_true",
-        help="start from timm's pretrained weights of --model (Hub cache)",
-    )
-    start.add_argument(
-        "--checkpoint",
-        metavar="PATH",
-        help="start from these weights (safetensors or a weights-only state dict of the model; {seed} in "
-        "PATH is the run's seed); a head of another size is re-initialised",
-    )
-    b.add_argument(
-        "--gaug-init",
-        choices=("identity", "paper"),
-        help="how LocAt's new GAug heads start on a backbone with weights: identity (default from weights: "
-        "the model keeps its function) or paper (LocAtViT's init, the default from scratch)",
-    )
-    b.add_argument(
-        "--img-size", type=int, metavar="PX", help="input size (default: the dataset's; 224 for imagefolder)"
-    )
-    b.add_argument("--drop-path", type=float, metavar="P", help="stochastic depth rate (default 0)")
-    b.add_argument(
-        "--layer-decay",
-        type=float,
-        metavar="D",
-        help="layer-wise lr decay for fine-tuning (timm's param_groups_layer_decay, e.g. 0.65)",
-    )
-    b.add_argument(
-        "--gaug-lr-scale",
-        type=float,
-        metavar="F",
-        help="learning rate of LocAt's GAug heads times F (default 1; with --gaug-init identity their "
-        "per-head gate starts at 0 and AdamW moves it by about lr per step: F sets how fast GAug may move)",
-    )
-    b.add_argument(
-        "--init",
-        choices=INIT_SCHEMES,
-        help="initialisation of the study's ViT: timm or mimetic (attention; default: the preset's)",
-    )
-    t = p.add_argument_group("precision and speed")
-    t.add_argument(
-        "--amp",
-        choices=AMP_CHOICES,
-        help="mixed precision: bf16 (default on CUDA: the Triton kernels run), fp16 (with a grad scaler), "
-        "none (default on the CPU)",
-    )
-    t.add_argument("--compile", action="store_true", help="torch.compile the training model")
-    d = p.add_argument_group("imagefolder (timm's data pipeline)")
-    d.add_argument(
-        "--auto-augment",
-        metavar="POLICY",
-        help="timm policy of the protocol's AA (default rand-m9-mstd0.5-inc1; original: AutoAugment)",
-    )
-    d.add_argument(
-        "--mixup", type=float, metavar="ALPHA", help="MixUp alpha next to CutMix (default 0: CutMix alone)"
-    )
-    d.add_argument("--cutmix", type=float, metavar="ALPHA", help="CutMix alpha (default 1.0)")
-    d.add_argument(
-        "--smoothing",
-        type=float,
-        metavar="EPS",
-        help="label smoothing of the protocols with LS (default 0.1)",
-    )
-    check = d.add_mutually_exclusive_group()
-    check.add_argument(
-        "--check-images",
-        dest="check_images",
-        action="store_const",
-        const=True,
-        help="open every image before training (default: when there are at most 50000)",
-    )
-    check.add_argument(
-        "--no-check-images", dest="check_images", action="store_const", const=False, help=argparse.SUPPRESS
-    )
-    p.add_argument("--seeds", type=int, metavar="N", help="number of seeds (default 1)")
-    p.add_argument("--first-seed", type=int, default=0, metavar="S", help="seeds are S, S+1, ... (default 0)")
-    p.add_argument("--epochs", type=int, metavar="N", help="override the preset's epochs")
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        metavar="N",
-        help="global batch size (default 64 on scenes, 32 on digits, else 128)",
-    )
-    p.add_argument("--lr", type=float, help="AdamW peak learning rate (default 1e-3)")
-    p.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0.05)")
-    p.add_argument("--warmup-epochs", type=float, help="linear warmup before the cosine decay")
-    p.add_argument("--depth", type=int, help="blocks (default 8; quick: 2)")
-    p.add_argument("--dim", type=int, help="embedding width (default 192; quick: 64)")
-    p.add_argument("--heads", type=int, help="attention heads (default 8; quick: 4)")
-    p.add_argument(
-        "--pos-embed-std",
-        type=float,
-        help="std of the position embedding at init (quick and digits 1.0, else timm's 0.02)",
-    )
-    p.add_argument(
-        "--first-layers",
-        type=int,
-        metavar="K",
-        help="the first K blocks whose minimum head MAD is reported (default depth // 4, i.e. 2 of 8)",
-    )
-    flip = p.add_mutually_exclusive_group()
-    flip.add_argument(
-        "--hflip",
-        dest="hflip",
-        action="store_const",
-        const=True,
-        help="random horizontal flip (default: on, off on digits)",
-    )
-    flip.add_argument(
-        "--no-hflip", dest="hflip", action="store_const", const=False, help="no horizontal flip"
-    )
-    p.add_argument(
-        "--analysis-images", type=int, metavar="N", help="test images for MAD / entropy (default 256)"
-    )
-    p.add_argument("--no-probe", action="store_true", help="skip the dense probe of each run (scenes)")
-    p.add_argument(
-        "--probe-layer", type=int, metavar="I", help="block whose features are probed (default -1, the last)"
-    )
-    p.add_argument(
-        "--probe-train-images",
-        type=int,
-        metavar="N",
-        help="training scenes the probes are fitted on (default 1000)",
-    )
-    p.add_argument(
-        "--probe-epochs", type=int, metavar="N", help="epochs of the linear probe (quick: 10, else 20)"
-    )
-    p.add_argument(
-        "--probe-bank-size",
-        type=int,
-        metavar="N",
-        help="k-NN probe memory bank, patches (quick: 8192, else 32768)",
-    )
-    p.add_argument(
-        "--scenes-version",
-        type=int,
-        choices=(2, 3),
-        help="DigitScenes generator: 3 (default: the main digit near the centre), 2 (anywhere: earlier runs)",
-    )
-    p.add_argument(
-        "--limit-train", type=int, metavar="N", help="use the first N training images (smoke tests)"
-    )
-    p.add_argument("--limit-test", type=int, metavar="N", help="use the first N test images (smoke tests)")
     p.add_argument(
         "--out", metavar="DIR", help="output folder (default runs/study-<dataset>-<preset>-<hash>)"
     )
@@ -247,32 +106,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "ones are ignored); an unfinished study of the same configuration resumes anyway",
     )
     p.add_argument("--overwrite", action="store_true", help="delete an earlier study in --out first")
-    p.add_argument(
-        "--workers", type=int, metavar="N", help="data-loader workers (default 0 for digits, else 2)"
-    )
-    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--stop-after-epochs", type=int, help=argparse.SUPPRESS)  # simulated interruption (tests)
 
 
-def _runtime(args: argparse.Namespace, dataset: str | None) -> dict[str, object]:
-    embedded = dataset in (None, "scenes", "digits")  # in memory: no loader workers needed
-    workers = args.workers if args.workers is not None else (0 if embedded else 2)
-    return dict(
-        data_dir=args.data_dir,
-        download=args.download,
-        workers=workers,
-        threads=args.threads,
-        progress=not args.no_progress,
-        device=args.device,
-        compile=args.compile,
-        check_images=args.check_images,
-    )
+def _count(name: str, n: int | None, first: int) -> list[int] | None:
+    """A ``count`` flag's field value: ``n`` consecutive integers from ``first`` (None and ``first`` 0:
+    not given)."""
+    if n is None:
+        return [first] if first else None
+    if n < 1:
+        raise ConfigError(f"{name} must be >= 1, got {n}", name)
+    return list(range(first, first + n))
 
 
-def config_from_args(args: argparse.Namespace) -> StudyConfig:
-    """The :class:`StudyConfig` of the command line (for ``--resume``: the one stored in ``--out``)."""
+def field_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The value of every flagged :class:`StudyConfig` field on the command line, None where not given
+    (``--model-arg`` pairs parsed, ``--seeds N`` counted from ``--first-seed``)."""
+    values: dict[str, Any] = {}
+    for name, (_, flag) in _FLAGGED.items():
+        value = getattr(args, name)
+        if flag.kind == "pairs":
+            value = parse_model_args(value) or None
+        elif flag.kind == "count":
+            value = _count(name, value, getattr(args, flag.start) if flag.start else 0)
+        values[name] = value
+    return values
+
+
+def _runtime(args: argparse.Namespace, dataset: str | None) -> dict[str, Any]:
+    """The runtime fields: as given, else the field's default; loader workers default to 0 on the
+    in-memory datasets (scenes, digits), else 2."""
+    defaults = {f.name: f.default for f in fields(StudyConfig)}
+    values = {k: defaults[k] if getattr(args, k) is None else getattr(args, k) for k in RUNTIME_KEYS}
+    if args.workers is None:
+        values["workers"] = 0 if dataset in (None, "scenes", "digits") else 2
+    return values
+
+
+def config_of(args: argparse.Namespace) -> StudyConfig:
+    """The :class:`StudyConfig` of the command line: the preset and the fields given (for ``--resume``:
+    the one stored in ``--out``, with the runtime fields of the command line)."""
     if args.resume:
         if not args.out:
             raise ValueError("--resume needs --out DIR (the folder of the study to continue)")
@@ -283,78 +156,19 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
             raise FileNotFoundError(f"nothing to resume: {str(path)!r} does not exist")
         stored = StudyConfig.from_dict(load_results(path)["config"])
         return stored.with_runtime(**_runtime(args, stored.dataset))
-    protocols = list(PROTOCOLS) if args.ablation else args.protocol
-    if args.seeds is not None and args.seeds < 1:
-        raise ConfigError(f"seeds must be >= 1, got {args.seeds}", "seeds")
-    seeds = None if args.seeds is None else list(range(args.first_seed, args.first_seed + args.seeds))
-    if seeds is None and args.first_seed:
-        seeds = [args.first_seed]
-    return make_config(
-        args.preset,
-        dataset=args.dataset,
-        protocols=protocols,
-        attentions=args.attention,
-        prr=args.prr or None,
-        seeds=seeds,
-        window=args.window,
-        window_dilation=args.window_dilation,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        warmup_epochs=args.warmup_epochs,
-        depth=args.depth,
-        dim=args.dim,
-        heads=args.heads,
-        first_layers=args.first_layers,
-        pos_embed_std=args.pos_embed_std,
-        hflip=args.hflip,
-        analysis_images=args.analysis_images,
-        probe=False if args.no_probe else None,
-        probe_layer=args.probe_layer,
-        probe_train_images=args.probe_train_images,
-        probe_epochs=args.probe_epochs,
-        probe_bank_size=args.probe_bank_size,
-        scenes_version=args.scenes_version,
-        limit_train=args.limit_train,
-        limit_test=args.limit_test,
-        model=args.model,
-        model_args=parse_model_args(args.model_arg) or None,
-        pretrained=args.pretrained or None,
-        checkpoint=args.checkpoint,
-        gaug_init=args.gaug_init,
-        img_size=args.img_size,
-        drop_path=args.drop_path,
-        layer_decay=args.layer_decay,
-        gaug_lr_scale=args.gaug_lr_scale,
-        init=args.init,
-        amp=args.amp,
-        auto_augment=args.auto_augment,
-        mixup_alpha=args.mixup,
-        cutmix_alpha=args.cutmix,
-        label_smoothing=args.smoothing,
-        **_runtime(args, args.dataset),
-    )
-
-
-# StudyConfig fields whose option has another name (the others: --field-name)
-_FIELD_OPTIONS = {
-    "attentions": "--attention",
-    "protocols": "--protocol",
-    "model_args": "--model-arg",
-    "mixup_alpha": "--mixup",
-    "cutmix_alpha": "--cutmix",
-    "label_smoothing": "--smoothing",
-    "probe": "--no-probe",
-}
+    values = field_values(args)
+    if args.ablation:
+        values["protocols"] = list(PROTOCOLS)
+    values.update(_runtime(args, values["dataset"]))
+    return make_config(values.pop("preset") or StudyConfig.preset, **values)
 
 
 def option_of(field: str) -> str:
     """The ``vitattn study`` option of a :class:`StudyConfig` field (or ``run_study`` argument):
     ``epochs`` -> ``--epochs``, ``label_smoothing`` -> ``--smoothing``; the field's name when no option
     sets it."""
-    if field in _FIELD_OPTIONS:
-        return _FIELD_OPTIONS[field]
+    if field in _FLAGGED:
+        return flag_name(_FLAGGED[field][0])
     option = "--" + field.replace("_", "-")
     parser = argparse.ArgumentParser(add_help=False)
     add_arguments(parser)
@@ -368,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     from ..study.runner import run_study
 
     try:
-        config = config_from_args(args)
+        config = config_of(args)
         run_study(config, args.out, overwrite=args.overwrite, stop_after_epochs=args.stop_after_epochs)
     except ConfigError as err:
         return report_error(NAME, ValueError(err.render(option_of)))

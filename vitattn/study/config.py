@@ -11,11 +11,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from ..datasets.scenes import VERSIONS as SCENES_VERSIONS
+from .amp import AMP_CHOICES
 from .datasets import DATASETS, DatasetSpec
+from .flags import no_option, option
+from .init import INIT_SCHEMES
 from .protocols import PROTOCOLS, Protocol, resolve_protocols
 
 __all__ = [
     "ATTENTIONS",
+    "GAUG_INITS",
     "PRESETS",
     "RUNTIME_KEYS",
     "STUDY_WINDOW",
@@ -32,6 +37,14 @@ ATTENTIONS = ("softmax", "entmax15", "locat", "adaptive", "window")
 # the default neighbourhood of the "window" attention on the study's 8x8 patch grid: uniform attention
 # over 5x5 patches has about the mean attention distance (1.9 patches) of LocAt's most local block-0 heads
 STUDY_WINDOW = 5
+
+# how LocAt's new GAug heads start when a backbone is patched (vitattn.patch's gaug_init)
+GAUG_INITS = ("identity", "paper")
+
+# the titles the command line lists some options under (vitattn study --help)
+BACKBONE = "backbone and fine-tuning"
+SPEED = "precision and speed"
+IMAGEFOLDER = "imagefolder (timm's data pipeline)"
 
 # what a config written before a field existed meant by its absence (from_dict and config_diff)
 _LEGACY = {"scenes_version": 2}
@@ -82,10 +95,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     "paper": dict(epochs=200, warmup_epochs=10.0, protocols=["baseline", "modern"]),
 }
 
-# keys that do not change what is computed (where data lives, how it is shown, how many loader
-# workers or threads): they may differ between an interrupted run and its resumption
-RUNTIME_KEYS = ("data_dir", "download", "workers", "threads", "progress", "device", "compile", "check_images")
-
 
 @dataclass
 class StudyConfig:
@@ -101,78 +110,237 @@ class StudyConfig:
     the summary reports (default: the first quarter of the blocks, at least 1: 2 of 8).
     """
 
-    dataset: str = "scenes"
-    preset: str = "quick"
-    scenes_version: int = 3  # DigitScenes' generator version (2: the digit anywhere; 3: near the centre)
-    # backbone: None = the study's own ViT (below); else any timm name (vitattn's locatvit_* too)
-    model: str | None = None
-    model_args: dict[str, Any] = field(default_factory=dict)
-    pretrained: bool = False  # timm's pretrained weights (Hub cache) for ``model``
-    checkpoint: str | None = (
-        None  # a starting point: safetensors / weights-only state dict; {seed} = the run's seed
+    dataset: str = option(
+        "scenes",
+        choices=tuple(DATASETS),
+        help="scenes (default: procedural digit scenes with masks, nothing to download; runs get a "
+        "dense probe), digits (scikit-learn's 8x8 digits), cifar10, cifar100, tinyimagenet, imagefolder "
+        "(--data-dir DIR with DIR/train/<class>/* and DIR/val/<class>/*, timm's data pipeline)",
     )
-    gaug_init: str | None = None  # "identity" / "paper"; None: identity when starting from weights
-    img_size: int | None = None  # None: the dataset's (built-in sets), 224 for imagefolder
-    num_classes: int | None = None  # None: the dataset's (imagefolder: its class folders, found at the start)
-    drop_path: float = 0.0
-    layer_decay: float | None = None  # layer-wise lr decay (timm's param_groups_layer_decay)
-    gaug_lr_scale: float = 1.0  # learning rate of LocAt's GAug heads (parameters under ".gaug.") x this
-    amp: str | None = None  # bf16 / fp16 / none; None: bf16 on CUDA, none on the CPU
-    protocols: list[str] = field(default_factory=lambda: ["baseline", "modern"])
-    attentions: list[str] = field(default_factory=lambda: ["softmax"])
-    prr: bool = False
-    seeds: list[int] = field(default_factory=lambda: [0])
+    preset: str = option(
+        "quick",
+        choices=sorted(PRESETS),
+        help="quick (default: the main job, a small ViT for 5 epochs, softmax vs entmax15 vs locat under "
+        "the baseline, under 2 minutes on 2 CPU cores) or paper (the study's model and 200-epoch "
+        "schedule, baseline and modern)",
+    )
+    # DigitScenes' generator version (2: the digit anywhere; 3: near the centre)
+    scenes_version: int = option(
+        3,
+        choices=SCENES_VERSIONS,
+        help="DigitScenes generator: 3 (default: the main digit near the centre), 2 (anywhere: earlier runs)",
+    )
+    # backbone: None = the study's own ViT (below); else any timm name (vitattn's locatvit_* too)
+    model: str | None = option(
+        None,
+        metavar="NAME",
+        group=BACKBONE,
+        help="a timm model (ViT, Eva, Swin, vitattn's locatvit_*) instead of the study's own ViT; "
+        "--attention entmax15 / locat and --prr patch it with vitattn.patch (softmax keeps its attention)",
+    )
+    model_args: dict[str, Any] = option(
+        factory=dict,
+        name="--model-arg",
+        kind="pairs",
+        metavar="KEY=VALUE",
+        group=BACKBONE,
+        help="extra timm.create_model argument (repeatable), e.g. depth=6 or "
+        "pretrained_cfg_overlay=\"{'file': 'weights.safetensors'}\" for --pretrained from a local file",
+    )
+    pretrained: bool = option(
+        False,
+        kind="on",
+        group=BACKBONE,
+        exclusive="start",
+        help="start from timm's pretrained weights of --model (Hub cache)",
+    )
+    # a starting point: safetensors / weights-only state dict; {seed} = the run's seed
+    checkpoint: str | None = option(
+        None,
+        metavar="PATH",
+        group=BACKBONE,
+        exclusive="start",
+        help="start from these weights (safetensors or a weights-only state dict of the model; {seed} in "
+        "PATH is the run's seed); a head of another size is re-initialised",
+    )
+    # None: identity when starting from weights, else paper
+    gaug_init: str | None = option(
+        None,
+        choices=GAUG_INITS,
+        group=BACKBONE,
+        help="how LocAt's new GAug heads start on a backbone with weights: identity (default from weights: "
+        "the model keeps its function) or paper (LocAtViT's init, the default from scratch)",
+    )
+    img_size: int | None = option(  # None: the dataset's (built-in sets), 224 for imagefolder
+        None, metavar="PX", group=BACKBONE, help="input size (default: the dataset's; 224 for imagefolder)"
+    )
+    num_classes: int | None = no_option(
+        None
+    )  # None: the dataset's (imagefolder: its class folders, found at the start)
+    drop_path: float = option(0.0, metavar="P", group=BACKBONE, help="stochastic depth rate (default 0)")
+    layer_decay: float | None = option(  # layer-wise lr decay (timm's param_groups_layer_decay)
+        None,
+        metavar="D",
+        group=BACKBONE,
+        help="layer-wise lr decay for fine-tuning (timm's param_groups_layer_decay, e.g. 0.65)",
+    )
+    gaug_lr_scale: float = option(  # learning rate of LocAt's GAug heads (parameters under ".gaug.") x this
+        1.0,
+        metavar="F",
+        group=BACKBONE,
+        help="learning rate of LocAt's GAug heads times F (default 1; with --gaug-init identity their "
+        "per-head gate starts at 0 and AdamW moves it by about lr per step: F sets how fast GAug may move)",
+    )
+    amp: str | None = option(  # None: bf16 on CUDA, none on the CPU
+        None,
+        choices=AMP_CHOICES,
+        group=SPEED,
+        help="mixed precision: bf16 (default on CUDA: the Triton kernels run), fp16 (with a grad scaler), "
+        "none (default on the CPU)",
+    )
+    protocols: list[str] = option(
+        factory=lambda: ["baseline", "modern"],
+        name="--protocol",
+        kind="list",
+        metavar="NAME",
+        exclusive="protocols",
+        help=f"protocols to run (default: the preset's baseline modern); known: {' '.join(PROTOCOLS)}",
+    )
+    attentions: list[str] = option(
+        factory=lambda: ["softmax"],
+        name="--attention",
+        kind="list",
+        choices=ATTENTIONS,
+        metavar="KIND",
+        help="softmax, entmax15, locat, adaptive (alpha-entmax, one learnable alpha per head) and/or "
+        f"window ({STUDY_WINDOW}x{STUDY_WINDOW} neighbourhood softmax, --window) (default: the preset's; "
+        "quick: the first three); several give one run each",
+    )
+    prr: bool = option(False, kind="on", help="add PRR before the head")
+    seeds: list[int] = option(
+        factory=lambda: [0], kind="count", start="first_seed", metavar="N", help="number of seeds (default 1)"
+    )
     # the "window" attention's neighbourhood: window x window patches (None: STUDY_WINDOW), every
     # window_dilation-th patch (None: 1, contiguous)
-    window: int | None = None
-    window_dilation: int | None = None
+    window: int | None = option(
+        None,
+        metavar="K",
+        help="--attention window: each patch attends to the K x K patches around it (default "
+        f"{STUDY_WINDOW}; a window as large as the patch grid is plain softmax attention, which the "
+        "study notes)",
+    )
+    window_dilation: int | None = option(
+        None, metavar="D", help="--attention window: the window takes every D-th patch (default 1)"
+    )
     # model
-    depth: int = 8
-    dim: int = 192
-    heads: int = 8
-    mlp_ratio: float = 2.0
+    depth: int = option(8, help="blocks (default 8; quick: 2)")
+    dim: int = option(192, help="embedding width (default 192; quick: 64)")
+    heads: int = option(8, help="attention heads (default 8; quick: 4)")
+    mlp_ratio: float = no_option(2.0)
     # initialisation of the study's ViT: "timm" or "mimetic" (see vitattn.study.init), and the std
     # of its position embedding at init
-    init: str = "timm"
-    pos_embed_std: float | None = None
+    init: str = option(
+        "timm",
+        choices=INIT_SCHEMES,
+        group=BACKBONE,
+        help="initialisation of the study's ViT: timm or mimetic (attention; default: the preset's)",
+    )
+    pos_embed_std: float | None = option(
+        None, help="std of the position embedding at init (quick and digits 1.0, else timm's 0.02)"
+    )
     # schedule: AdamW, linear warmup then cosine to 0, stepped per batch
-    epochs: int = 3
-    batch_size: int | None = None
-    lr: float = 1e-3
-    weight_decay: float = 0.05
-    warmup_epochs: float = 0.5
+    epochs: int = option(3, metavar="N", help="override the preset's epochs")
+    batch_size: int | None = option(
+        None, metavar="N", help="global batch size (default 64 on scenes, 32 on digits, else 128)"
+    )
+    lr: float = option(1e-3, help="AdamW peak learning rate (default 1e-3)")
+    weight_decay: float = option(0.05, help="AdamW weight decay (default 0.05)")
+    warmup_epochs: float = option(0.5, help="linear warmup before the cosine decay")
     # protocol components
-    hflip: bool | None = None
-    cutmix_alpha: float = 1.0
-    label_smoothing: float = 0.1
+    hflip: bool | None = option(
+        None,
+        kind="switch",
+        negative="--no-hflip",
+        negative_help="no horizontal flip",
+        help="random horizontal flip (default: on, off on digits)",
+    )
+    cutmix_alpha: float = option(
+        1.0, name="--cutmix", metavar="ALPHA", group=IMAGEFOLDER, help="CutMix alpha (default 1.0)"
+    )
+    label_smoothing: float = option(
+        0.1,
+        name="--smoothing",
+        metavar="EPS",
+        group=IMAGEFOLDER,
+        help="label smoothing of the protocols with LS (default 0.1)",
+    )
     # imagefolder (timm's pipeline): the protocol's AutoAugment is this timm policy; MixUp alpha
     # (0: CutMix alone) when the protocol has CutMix
-    auto_augment: str = "rand-m9-mstd0.5-inc1"
-    mixup_alpha: float = 0.0
+    auto_augment: str = option(
+        "rand-m9-mstd0.5-inc1",
+        metavar="POLICY",
+        group=IMAGEFOLDER,
+        help="timm policy of the protocol's AA (default rand-m9-mstd0.5-inc1; original: AutoAugment)",
+    )
+    mixup_alpha: float = option(
+        0.0,
+        name="--mixup",
+        metavar="ALPHA",
+        group=IMAGEFOLDER,
+        help="MixUp alpha next to CutMix (default 0: CutMix alone)",
+    )
     # analysis
-    first_layers: int | None = None
-    analysis_images: int = 256
+    first_layers: int | None = option(
+        None,
+        metavar="K",
+        help="the first K blocks whose minimum head MAD is reported (default depth // 4, i.e. 2 of 8)",
+    )
+    analysis_images: int = option(256, metavar="N", help="test images for MAD / entropy (default 256)")
     # dense probe of every run on datasets with masks (scenes): a linear and a k-NN segmentation
     # probe of the frozen features of block ``probe_layer``, fitted on the first
     # ``probe_train_images`` training scenes (the k-NN memory bank: at most ``probe_bank_size`` of
     # their patches), scored on the test scenes
-    probe: bool = True
-    probe_layer: int = -1
-    probe_train_images: int = 1000
-    probe_epochs: int = 20
-    probe_bank_size: int = 32768
+    probe: bool = option(
+        True, name="--no-probe", kind="off", help="skip the dense probe of each run (scenes)"
+    )
+    probe_layer: int = option(-1, metavar="I", help="block whose features are probed (default -1, the last)")
+    probe_train_images: int = option(
+        1000, metavar="N", help="training scenes the probes are fitted on (default 1000)"
+    )
+    probe_epochs: int = option(20, metavar="N", help="epochs of the linear probe (quick: 10, else 20)")
+    probe_bank_size: int = option(
+        32768, metavar="N", help="k-NN probe memory bank, patches (quick: 8192, else 32768)"
+    )
     # data subsets (smoke tests): first N images of the split, None = all
-    limit_train: int | None = None
-    limit_test: int | None = None
-    # runtime (see RUNTIME_KEYS)
-    data_dir: str = "data"
-    download: bool = False
-    workers: int = 0
-    threads: int | None = None
-    progress: bool = True
-    device: str | None = None
-    compile: bool = False  # torch.compile the training model
-    check_images: bool | None = None  # imagefolder: open every image first (None: when <= 50000)
+    limit_train: int | None = option(None, metavar="N", help="use the first N training images (smoke tests)")
+    limit_test: int | None = option(None, metavar="N", help="use the first N test images (smoke tests)")
+    # runtime: what does not change what a run computes (RUNTIME_KEYS)
+    data_dir: str = option(
+        "data",
+        runtime=True,
+        metavar="DIR",
+        help="where CIFAR / Tiny-ImageNet live, or the image folder (default data)",
+    )
+    download: bool = option(False, runtime=True, kind="on", help="download CIFAR into --data-dir if missing")
+    workers: int = option(
+        0, runtime=True, metavar="N", help="data-loader workers (default 0 for digits, else 2)"
+    )
+    threads: int | None = option(
+        None, runtime=True, metavar="N", help="torch CPU threads (default: torch's choice)"
+    )
+    progress: bool = option(True, runtime=True, name="--no-progress", kind="off", help="no progress bars")
+    device: str | None = option(None, runtime=True, help="cpu or cuda (default: cuda when available)")
+    compile: bool = option(  # torch.compile the training model
+        False, runtime=True, kind="on", group=SPEED, help="torch.compile the training model"
+    )
+    check_images: bool | None = option(  # imagefolder: open every image first (None: when <= 50000)
+        None,
+        runtime=True,
+        kind="switch",
+        negative="--no-check-images",
+        group=IMAGEFOLDER,
+        help="open every image before training (default: when there are at most 50000)",
+    )
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
@@ -261,13 +429,10 @@ class StudyConfig:
     def _check_backbone(self) -> None:
         """Resolve and check the backbone options (``gaug_init``, ``init``, ``amp``, the input size
         against the patches, ...)."""
-        from ..datasets.scenes import VERSIONS
-        from .amp import AMP_CHOICES
-        from .init import INIT_SCHEMES
-
-        if self.scenes_version not in VERSIONS:
+        if self.scenes_version not in SCENES_VERSIONS:
             raise ConfigError(
-                f"scenes_version must be one of {VERSIONS}, got {self.scenes_version!r}", "scenes_version"
+                f"scenes_version must be one of {SCENES_VERSIONS}, got {self.scenes_version!r}",
+                "scenes_version",
             )
         if self.pretrained and self.checkpoint is not None:
             raise ConfigError("give --pretrained or --checkpoint, not both")
@@ -277,7 +442,7 @@ class StudyConfig:
             raise ConfigError("checkpoint must be a file path, got an empty string", "checkpoint")
         if self.gaug_init is None:
             self.gaug_init = "identity" if self.from_weights else "paper"
-        if self.gaug_init not in ("identity", "paper"):
+        if self.gaug_init not in GAUG_INITS:
             raise ConfigError(f"gaug_init must be 'identity' or 'paper', got {self.gaug_init!r}", "gaug_init")
         if self.init not in INIT_SCHEMES:
             raise ConfigError(f"init must be one of {', '.join(INIT_SCHEMES)}, got {self.init!r}", "init")
@@ -337,7 +502,9 @@ class StudyConfig:
             f"model {self.model!r} has neither blocks nor layers[i].blocks: not a ViT, Eva or Swin", "model"
         )
 
-    _model_depth: int | None = field(default=None, init=False, repr=False, compare=False)
+    _model_depth: int | None = field(
+        default=None, init=False, repr=False, compare=False, metadata={"flag": None}
+    )
 
     @property
     def model_depth(self) -> int:
@@ -436,6 +603,11 @@ class StudyConfig:
         if bad:
             raise ValueError(f"only runtime keys may change on resume, not {sorted(bad)}")
         return replace(self, **kwargs)
+
+
+# keys that do not change what is computed (where data lives, how it is shown, how many loader
+# workers or threads): they may differ between an interrupted run and its resumption
+RUNTIME_KEYS = tuple(f.name for f in fields(StudyConfig) if f.metadata.get("runtime"))
 
 
 def _is_int(value: Any) -> bool:

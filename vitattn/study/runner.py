@@ -277,6 +277,14 @@ def prepare_config(config: StudyConfig, log: Callable[[str], None] = print) -> S
     return dataclasses.replace(config, num_classes=summary.num_classes)
 
 
+def _out_folder(config: StudyConfig, out: str | Path | None) -> Path:
+    """The study's output folder (default :func:`default_out_dir`); refused when it is a file."""
+    folder = Path(out) if out is not None else default_out_dir(config)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"out {str(folder)!r} is a file, not a folder", "out")
+    return folder
+
+
 def run_study(
     config: StudyConfig,
     out: str | Path | None = None,
@@ -310,9 +318,7 @@ def run_study(
     say: Callable[[str], None] = log if env.is_main else (lambda _: None)
     try:
         config = prepare_config(config, say)
-        out = Path(out) if out is not None else default_out_dir(config)
-        if out.exists() and not out.is_dir():
-            raise ConfigError(f"out {str(out)!r} is a file, not a folder", "out")
+        out = _out_folder(config, out)
         runs, status = ([], None) if overwrite else _previous_runs(config, out)
         if status == "complete":
             table = summary_table(runs)
