@@ -158,3 +158,29 @@ def test_fy_loss(toy: NormalizerSpec) -> None:
     torch.testing.assert_close(fy_loss(scores, target, NAME, reduction="mean"), expected.mean())
     at_own = fy_loss(scores, torch.softmax(scores / 2, -1).detach(), NAME)
     torch.testing.assert_close(at_own, torch.zeros(4, dtype=torch.float64))
+
+
+def test_attention_kinds_stated_once() -> None:
+    """The attention kinds (vitattn/layers/kinds.py) are what patch, the study and the CLI take."""
+    import argparse
+
+    from vitattn.cli import analyze
+    from vitattn.layers.kinds import (
+        ATTENTION_KINDS,
+        HF_PATCH_ATTENTIONS,
+        PATCH_ATTENTIONS,
+        implied_normalizer,
+    )
+    from vitattn.study import ATTENTIONS
+
+    assert ATTENTIONS == tuple(ATTENTION_KINDS) == ("softmax", "entmax15", "locat", "adaptive", "window")
+    assert PATCH_ATTENTIONS == ("softmax", "entmax15", "locat", "window")
+    assert HF_PATCH_ATTENTIONS == ("softmax", "entmax15", "locat")
+    assert [implied_normalizer(k) for k in ATTENTIONS] == ["softmax", "entmax15", None, "adaptive", None]
+    parser = argparse.ArgumentParser()
+    analyze.add_arguments(parser)
+    (action,) = [a for a in parser._actions if a.dest == "attention"]
+    assert tuple(action.choices or ()) == PATCH_ATTENTIONS
+    model = VisionTransformer(**TINY).eval()
+    with pytest.raises(ValueError, match="attention must be one of"):
+        vitattn.patch(model, "adaptive")  # type: ignore[arg-type]  # a study kind, a normalizer for patch

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from ..layers.kinds import STUDY_ATTENTIONS
 from .datasets import DATASETS, DatasetSpec
 from .protocols import PROTOCOLS, Protocol, resolve_protocols
 
@@ -27,7 +28,7 @@ __all__ = [
 
 # softmax, entmax-1.5, LocAt (GAug), adaptive (alpha-entmax, one learnable alpha per head from 1.5) and
 # window (softmax inside a window x window neighbourhood, STUDY_WINDOW by default: vitattn.study.model)
-ATTENTIONS = ("softmax", "entmax15", "locat", "adaptive", "window")
+ATTENTIONS = STUDY_ATTENTIONS
 
 # the default neighbourhood of the "window" attention on the study's 8x8 patch grid: uniform attention
 # over 5x5 patches has about the mean attention distance (1.9 patches) of LocAt's most local block-0 heads
