@@ -29,6 +29,7 @@ from .layers import (
     NeighborhoodAttention,
 )
 from .layers.adaptive import LayerNormalizer, resolve_layer_normalizer
+from .layers.kinds import ATTENTION_KINDS, implied_normalizer
 from .layers.locat import GaugInit, check_gaug_init
 from .layers.prr import PRRPool, PRRPoolNHWC
 from .models._grid import attach_grid_sync
@@ -81,7 +82,7 @@ def _layer_normalizer(attention: str | None, normalizer: LayerNormalizer | None)
     """The normalizer the call names: ``normalizer`` resolved, else the one ``attention`` implies
     (``"softmax"`` / ``"entmax15"``), else None (each block keeps its own)."""
     if normalizer is None:
-        return {"softmax": "softmax", "entmax15": "entmax15"}.get(attention or "")
+        return implied_normalizer(attention)
     resolved = resolve_layer_normalizer(normalizer)
     if attention == "entmax15" and resolved != "entmax15":
         raise ValueError(
@@ -183,7 +184,7 @@ def _target(
     keeps) GAug, ``"window"`` adds (or keeps) a neighbourhood window; ``None`` keeps the kind. A block's
     window (LocAt's or a neighbourhood layer's) and normalizer stay unless the call names them.
     """
-    kind = old.kind if name is None else {"softmax": "none", "entmax15": "none"}.get(name, name)
+    kind = old.kind if name is None else ATTENTION_KINDS[name].bias
     if name == "window" and old.kind == "locat":
         kind = "locat"  # GAug kept: LocAt inside the window
     if name is None and window is not None and kind == "none":

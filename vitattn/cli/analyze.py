@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..layers.kinds import PATCH_ATTENTIONS
 from .options import (
     USAGE_ERRORS,
     check_device,
@@ -51,9 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(a transformers vision model, offline: a local folder or the Hugging Face cache)",
     )
     p.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="builder kwarg (repeatable)")
-    p.add_argument(
-        "--attention", choices=("softmax", "entmax15", "locat", "window"), help="vitattn.patch the model"
-    )
+    p.add_argument("--attention", choices=PATCH_ATTENTIONS, help="vitattn.patch the model")
     p.add_argument("--checkpoint", metavar="PATH", help=".safetensors or weights-only torch state dict")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--images", metavar="DIR", help="image folder (ImageFolder layout or flat)")

@@ -16,7 +16,7 @@ from .entmax15 import entmax15
 from .entmax_alpha import entmax, sparsemax
 from .fy_loss import fy_loss
 from .gaussian import GaussianBias, gaussian_clamp, gaussian_eps, gaussian_exponent
-from .normalize import Normalizer, normalize
+from .normalize import Normalizer, NormalizerSpec, normalize, register_normalizer, unregister_normalizer
 from .prr import prr
 from .scoring import apply_mask, scores
 from .value_checks import set_value_checks, value_checks_enabled
@@ -27,6 +27,7 @@ __all__ = [
     "Explanation",
     "GaussianBias",
     "Normalizer",
+    "NormalizerSpec",
     "WindowMask",
     "apply_mask",
     "attention",
@@ -47,10 +48,12 @@ __all__ = [
     "normalize",
     "prr",
     "register_backend",
+    "register_normalizer",
     "scores",
     "set_default_backend",
     "set_value_checks",
     "sparsemax",
+    "unregister_normalizer",
     "value_checks_enabled",
     "window_starts",
 ]

@@ -8,7 +8,8 @@ for a target distribution ``y``: ``L ≥ 0``, and ``L = 0`` exactly when ``ŷ(z)
 normalizer's entropy: Shannon's ``−Σ p log p`` for softmax (then ``L = logsumexp(z) − ⟨z, y⟩ − H(y)``,
 the cross-entropy minus the target's entropy, i.e. ``KL(y ‖ softmax(z))``), Tsallis'
 ``Σ (p − p^α) / (α (α − 1))`` for α-entmax (α = 1.5: entmax-1.5, α = 2: sparsemax). ``ŷ`` is
-:func:`vitattn.functional.normalize`; nothing here restates a normalizer.
+:func:`vitattn.functional.normalize` and ``H`` each normalizer's ``entropy``
+(:class:`~vitattn.functional.normalize.NormalizerSpec`); nothing here restates a normalizer.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch.autograd.function import once_differentiable
 
 from ._checks import check_floating, check_tensor, normalize_dim, shape_str
 from .dtypes import compute_dtype
-from .normalize import Normalizer, normalize, resolve_normalizer
+from .normalize import Normalizer, NormalizerSpec, normalize, normalizer_spec, resolve_normalizer
 from .value_checks import check_at_least, value_checks_enabled
 
 __all__ = ["Reduction", "fy_grad", "fy_loss", "fy_loss_formula", "normalizer_entropy"]
@@ -28,21 +29,15 @@ __all__ = ["Reduction", "fy_grad", "fy_loss", "fy_loss_formula", "normalizer_ent
 #: How :func:`fy_loss` reduces the rows' losses, as torch's losses do.
 Reduction = Literal["none", "mean", "sum"]
 
-_ALPHA = {"entmax15": 1.5, "sparsemax": 2.0}
-
 
 def normalizer_entropy(p: torch.Tensor, normalizer: Normalizer, dim: int = -1) -> torch.Tensor:
     """The entropy ``H`` that ``normalizer`` regularizes with, of each row of ``p`` (``dim`` reduced).
 
     Softmax: Shannon's ``−Σ p log p`` (``0 log 0 = 0``). α-entmax (``"entmax15"``: α = 1.5,
     ``"sparsemax"``: α = 2, a float α): Tsallis' ``Σ (p − p^α) / (α (α − 1))``, which is 0 for a
-    zero row.
+    zero row. A registered normalizer: its spec's ``entropy``.
     """
-    kind = resolve_normalizer(normalizer)
-    if kind == "softmax":
-        return -torch.special.xlogy(p, p).sum(dim)
-    alpha = _ALPHA[kind] if isinstance(kind, str) else float(kind)
-    return (p - p.pow(alpha)).sum(dim) / (alpha * (alpha - 1.0))
+    return normalizer_spec(normalizer).entropy(p, dim)
 
 
 def _check_target_values(target: torch.Tensor, dim: int) -> None:
@@ -73,27 +68,27 @@ def _checked(scores: object, target: object, dim: int) -> tuple[torch.Tensor, to
     return scores, target, normalize_dim("scores", scores, dim)
 
 
-def _row_loss(z: torch.Tensor, y: torch.Tensor, p: torch.Tensor, kind: Normalizer, dim: int) -> torch.Tensor:
-    """The loss of each row from scores ``z``, target ``y`` and ``p = normalize(z)``.
+def _row_loss(
+    z: torch.Tensor, y: torch.Tensor, p: torch.Tensor, spec: NormalizerSpec, dim: int
+) -> torch.Tensor:
+    """The loss of each row from scores ``z``, target ``y`` and ``p = normalize(z)`` (not read when the
+    normalizer has a closed form).
 
-    Both forms work on shifted scores, so that large scores (float32 near 30) lose no precision:
-    softmax as ``KL(y ‖ p) = Σ y log y − Σ y log_softmax(z)`` (the log-probabilities shifted by the row
-    max inside ``log_softmax``); α-entmax with ``z − max z`` in ``⟨p − y, z⟩``, which the shift does not
-    change on rows of ``y`` that sum to 1.
+    Both forms work on shifted scores, so that large scores (float32 near 30) lose no precision: the
+    normalizer's closed form (softmax's ``KL(y ‖ p)``, the log-probabilities shifted by the row max inside
+    ``log_softmax``), else ``⟨p − y, z − max z⟩ + H(p) − H(y)``, which the shift does not change on rows
+    of ``y`` that sum to 1.
     """
     masked = torch.isneginf(z)
     dead = masked.all(dim, keepdim=True)
     unreachable = (masked & (y > 0)).any(dim)
     negative = (y < 0).any(dim)  # no distribution: the loss is undefined (NaN for every normalizer)
     live = z.masked_fill(dead, 0.0)
-    if kind == "softmax":  # no log of p, whose zeros autograd dislikes: log_softmax is finite on live keys
-        log_p = torch.log_softmax(live, dim).masked_fill(masked, 0.0)  # 0 · (-inf) would be NaN
-        loss = (torch.special.xlogy(y, y) - y * log_p).sum(dim)
+    if spec.fy_loss is not None:
+        loss = spec.fy_loss(live, y, masked, dim)
     else:
         shifted = (live - live.amax(dim, keepdim=True)).masked_fill(masked, 0.0)
-        loss = (
-            ((p - y) * shifted).sum(dim) + normalizer_entropy(p, kind, dim) - normalizer_entropy(y, kind, dim)
-        )
+        loss = ((p - y) * shifted).sum(dim) + spec.entropy(p, dim) - spec.entropy(y, dim)
     loss = loss.masked_fill(unreachable, float("inf")).masked_fill(negative, float("nan"))
     return loss.masked_fill(dead.squeeze(dim), 0.0)
 
@@ -107,9 +102,9 @@ def fy_loss_formula(
     ``-inf`` scores: an entry where the target is 0 adds nothing, one where the target is positive
     makes the loss ``+inf``; a row whose scores are all ``-inf`` has loss 0.
     """
-    kind = resolve_normalizer(normalizer)
-    p = scores if kind == "softmax" else normalize(scores, kind, dim)
-    return _row_loss(scores, target, p, kind, dim)
+    spec = normalizer_spec(normalizer)
+    p = scores if spec.fy_loss is not None else normalize(scores, normalizer, dim)
+    return _row_loss(scores, target, p, spec, dim)
 
 
 def fy_grad(scores: torch.Tensor, target: torch.Tensor, normalizer: Normalizer, dim: int) -> torch.Tensor:
@@ -133,7 +128,7 @@ class _FYLoss(torch.autograd.Function):
         work = compute_dtype(scores, target)
         z, y = scores.to(work), target.to(work)
         p = normalize(z, normalizer, dim)
-        loss = _row_loss(z, y, p, normalizer, dim)
+        loss = _row_loss(z, y, p, normalizer_spec(normalizer), dim)
         ctx.save_for_backward(_grad(z, y, p, dim))
         ctx.dim, ctx.dtype = dim, scores.dtype
         return loss
@@ -166,7 +161,8 @@ def fy_loss(
             loss, whatever the normalizer; with ``VITATTN_CHECK_VALUES=1`` (or
             :func:`~vitattn.functional.value_checks.set_value_checks`) both rules raise a
             ``ValueError`` instead. A constant: no gradient flows to it.
-        normalizer: ``"softmax"``, ``"entmax15"``, ``"sparsemax"`` or a float α > 1.
+        normalizer: ``"softmax"``, ``"entmax15"``, ``"sparsemax"`` (or another registered name,
+            :func:`~vitattn.functional.normalize.register_normalizer`) or a float α > 1.
         dim: the dimension the rows run along.
         reduction: ``"none"`` (the default: one loss per row), ``"mean"`` over the rows or ``"sum"``.
 

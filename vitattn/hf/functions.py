@@ -20,7 +20,7 @@ and no mask, a causal keep-mask. The weights come back when ``output_attentions`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,13 @@ import torch
 from torch import nn
 
 from ..functional import GaussianBias, attention
-from ..functional.normalize import Normalizer, resolve_normalizer
+from ..functional.normalize import (
+    ALPHA_HF_PREFIX,
+    Normalizer,
+    normalizer_spec,
+    normalizer_table,
+    resolve_normalizer,
+)
 
 __all__ = [
     "ATTENTION_NAMES",
@@ -42,12 +48,10 @@ __all__ = [
 ]
 
 PATCHED_NAME = "vitattn"
-ATTENTION_NAMES = {
-    "softmax": "vitattn_softmax",
-    "entmax15": "vitattn_entmax15",
-    "sparsemax": "vitattn_sparsemax",
-}
-_ALPHA_PREFIX = "vitattn_entmax_"
+#: ``{normalizer: attn_implementation name}`` of every registered normalizer (a live view of the
+#: registry's ``hf_name``: ``"softmax"`` -> ``"vitattn_softmax"``, ...)
+ATTENTION_NAMES: Mapping[str, str] = normalizer_table("hf_name")
+_ALPHA_PREFIX = ALPHA_HF_PREFIX
 SETTINGS_ATTR = "vitattn"  # HFAttentionSettings on an attention module patched by vitattn.patch
 RULE_ATTR = "_vitattn_rule"  # a transfer rule on an attention module, while one runs
 
@@ -68,21 +72,15 @@ class HFAttentionSettings:
     initial_grid_size: tuple[int, int] | None = None
 
 
-def _alpha_text(alpha: float) -> str:
-    return repr(float(alpha))
-
-
 def attention_name(normalizer: Normalizer) -> str:
     """The registered ``attn_implementation`` name of a normalizer (registering it if needed).
 
     ``"softmax"`` -> ``"vitattn_softmax"``, ``"entmax15"`` -> ``"vitattn_entmax15"``, ``"sparsemax"`` ->
     ``"vitattn_sparsemax"``, a float alpha > 1 -> ``"vitattn_entmax_<alpha>"`` (``1.25`` ->
-    ``"vitattn_entmax_1.25"``; alpha 1.5 and 2 give the entmax-1.5 and sparsemax names).
+    ``"vitattn_entmax_1.25"``; alpha 1.5 and 2 give the entmax-1.5 and sparsemax names); a registered
+    normalizer: its spec's ``hf_name``.
     """
-    resolved = resolve_normalizer(normalizer)
-    name = ATTENTION_NAMES.get(resolved) if isinstance(resolved, str) else None
-    if name is None:
-        name = _ALPHA_PREFIX + _alpha_text(float(resolved))
+    name = normalizer_spec(normalizer).hf_name
     register(name)
     return name
 
@@ -94,7 +92,7 @@ def normalizer_of_name(name: str) -> Normalizer | None:
     """
     for normalizer, known in ATTENTION_NAMES.items():
         if name == known:
-            return resolve_normalizer(normalizer)  # type: ignore[arg-type]  # one of the three names
+            return normalizer
     if name.startswith(_ALPHA_PREFIX):
         text = name[len(_ALPHA_PREFIX) :]
         hint = (
@@ -297,7 +295,8 @@ _REGISTERED: set[str] = set()
 def register(*names: str) -> tuple[str, ...]:
     """Register vitattn's attention functions with transformers; return the names registered.
 
-    No argument: ``vitattn``, ``vitattn_softmax``, ``vitattn_entmax15``, ``vitattn_sparsemax``. Else
+    No argument: ``vitattn``, ``vitattn_softmax``, ``vitattn_entmax15``, ``vitattn_sparsemax`` (and every
+    other registered normalizer's name). Else
     the given names (``vitattn_entmax_<alpha>`` included). Each gets transformers' SDPA mask builder
     (boolean keep-masks, None when nothing is masked). Idempotent; imports transformers.
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..functional.normalize import Normalizer, resolve_normalizer
 from ..layers import PRR, GaussianAugment
+from ..layers.kinds import HF_PATCH_ATTENTIONS, implied_normalizer
 from ..layers.locat import GaugInit, check_gaug_init
 from ..models.blocks import block_indices, chosen_blocks
 from .functions import (
@@ -211,8 +212,7 @@ def _layer_normalizer(attention: str | None, normalizer: Normalizer | None) -> N
     """The normalizer the call names (``normalizer``, else the one ``"softmax"`` / ``"entmax15"``
     imply), or None: each module keeps its own."""
     if normalizer is None:
-        implied: dict[str | None, Normalizer] = {"softmax": "softmax", "entmax15": "entmax15"}
-        return implied.get(attention)
+        return implied_normalizer(attention)
     resolved = resolve_normalizer(normalizer)
     if attention == "entmax15" and resolved != "entmax15":
         raise ValueError(
@@ -241,9 +241,9 @@ def patch_transformers(
     other image sizes work. Raises ``TypeError`` for an unsupported model (naming the supported
     families), ``ValueError`` for bad arguments or a ViT-MAE that masks patches with ``"locat"``.
     """
-    if attention not in (None, "softmax", "entmax15", "locat"):
+    if attention is not None and attention not in HF_PATCH_ATTENTIONS:
         raise ValueError(
-            f"attention must be one of ['entmax15', 'locat', 'softmax'] or None (keep), got {attention!r}"
+            f"attention must be one of {sorted(HF_PATCH_ATTENTIONS)} or None (keep), got {attention!r}"
         )
     gaug_init = check_gaug_init(gaug_init)
     layout = hf_layout(model)

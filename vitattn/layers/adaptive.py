@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..functional import compute_dtype
-from ..functional.normalize import AttentionNormalizer, Normalizer, resolve_normalizer
+from ..functional.normalize import AttentionNormalizer, Normalizer, normalizer_spec, resolve_normalizer
 
 __all__ = ["ALPHA_FLOOR", "AdaptiveAlpha", "LayerNormalizer", "normalizer_alphas", "resolve_layer_normalizer"]
 
@@ -71,14 +71,11 @@ class AdaptiveAlpha(nn.Module):
 
 
 def normalizer_alphas(normalizer: AttentionNormalizer | Literal["adaptive"], num_heads: int) -> list[float]:
-    """The alpha of each of ``num_heads`` heads for a fixed normalizer: softmax 1, entmax-1.5 1.5,
-    sparsemax 2, a float alpha itself (a tensor normalizer: its values per head)."""
+    """The alpha of each of ``num_heads`` heads for a fixed normalizer: its registered ``alpha`` (softmax
+    1, entmax-1.5 1.5, sparsemax 2), a float alpha itself (a tensor normalizer: its values per head)."""
     if isinstance(normalizer, torch.Tensor):
         values = normalizer.detach().double().reshape(-1)
         return [float(v) for v in values.expand(num_heads)] if values.numel() == 1 else values.tolist()
     if normalizer == "adaptive":
         raise ValueError("an adaptive normalizer's alphas are its layer's: read them from its AdaptiveAlpha")
-    fixed = {"softmax": 1.0, "entmax15": 1.5, "sparsemax": 2.0}
-    kind = resolve_normalizer(normalizer)
-    alpha = fixed[kind] if isinstance(kind, str) else float(kind)
-    return [alpha] * num_heads
+    return [float(normalizer_spec(normalizer).alpha)] * num_heads

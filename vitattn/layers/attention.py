@@ -14,7 +14,8 @@ from ..functional import GaussianBias, WindowMask, attention
 from ..functional.dispatch import check_backend_name
 from ..functional.normalize import AttentionNormalizer
 from .adaptive import AdaptiveAlpha, LayerNormalizer, normalizer_alphas, resolve_layer_normalizer
-from .explicit import explicit_attention, layer_call_options, layer_mask, resolve_attn_mask
+from .call_options import layer_call_options, layer_mask, resolve_attn_mask
+from .explicit import explicit_attention
 
 __all__ = ["Attention", "EntmaxAttention", "attend", "project_qkv", "resolve_attn_mask", "run_attention"]
 
@@ -88,7 +89,7 @@ def attend(
 
     ``window`` (a neighbourhood layer's :class:`WindowMask`) is the call's mask; with an
     ``attn_mask`` (or ``is_causal``) too, both are folded into one dense mask that keeps what both keep
-    (:func:`~vitattn.layers.explicit.layer_mask`).
+    (:func:`~vitattn.layers.call_options.layer_mask`).
 
     One leaf for FX: ``torch.fx`` (timm's feature extraction, torchvision's) records it as a single
     call, since the argument checks and backend dispatch inside branch on shapes and flags. On the
@@ -124,7 +125,7 @@ def run_attention(
 ) -> torch.Tensor:
     """A vitattn layer's attention ``(B, H, Nq, Dv)`` from its q, k, v, mask and bias.
 
-    ``module`` has a normalizer and window (:func:`~vitattn.layers.explicit.layer_call_options`),
+    ``module`` has a normalizer and window (:func:`~vitattn.layers.call_options.layer_call_options`),
     ``scale``, ``backend``, ``attn_drop`` and ``fused_attn``. With
     ``fused_attn`` (timm's default) this is :func:`attend`, one call that fuses what the backend can;
     without it, the explicit path of :mod:`vitattn.layers.explicit`: the weights pass through

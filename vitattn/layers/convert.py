@@ -1,4 +1,6 @@
-"""Turn an existing timm-style attention module into a vitattn layer, weights kept."""
+"""The ViT converter: timm's ``Attention`` (or a vitattn :class:`Attention`) into a vitattn layer, weights
+kept. The rotary and window converters live beside their layers (:mod:`.locat_rope`,
+:mod:`.locat_window`); the steps all three share are :mod:`.convert_steps`."""
 
 from __future__ import annotations
 
@@ -7,14 +9,14 @@ from typing import Any
 from torch import nn
 
 from .attention import Attention
-from .conversion import finish_conversion, importable_classes, new_like
+from .convert_steps import finish_conversion, importable_classes, new_like
 from .locat import GaugInit
 from .locat_rope import rope_attention_classes
 
-__all__ = ["convertible_attention", "convert_attention"]
+__all__ = ["convert_attention", "convertible_attention", "timm_attention_classes"]
 
 
-def _timm_attention_classes() -> tuple[type, ...]:
+def timm_attention_classes() -> tuple[type, ...]:
     """vitattn's Attention and timm's (``timm.layers`` since 1.0.16, and the older copy in
     ``vision_transformer``)."""
     return importable_classes(
@@ -28,7 +30,7 @@ def convertible_attention(module: nn.Module) -> bool:
     would miss)."""
     return (
         not isinstance(module, rope_attention_classes())
-        and isinstance(module, _timm_attention_classes())
+        and isinstance(module, timm_attention_classes())
         and isinstance(getattr(module, "qkv", None), nn.Linear)
         and isinstance(getattr(module, "proj", None), nn.Linear)
     )

@@ -7,9 +7,10 @@ there: as the ``*attn_drop`` modules' outputs (``method="hook"``) or as the ``*a
 nodes (``method="fx"``). The vitattn layers built in that state do the same:
 
 - the weights come from one call of :func:`vitattn.functional.attention` (any normalizer, bias, mask,
-  window and backend; analysis captures still see it), made by a function named after the normalizer,
-  which FX records as one node: ``softmax``, ``entmax15``, ``sparsemax`` or ``entmax`` (alpha-entmax,
-  a learned tensor of alphas included);
+  window and backend; analysis captures still see it), made by a function named after the normalizer's
+  FX node name (its :class:`~vitattn.functional.normalize.NormalizerSpec`'s ``fx_name``), which FX
+  records as one node: ``softmax``, ``entmax15``, ``sparsemax``, another registered normalizer's name,
+  or ``entmax`` (alpha-entmax, a learned tensor of alphas included);
 - they pass through the layer's ``attn_drop`` module, and the output is ``weights @ v``.
 
 So ``AttentionExtract(model, method="fx")`` finds softmax layers (LocAt included) under its default
@@ -21,31 +22,36 @@ default), the layers never come here: :func:`use_explicit_attention` switches a 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
 import torch
-from timm.layers import register_notrace_function
 from torch import nn
 
 from ..functional import GaussianBias, WindowMask, attention
-from ..functional.normalize import AttentionNormalizer, Normalizer
+from ..functional.normalize import ALPHA_FX_NAME, AttentionNormalizer, normalizer_table
+from .call_options import layer_call_options, layer_mask
 
 __all__ = [
     "WEIGHT_NODE_NAMES",
     "attention_extract_names",
     "explicit_attention",
-    "layer_call_options",
-    "layer_mask",
-    "resolve_attn_mask",
     "use_explicit_attention",
+    "weight_leaf",
     "weight_node_name",
 ]
 
-#: The FX node name of the weights, per normalizer (alpha-entmax with any other float alpha: ``entmax``)
-WEIGHT_NODE_NAMES = {"softmax": "softmax", "entmax15": "entmax15", "sparsemax": "sparsemax"}
+#: The FX node name of the weights, per registered normalizer (a live view of the registry's
+#: ``fx_name``); alpha-entmax with any other float alpha, or with learned alphas: ``entmax``
+WEIGHT_NODE_NAMES: Mapping[str, str] = normalizer_table("fx_name")
 
 
-def weight_node_name(normalizer: Normalizer | str) -> str:
-    """The FX node name (the last part of ``blocks.0.attn.<name>``) of a layer's attention weights."""
-    return WEIGHT_NODE_NAMES.get(normalizer, "entmax") if isinstance(normalizer, str) else "entmax"
+def weight_node_name(normalizer: AttentionNormalizer | str) -> str:
+    """The FX node name (the last part of ``blocks.0.attn.<name>``) of a layer's attention weights: a
+    registered normalizer's ``fx_name``, else (a float alpha, learned alphas, ``"adaptive"``) ``entmax``."""
+    if isinstance(normalizer, str) and normalizer in WEIGHT_NODE_NAMES:
+        return WEIGHT_NODE_NAMES[normalizer]
+    return ALPHA_FX_NAME
 
 
 def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -101,49 +107,6 @@ def attention_extract_names(model: nn.Module, method: str = "fx") -> list[str]:
     return [f"{name}.{weight_node_name(getattr(m, 'normalizer', 'softmax'))}" for name, m in modules]
 
 
-def resolve_attn_mask(
-    n: int, attn_mask: torch.Tensor | None, is_causal: bool, device: torch.device
-) -> torch.Tensor | None:
-    """The mask handed to :func:`vitattn.functional.attention`, with timm's semantics.
-
-    ``attn_mask`` is a boolean keep-mask (``True`` = attend) or an additive float mask broadcastable
-    to ``(B, H, N, N)``; ``is_causal=True`` takes precedence and gives a lower-triangular keep-mask.
-    """
-    if is_causal:
-        return torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    return attn_mask
-
-
-def layer_call_options(module: nn.Module) -> tuple[AttentionNormalizer, WindowMask | None]:
-    """A vitattn layer's normalizer (its ``attention_normalizer()``: learned alphas included, else its
-    ``normalizer``) and neighbourhood window (its ``attention_window()``, else none)."""
-    read_normalizer = getattr(module, "attention_normalizer", None)
-    normalizer = read_normalizer() if callable(read_normalizer) else module.normalizer
-    read_window = getattr(module, "attention_window", None)
-    return normalizer, (read_window() if callable(read_window) else None)  # type: ignore[return-value]
-
-
-def layer_mask(
-    n: int,
-    attn_mask: torch.Tensor | None,
-    is_causal: bool,
-    device: torch.device,
-    window: WindowMask | None = None,
-) -> torch.Tensor | WindowMask | None:
-    """:func:`resolve_attn_mask` and a layer's neighbourhood ``window`` as the one mask of the call: the
-    window itself when there is no other mask, else both folded into one dense mask of the other's kind
-    (a bool keep-mask ``&`` the window's, or an additive mask with ``-inf`` outside the window)."""
-    dense = resolve_attn_mask(n, attn_mask, is_causal, device)
-    if window is None:
-        return dense
-    if dense is None:
-        return window
-    keep = window.dense(device)
-    if dense.dtype == torch.bool:
-        return dense & keep
-    return dense.masked_fill(~keep, float("-inf"))
-
-
 def _weights(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -172,76 +135,41 @@ def _weights(
     return weights
 
 
-# One function per normalizer, each an FX leaf whose node is named after it (FX names a call by the
-# function's __name__). timm's tracer knows them from its registry, plain tracers from torch.fx.wrap.
-def softmax(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    is_causal: bool,
-    bias: torch.Tensor | GaussianBias | None,
-    scale: float,
-    backend: str,
-    window: WindowMask | None = None,
-) -> torch.Tensor:
-    """Softmax attention weights ``(B, H, Nq, Nk)``."""
-    return _weights(q, k, v, attn_mask, is_causal, bias, "softmax", scale, backend, window)
+_LEAVES: dict[str, Callable[..., torch.Tensor]] = {}
 
 
-def entmax15(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    is_causal: bool,
-    bias: torch.Tensor | GaussianBias | None,
-    scale: float,
-    backend: str,
-    window: WindowMask | None = None,
-) -> torch.Tensor:
-    """Entmax-1.5 attention weights ``(B, H, Nq, Nk)``."""
-    return _weights(q, k, v, attn_mask, is_causal, bias, "entmax15", scale, backend, window)
+def _make_leaf(fx_name: str) -> Callable[..., torch.Tensor]:
+    def leaf(*args: Any) -> torch.Tensor:  # _weights' arguments
+        return _weights(*args)
+
+    leaf.__name__ = leaf.__qualname__ = fx_name  # FX names a call after its function
+    leaf.__doc__ = f"Attention weights ``(B, H, Nq, Nk)`` of a layer; FX names the call ``{fx_name}``."
+    return leaf
 
 
-def sparsemax(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    is_causal: bool,
-    bias: torch.Tensor | GaussianBias | None,
-    scale: float,
-    backend: str,
-    window: WindowMask | None = None,
-) -> torch.Tensor:
-    """Sparsemax attention weights ``(B, H, Nq, Nk)``."""
-    return _weights(q, k, v, attn_mask, is_causal, bias, "sparsemax", scale, backend, window)
+def weight_leaf(fx_name: str) -> Callable[..., torch.Tensor]:
+    """The function computing a layer's weights (:func:`_weights`' arguments) under the name FX gives
+    its node: one per FX node name of the normalizer registry, made on first use."""
+    leaf = _LEAVES.get(fx_name)
+    if leaf is None:
+        leaf = _LEAVES[fx_name] = _make_leaf(fx_name)
+    return leaf
 
 
-def entmax(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    is_causal: bool,
-    bias: torch.Tensor | GaussianBias | None,
-    scale: float,
-    backend: str,
-    alpha: float | torch.Tensor,
-    window: WindowMask | None = None,
-) -> torch.Tensor:
-    """Alpha-entmax attention weights ``(B, H, Nq, Nk)`` (``alpha``: a float, or a tensor of them)."""
-    alpha = alpha if isinstance(alpha, torch.Tensor) else float(alpha)
-    return _weights(q, k, v, attn_mask, is_causal, bias, alpha, scale, backend, window)
+def _call_leaf(leaf: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
+    """``leaf(*args)``, recorded as one graph node (a leaf: FX does not trace into it) when a tracer runs
+    (torch.fx's, torchvision's, timm's; ``q = args[0]`` is then a ``Proxy``): what ``torch.fx.wrap`` does
+    for a module-level function, here for leaves made from the registry."""
+    q = args[0]
+    if isinstance(q, torch.fx.Proxy):
+        proxy = q.tracer.create_proxy("call_function", leaf, args, {})
+        proxy.node.meta["is_wrapped"] = True
+        return cast(torch.Tensor, proxy)
+    return leaf(*args)
 
 
-for _leaf in (softmax, entmax15, sparsemax, entmax):
-    register_notrace_function(_leaf)
-torch.fx.wrap("softmax")
-torch.fx.wrap("entmax15")
-torch.fx.wrap("sparsemax")
-torch.fx.wrap("entmax")
+for _name in (*WEIGHT_NODE_NAMES.values(), ALPHA_FX_NAME):  # the built-in leaves exist before any trace
+    weight_leaf(_name)
 
 
 def explicit_attention(
@@ -263,17 +191,7 @@ def explicit_attention(
     """
     normalizer, window = layer_call_options(module)
     scale, backend = float(module.scale), str(module.backend)  # type: ignore[arg-type]
-    kind = getattr(module, "normalizer", normalizer)
-    args = (q, k, v, attn_mask, is_causal, bias, scale, backend)
-    if kind == "adaptive" or isinstance(kind, torch.Tensor):  # learned alphas: alpha-entmax
-        weights = entmax(*args, normalizer, window)  # type: ignore[arg-type]  # the alphas tensor
-    elif kind == "softmax":
-        weights = softmax(*args, window)
-    elif kind == "entmax15":
-        weights = entmax15(*args, window)
-    elif kind == "sparsemax":
-        weights = sparsemax(*args, window)
-    else:
-        weights = entmax(*args, float(kind), window)
+    leaf = weight_leaf(weight_node_name(getattr(module, "normalizer", normalizer)))
+    weights = _call_leaf(leaf, q, k, v, attn_mask, is_causal, bias, normalizer, scale, backend, window)
     drop: nn.Module = module.get_submodule("attn_drop")
     return drop(weights).to(v.dtype) @ v

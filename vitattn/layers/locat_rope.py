@@ -22,7 +22,7 @@ from timm.layers import apply_rot_embed_cat
 from torch import nn
 
 from .attention import Attention, run_attention
-from .conversion import finish_conversion, importable_classes, new_like
+from .convert_steps import finish_conversion, importable_classes, new_like
 from .locat import GaugInit, LocAtAttention
 
 __all__ = [

@@ -25,7 +25,7 @@ from ..functional import GaussianBias, grid_pair
 from ..functional.dispatch import check_backend_name
 from ..functional.normalize import Normalizer, resolve_normalizer
 from .attention import run_attention
-from .conversion import finish_conversion, new_like
+from .convert_steps import finish_conversion, new_like
 from .locat import GaugInit, GaussianAugment
 
 __all__ = [

@@ -24,7 +24,7 @@ from ..layers import (
     convertible_attention,
 )
 from ..layers.adaptive import LayerNormalizer, resolve_layer_normalizer
-from ..layers.convert import _timm_attention_classes
+from ..layers.convert import timm_attention_classes
 from ..layers.locat import GaugInit, check_gaug_init
 from ..layers.locat_rope import (
     LocAtRopeAttention,
@@ -89,7 +89,7 @@ VIT = Family(
         "locat": LocAtAttention,
         "window": NeighborhoodAttention,
     },
-    lambda: (*_timm_attention_classes(), EntmaxAttention, LocAtAttention, NeighborhoodAttention),
+    lambda: (*timm_attention_classes(), EntmaxAttention, LocAtAttention, NeighborhoodAttention),
 )
 EVA = Family(
     "Eva / RoPE ViT",

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ..datasets.scenes import VERSIONS as SCENES_VERSIONS
+from ..layers.kinds import STUDY_ATTENTIONS
 from .amp import AMP_CHOICES
 from .datasets import DATASETS, DatasetSpec
 from .flags import no_option, option
@@ -32,7 +33,7 @@ __all__ = [
 
 # softmax, entmax-1.5, LocAt (GAug), adaptive (alpha-entmax, one learnable alpha per head from 1.5) and
 # window (softmax inside a window x window neighbourhood, STUDY_WINDOW by default: vitattn.study.model)
-ATTENTIONS = ("softmax", "entmax15", "locat", "adaptive", "window")
+ATTENTIONS = STUDY_ATTENTIONS
 
 # the default neighbourhood of the "window" attention on the study's 8x8 patch grid: uniform attention
 # over 5x5 patches has about the mean attention distance (1.9 patches) of LocAt's most local block-0 heads

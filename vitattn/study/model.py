@@ -4,11 +4,12 @@ chosen attention, or, for fine-tuning, any timm backbone from its weights, patch
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypedDict
+from typing import TypedDict, cast
 
 from torch import nn
 
 from ..layers.adaptive import LayerNormalizer
+from ..layers.kinds import implied_normalizer
 from ..models import LocAtViT
 from ..patch import patch
 from .backbone import create_timm_model, load_weights, patch_backbone
@@ -57,11 +58,8 @@ def model_kwargs(config: StudyConfig, attention: str) -> ModelKwargs:
         drop_path_rate=float(config.drop_path),
         gaug=attention == "locat",
         prr=config.prr,
-        normalizer=_NORMALIZERS.get(attention, "softmax"),
+        normalizer=cast(LayerNormalizer, implied_normalizer(attention) or "softmax"),
     )
-
-
-_NORMALIZERS: dict[str, LayerNormalizer] = {"entmax15": "entmax15", "adaptive": "adaptive"}
 
 
 def _study_vit(config: StudyConfig, attention: str) -> LocAtViT:

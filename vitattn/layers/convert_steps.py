@@ -1,5 +1,6 @@
-"""The steps every attention converter shares: timm classes by name, a new layer on the meta device
-shaped like the old one, and the finish (GAug heads, train / eval mode, no meta leftovers)."""
+"""The steps every attention converter (:mod:`.convert`, :mod:`.locat_rope`, :mod:`.locat_window`)
+shares: timm classes by name, a new layer on the meta device shaped like the old one, and the finish
+(GAug heads, train / eval mode, no meta leftovers)."""
 
 from __future__ import annotations
 
