@@ -168,7 +168,7 @@ def test_grid_pair_has_one_home():
     from vitattn.functional import gaussian
     from vitattn.layers import locat
 
-    assert locat.grid_pair is grid_pair  # re-exported from its old home
+    assert not hasattr(locat, "grid_pair")  # no back-compat re-export: vitattn.functional is its home
     assert not hasattr(gaussian, "_pair")
     assert grid_pair("g", 3) == (3, 3) and grid_pair("g", (2, 5)) == (2, 5)
     assert grid_pair("g", torch.Size([4, 1])) == (4, 1)
