@@ -59,7 +59,8 @@ def official_locat_attention(
     init_grid: tuple[int, int],
     normalizer: str = "softmax",
 ) -> torch.Tensor:
-    """What an official LocAt attention layer computes for ``x: (B, N, C)`` (eval, no mask)."""
+    """What an official LocAt attention layer computes for ``x: (B, N, C)`` (eval, no mask); a gated
+    layer's α (the identity start) is times its per-head ``gate``."""
     b, n, _ = x.shape
     h, d = attn.num_heads, attn.head_dim
     q, k, v = attn.qkv(x).reshape(b, n, 3, h, d).permute(2, 0, 3, 1, 4)
@@ -69,6 +70,8 @@ def official_locat_attention(
     q_sp = q[:, :, prefix:]
     var = c * torch.sigmoid(q_sp @ attn.gaug.log_var.weight.T + attn.gaug.log_var.bias - shift)
     alpha = F.softplus(q_sp @ attn.gaug.log_alpha.weight.T + attn.gaug.log_alpha.bias)
+    if getattr(attn.gaug, "gate", None) is not None:
+        alpha = alpha * attn.gaug.gate.view(-1, 1, 1)
     scores = (q @ k.transpose(-1, -2)) * d**-0.5 + naive_gaug_bias(
         var, alpha, grid, prefix, init_grid
     ).float()
@@ -85,7 +88,8 @@ def official_prr(x: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def stress_gaug(model: nn.Module, seed: int = 0) -> None:
-    """GAug params with σ from tiny to huge and α around 1-3, attention weights scaled up."""
+    """GAug params with σ from tiny to huge and α around 1-3 (a gate, where there is one, in [-1.5, 1.5]:
+    negative amplitudes too), attention weights scaled up."""
     # imported here: conftest.py imports this module, and vitattn.layers imports timm, and through it
     # triton, which must not happen before tests/test_kernels.py sets TRITON_INTERPRET
     from vitattn.layers import Attention, GaussianAugment
@@ -98,6 +102,8 @@ def stress_gaug(model: nn.Module, seed: int = 0) -> None:
                 m.log_var.bias.copy_(torch.rand(2, generator=g) * 12 - 6)
                 m.log_alpha.weight.copy_(torch.randn(m.log_alpha.weight.shape, generator=g) * 0.2)
                 m.log_alpha.bias.copy_(torch.rand(1, generator=g) * 2 + 0.5)
+                if m.gate is not None:
+                    m.gate.copy_(torch.rand(m.gate.shape, generator=g) * 3 - 1.5)
             elif isinstance(m, Attention):
                 m.qkv.weight.mul_(3.0)
 

@@ -60,3 +60,29 @@ def test_missing_models_fail_at_once(tmp_path, capsys) -> None:
     assert "vitattn analyze:" in capsys.readouterr().err
     assert main(["probe", "hf:x", "--checkpoint", "w.safetensors", "--out", str(tmp_path)]) == 2
     assert "not to hf: models" in capsys.readouterr().err
+
+
+def test_an_image_size_that_drops_pixels_is_refused(tmp_path, capsys) -> None:
+    """A transformers ViT interpolates its position embedding to any size, but its conv patch embedding
+    drops the pixels past the last whole patch: 40 px with 16-px patches is refused, nothing written."""
+    pytest.importorskip("vitattn.datasets.scenes")
+    folder = tmp_path / "vit16"
+    tiny_model("vit", patch_size=16).save_pretrained(folder)
+    capsys.readouterr()  # transformers' saving progress
+    out = tmp_path / "out"
+    argv = ["probe", f"hf:{folder}", "--image-size", "40", *SMALL, "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--image-size 40 is not a multiple of the patch size 16" in err
+    assert not out.exists()
+
+
+def test_gradient_rollout_of_an_hf_model_is_refused_before_anything_is_written(
+    saved_dinov2, tmp_path, capsys
+):
+    out = tmp_path / "analysis"
+    argv = ["analyze", f"hf:{saved_dinov2}", "--rollout", "--gradient-rollout", "--out", str(out)]
+    assert main([*argv, "--max-images", "4", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--gradient-rollout needs a timm or vitattn ViT" in err
+    assert not out.exists()  # it used to write report.json and three plots first

@@ -14,7 +14,6 @@ import vitattn
 import vitattn.hf
 from vitattn.functional import prr as prr_fn
 from vitattn.layers import GaussianAugment
-from vitattn.layers.locat import IDENTITY_ALPHA
 
 from .hf_tiny import NAMES, PATCH, hidden, images, prefix_tokens, tiny_model
 
@@ -55,23 +54,25 @@ def test_locat_patch_changes_output_identity_does_not(family: str) -> None:
 
 
 def test_identity_start_trains() -> None:
-    """The identity start trains: GAug's amplitude head gets a finite non-zero gradient, Adam moves α
-    from its start, and the loss goes down."""
+    """The identity start trains: GAug's gate gets a finite non-zero gradient from the first step,
+    Adam moves it from 0 (then the amplitude head gets a gradient too), and the loss goes down."""
     model = vitattn.patch(tiny_model("dinov2"), "locat", gaug_init="identity").train()
     x = images(4)
     target = torch.randn(4, 32)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gaug = vitattn.hf.hf_layout(model).attentions[0].gaug
     losses = []
-    for _ in range(3):
+    for step in range(3):
         opt.zero_grad()
         loss = (hidden(model, x).pooler_output - target).pow(2).mean()
         loss.backward()
         losses.append(loss.item())
-        grad = model.get_submodule(vitattn.hf.hf_layout(model).attention_names[0]).gaug.log_alpha.bias.grad
-        assert grad is not None and torch.isfinite(grad).all() and grad.abs().item() > 0
+        assert gaug.gate.grad is not None and torch.isfinite(gaug.gate.grad).all()
+        assert gaug.gate.grad.abs().max() > 0
+        if step > 0:  # once the gate has left 0
+            assert gaug.log_alpha.bias.grad.abs().item() > 0
         opt.step()
-    alpha = torch.nn.functional.softplus(vitattn.hf.hf_layout(model).attentions[0].gaug.log_alpha.bias)
-    assert alpha.item() != pytest.approx(IDENTITY_ALPHA, rel=1e-3)
+    assert gaug.gate.abs().min() > 1e-2  # about lr per step
     assert losses[-1] < losses[0]
 
 
@@ -218,3 +219,31 @@ def test_patched_models_copy_and_pickle() -> None:
     again = pickle.loads(pickle.dumps(model))  # e.g. handed to worker processes
     x = images()
     torch.testing.assert_close(_out(again, x), _out(model, x))
+
+
+@pytest.mark.parametrize("family", ["vit", "dinov2_reg", "siglip"])
+def test_calls_compose(family: str) -> None:
+    """A later call changes only what it names: ``normalizer=`` alone keeps the GAug heads (the same
+    modules) and equals one call naming both; ``attention="locat"`` keeps an earlier normalizer;
+    only a named attention without GAug removes the heads."""
+    model = vitattn.patch(tiny_model(family), "locat")
+    layout = vitattn.hf.hf_layout(model)
+    with torch.no_grad():
+        for a in layout.attentions:
+            a.gaug.log_alpha.bias.fill_(0.7)
+    heads = [a.gaug for a in layout.attentions]
+    at_once = vitattn.patch(copy.deepcopy(model), "locat", normalizer="entmax15")
+    vitattn.patch(model, normalizer="entmax15")
+    assert [a.gaug for a in layout.attentions] == heads
+    assert [a.vitattn.normalizer for a in layout.attentions] == ["entmax15", "entmax15"]
+    x = images()
+    torch.testing.assert_close(_out(model, x), _out(at_once, x))
+    vitattn.patch(model)  # nothing named: nothing changes
+    assert [a.gaug for a in layout.attentions] == heads
+    assert model.config.vitattn["layers"]["0"] == {"normalizer": "entmax15", "gaug": True}
+    entmax = vitattn.patch(tiny_model(family), "entmax15")
+    vitattn.patch(entmax, "locat")  # GAug added, the normalizer kept
+    assert all(a.vitattn.normalizer == "entmax15" for a in vitattn.hf.hf_layout(entmax).attentions)
+    vitattn.patch(model, "softmax", blocks=[0])
+    assert getattr(layout.attentions[0], "gaug", None) is None and layout.attentions[1].gaug is heads[1]
+    assert layout.attentions[0].vitattn.normalizer == "softmax"

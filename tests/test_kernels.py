@@ -62,6 +62,7 @@ class Case:
     initial: tuple[int, int] | None = None
     mag: float = 2.0  # scale of q, k, v: larger gives sparser entmax rows and more Newton passes
     seed: int = 0
+    signed: bool = False  # Gaussian amplitudes of either sign (GAug's gated identity start), else >= 0
 
 
 def _make(case: Case):
@@ -78,6 +79,8 @@ def _make(case: Case):
         gb = 1 if case.prefix == 1 else b  # broadcast over the batch (stride 0) or not
         extra["sigma"] = torch.exp(torch.randn(gb, h, n_p, 2, generator=g) * 0.7)
         extra["alpha"] = torch.rand(gb, h, n_p, 1, generator=g) * 3
+        if case.signed:
+            extra["alpha"] = extra["alpha"] * 2 - 3  # in [-3, 3]
     if case.kind in ("add", "bias_and_mask"):
         extra["add"] = (torch.randn(1, h, n, n, generator=g) * 2).to(case.dtype)
         extra["add"][..., 3] = float("-inf")
@@ -153,6 +156,8 @@ F32_CASES = [
     Case("softmax", "add", n=77, d=24, mag=6.0),
     Case("entmax15", "key_padding", n=77, d=40, mag=6.0),
     Case("entmax15", "none", n=37, d=16, mag=0.2),
+    Case("softmax", "gaussian", n=37, d=16, prefix=1, grid=(6, 6), signed=True),
+    Case("entmax15", "gaussian", n=77, d=32, prefix=0, grid=(7, 11), signed=True),
 ]
 
 HALF_CASES = [
@@ -167,7 +172,8 @@ HALF_CASES = [
 
 
 def _id(case: Case) -> str:
-    return f"{case.normalizer}-{case.kind}-N{case.n}-D{case.d}-P{case.prefix}-{str(case.dtype)[6:]}"
+    name = f"{case.normalizer}-{case.kind}-N{case.n}-D{case.d}-P{case.prefix}-{str(case.dtype)[6:]}"
+    return f"{name}-signed" if case.signed else name
 
 
 @interpreted

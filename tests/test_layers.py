@@ -104,10 +104,14 @@ def test_timm_vit_accepts_layers_as_attn_layer() -> None:
     prefix=st.integers(0, 3),
     heads=st.sampled_from([1, 2]),
     normalizer=st.sampled_from(["softmax", "entmax15"]),
+    gated=st.booleans(),
 )
-def test_locat_matches_official_formula(gh, gw, init, prefix, heads, normalizer) -> None:
+def test_locat_matches_official_formula(gh, gw, init, prefix, heads, normalizer, gated) -> None:
+    """Also gated (the identity start's per-head gate, set in [-1.5, 1.5]: negative amplitudes too)."""
     torch.manual_seed(gh * 7 + gw)
-    layer = LocAtAttention(32, heads, qkv_bias=True, normalizer=normalizer).eval()
+    start = "identity" if gated else "paper"
+    layer = LocAtAttention(32, heads, qkv_bias=True, normalizer=normalizer, gaug_init=start).eval()
+    assert (layer.gaug.gate is not None) == gated
     layer.set_grid((gh, gw), prefix, init)
     stress_gaug(layer, seed=gh + 10 * gw)
     x = torch.randn(2, prefix + gh * gw, 32)

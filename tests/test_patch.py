@@ -7,7 +7,6 @@ import copy
 import pytest
 import timm
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from timm.models.vision_transformer import VisionTransformer
@@ -15,7 +14,6 @@ from torch import nn
 
 import vitattn
 from vitattn.layers import Attention, EntmaxAttention, GaussianAugment, LocAtAttention
-from vitattn.layers.locat import IDENTITY_ALPHA
 from vitattn.models import LocAtViT
 
 from .helpers import stress_gaug
@@ -271,9 +269,9 @@ def test_identity_start_keeps_outputs(family: str) -> None:
         torch.testing.assert_close(identity(x), before, atol=1e-4, rtol=0)
         assert (paper(x) - before).abs().max() > 5e-4  # the paper's start changes the function
     for m in identity.modules():
-        if isinstance(m, GaussianAugment):
-            assert torch.equal(m.log_alpha.weight, torch.zeros_like(m.log_alpha.weight))
-            torch.testing.assert_close(F.softplus(m.log_alpha.bias), torch.tensor([IDENTITY_ALPHA]))
+        if isinstance(m, GaussianAugment):  # the paper's heads behind a zero gate, one per head
+            assert m.gate is not None and torch.equal(m.gate, torch.zeros_like(m.gate))
+            assert torch.all(m.log_alpha.bias == 0) and 0 < m.log_alpha.weight.std() < 0.05
     with pytest.raises(ValueError, match="gaug_init must be one of"):
         vitattn.patch(model, "locat", gaug_init="zeros")
 
@@ -321,3 +319,106 @@ def test_registered_model_from_a_plain_checkpoint(name: str, tmp_path) -> None:
         torch.testing.assert_close(model(x), plain(x), atol=1e-4, rtol=0)
         assert (paper(x) - plain(x)).abs().max() > 5e-4
     assert model.gaug_init == "identity" and paper.gaug_init == "paper"
+
+
+# ---- composition: a later call changes only what it names ------------------------------------------------
+def _gaug_keys(model: nn.Module) -> list[str]:
+    return [k for k in model.state_dict() if ".gaug." in k]
+
+
+COMPOSE_CASES = {
+    "vit": (lambda: _scaled_up(tiny_vit(reg_tokens=1)), 32),
+    "locatvit_tiny": (
+        lambda: _scaled_up(
+            timm.create_model("locatvit_tiny", img_size=32, patch_size=8, depth=2, num_classes=5)
+        ),
+        32,
+    ),
+    "eva": (IDENTITY_CASES["eva"], 32),
+    "swin": (IDENTITY_CASES["swin"], 64),
+}
+
+
+@pytest.mark.parametrize("family", COMPOSE_CASES)
+@pytest.mark.parametrize("normalizer", ["entmax15", "adaptive"])
+def test_a_normalizer_alone_keeps_gaug(family: str, normalizer: str) -> None:
+    """``patch(model, normalizer=...)`` on a LocAt model (patched, or the registered LocAtViT) keeps
+    every GAug head (the same modules) and computes what one call naming both computes."""
+    if family == "swin" and normalizer == "adaptive":
+        pytest.skip("refused on a Swin: test_adaptive_on_a_swin_is_refused")
+    make, size = COMPOSE_CASES[family]
+    torch.manual_seed(0)
+    base = make().eval()
+    locat = base if family == "locatvit_tiny" else vitattn.patch(_scaled_up(base), "locat")
+    stress_gaug(locat)
+    keys, heads = _gaug_keys(locat), [m for m in locat.modules() if isinstance(m, GaussianAugment)]
+    assert len(keys) == 4 * len(heads) > 0
+    at_once = copy.deepcopy(locat)
+    vitattn.patch(locat, normalizer=normalizer)
+    assert _gaug_keys(locat) == keys
+    assert [m for m in locat.modules() if isinstance(m, GaussianAugment)] == heads
+    vitattn.patch(at_once, "locat", normalizer=normalizer)
+    x = torch.randn(2, 3, size, size)
+    with torch.no_grad():
+        torch.testing.assert_close(locat(x), at_once(x))
+        plain = copy.deepcopy(base) if family != "locatvit_tiny" else None
+    if plain is not None:  # and GAug does act: not what the same normalizer without it computes
+        vitattn.patch(plain, "softmax", normalizer=normalizer)
+        plain.load_state_dict({k: v for k, v in locat.state_dict().items() if ".gaug." not in k})
+        with torch.no_grad():
+            assert (plain(x) - locat(x)).abs().max() > 1e-4
+
+
+def test_a_window_and_learned_alphas_survive_later_calls() -> None:
+    """A window-patched ViT keeps its window under ``normalizer=`` (it was lost: attention defaulted to
+    softmax), an adaptive one keeps its learned alphas under ``attention="locat"``, and ``window=``
+    alone windows a LocAt layer, GAug kept."""
+    torch.manual_seed(0)
+    model = vitattn.patch(_scaled_up(tiny_vit()), "window", window=3)
+    vitattn.patch(model, normalizer="adaptive")
+    attn = model.blocks[0].attn
+    assert isinstance(attn, vitattn.layers.NeighborhoodAttention) and attn.window == (3, 3)
+    assert attn.normalizer == "adaptive"
+    twin = vitattn.patch(_scaled_up(tiny_vit()), "window", window=3, normalizer="adaptive")
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        attn.adaptive_alpha.logit.copy_(torch.tensor([0.8, -1.2]))  # "learned"
+        twin.blocks[0].attn.adaptive_alpha.logit.copy_(torch.tensor([0.8, -1.2]))
+        torch.testing.assert_close(model(x), twin(x))
+    alphas = attn.adaptive_alpha
+    vitattn.patch(model, "locat")  # GAug added inside the window, the alphas kept
+    attn = model.blocks[0].attn
+    assert isinstance(attn, LocAtAttention) and attn.window == (3, 3) and attn.adaptive_alpha is alphas
+    heads = attn.gaug
+    vitattn.patch(model, window=(3, 5), blocks=[0])
+    attn = model.blocks[0].attn
+    assert attn.gaug is heads and attn.window == (3, 5) and attn.normalizer == "adaptive"
+    assert model.blocks[1].attn.window == (3, 3)
+    vitattn.patch(model, "softmax", blocks=[0])  # naming an attention without GAug removes it
+    assert type(model.blocks[0].attn) is Attention and model.blocks[0].attn.normalizer == "softmax"
+    plain = vitattn.patch(tiny_vit(), window=3)  # window= alone on a plain ViT: neighbourhood attention
+    assert isinstance(plain.blocks[0].attn, vitattn.layers.NeighborhoodAttention)
+
+
+def test_entmax_then_locat_keeps_entmax_and_attention_none_converts() -> None:
+    model = vitattn.patch(tiny_vit(), "entmax15")
+    vitattn.patch(model, "locat")
+    assert all(type(b.attn) is LocAtAttention and b.attn.normalizer == "entmax15" for b in model.blocks)
+    model = vitattn.patch(tiny_vit(), "entmax15")
+    vitattn.patch(model)  # nothing named: every block stays what it is
+    assert all(type(b.attn) is EntmaxAttention for b in model.blocks)
+    timm_vit = tiny_vit()
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        before = timm_vit(x)
+        vitattn.patch(timm_vit)  # timm's layers become the vitattn layers computing the same
+        assert all(type(b.attn) is Attention for b in timm_vit.blocks)
+        torch.testing.assert_close(timm_vit(x), before, atol=1e-5, rtol=1e-5)
+
+
+def test_adaptive_on_a_swin_is_refused() -> None:
+    swin = vitattn.patch(IDENTITY_CASES["swin"](), "locat")
+    with pytest.raises(ValueError, match=r"normalizer='adaptive' is not available for a Swin.*layers\[0\]"):
+        vitattn.patch(swin, normalizer="adaptive")
+    assert len(_gaug_keys(swin)) == 4 * 4  # nothing changed

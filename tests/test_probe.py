@@ -484,3 +484,19 @@ def test_unsized_dataset_and_non_tensor_block_outputs_are_named(data) -> None:
     model.blocks[1].register_forward_hook(lambda _m, _i, _o: {"tokens": _o})
     with pytest.raises(TypeError, match=r"blocks\[1\] returned dict; expected tokens \(B, N, C\)"):
         patch_features(model, torch.randn(1, 3, S, S), layers=(1,))
+
+
+def test_images_that_are_not_a_multiple_of_the_patch_are_refused() -> None:
+    """A 16-px-patch ViT on 40 px images would see a 2x2 grid and never the last 8 pixel rows and columns
+    (nor the masks under them): refused at the first batch, naming both sizes."""
+    from vitattn.probe.features import check_image_size, patch_size_of
+
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=40, depth=1, num_classes=0)
+    items = [(torch.rand(3, 40, 40), torch.zeros(40, 40, dtype=torch.int64)) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"image size 40 is not a multiple of the patch size 16 .*32 or 48"):
+        extract_dense_features(vit, items, num_classes=K, progress=False)
+    assert patch_size_of(vit) == (16, 16) and patch_size_of(torch.nn.Linear(2, 2)) is None
+    check_image_size(vit, 48)
+    check_image_size(torch.nn.Linear(2, 2), 41)  # no patches: nothing to check
+    with pytest.raises(ValueError, match=r"size 48x40 is not a multiple of the patch size 16 .* 0 pixel row"):
+        check_image_size(vit, (48, 40), "size")

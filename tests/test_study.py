@@ -101,6 +101,41 @@ def test_cli_end_to_end_writes_every_output(quick_tiny: tuple[Path, str]) -> Non
     assert (out / "summary.md").read_text().strip() == summary_table(data["runs"])
 
 
+def test_counts_are_said_in_words(quick_tiny: tuple[Path, str], monkeypatch) -> None:
+    """ "1 epoch", "3 runs", "block 0": the opening line, the closing note and the plot titles."""
+    from vitattn.study import plots
+
+    out, stdout = quick_tiny
+    assert "1 protocol x 3 attentions x 1 seed = 3 runs of 1 epoch;" in stdout
+    assert "min over the heads of block 0;" in stdout
+    titles: list[str] = []
+    for name in ("plot_locality_plane", "plot_mad_per_layer", "plot_min_mad_vs_accuracy"):
+        monkeypatch.setattr(plots, name, lambda *a, title="", **k: titles.append(title))
+    monkeypatch.setattr(plots, "plot_attention_comparison", lambda *a, **k: None)
+    plots.write_plots(out, json.loads((out / "results.json").read_text()))
+    assert "(scenes, 1 epoch, first seed of each)" in titles[0] and "1 epochs" not in " ".join(titles)
+
+
+def test_min_mad_plot_holds_every_point_with_a_margin() -> None:
+    """A run at MAD 0 or accuracy 100 % sits inside the frame, not on it (a marker there was cut in half)."""
+    from vitattn.study.plots import plot_min_mad_vs_accuracy
+
+    def run(mad: float, acc: float, cutmix: bool) -> dict:
+        comps = {"autoaugment": False, "cutmix": cutmix, "label_smoothing": False}
+        proto = "cm" if cutmix else "baseline"
+        return {"protocol": proto, "attention": "softmax", "components": comps, "min_mad_first": mad,
+                "test_acc": acc, "first_layers": [0, 1]}  # fmt: skip
+
+    for points in ([(0.0, 1.0, True), (0.41, 0.5, False), (0.2, 0.75, True)], [(0.3, 0.9, False)]):
+        fig = plot_min_mad_vs_accuracy([run(*p) for p in points])
+        ax = fig.axes[0]
+        (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+        assert x0 <= 0.0  # the MAD axis shows 0
+        for mad, acc, _ in points:
+            assert x0 + 0.03 * (x1 - x0) <= mad <= x1 - 0.03 * (x1 - x0), (mad, ax.get_xlim())
+            assert y0 + 0.03 * (y1 - y0) <= 100 * acc <= y1 - 0.03 * (y1 - y0), (acc, ax.get_ylim())
+
+
 def test_results_schema(quick_tiny: tuple[Path, str]) -> None:
     out, _ = quick_tiny
     data = json.loads((out / "results.json").read_text())
@@ -200,6 +235,95 @@ def test_interrupted_run_resumes_and_matches_an_uninterrupted_one(tmp_path: Path
     wa = load_file(str(tmp_path / "straight" / a["checkpoint"]))
     wb = load_file(str(out / b["checkpoint"]))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_resumed_run_says_it_resumed_not_how_it_started(tmp_path: Path, capsys) -> None:
+    """A run from a checkpoint whose head has another size says "head re-initialised" when it starts;
+    resumed, its weights come from its own training state: it says "resumed from epoch 1", and
+    nothing about the head."""
+    from safetensors.torch import save_file
+
+    from vitattn.study.model import build_model
+
+    config = make_config("quick", depth=2, dim=32, heads=4, attentions=["softmax"])
+    state = build_model(config, "softmax").state_dict()
+    state["head.weight"], state["head.bias"] = torch.zeros(7, 32), torch.zeros(7)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "seven.safetensors"))
+    args = (*SOFTMAX, "--epochs", "2", "--checkpoint", str(tmp_path / "seven.safetensors"), "--no-probe")
+    assert study(tmp_path / "s", *args, "--stop-after-epochs", "1") == 0
+    first = capsys.readouterr().out
+    assert "head re-initialised" in first and "resumed from" not in first
+    assert study(tmp_path / "s", *args) == 0
+    again = capsys.readouterr().out
+    assert "resumed from epoch 1" in again and "head re-initialised" not in again
+
+
+def test_compile_time_is_kept_out_of_the_throughput(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Under --compile the first step compiles: the first epoch reports that time as compile_seconds and
+    the steady rate of its other step, not 64 images over the compile time ("0 img/s"). A stand-in for
+    torch.compile and the trainer's clock make it exact: every forward takes 0.5 s, the first 100 s more."""
+    import types
+
+    from vitattn.study import train
+
+    clock = [0.0]
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    class SlowFirstCall(torch.nn.Module):
+        def __init__(self, net: torch.nn.Module) -> None:
+            super().__init__()
+            self.net, self.calls = net, 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            clock[0] += 0.5 + (100.0 if self.calls == 1 else 0.0)
+            return self.net(x)
+
+    monkeypatch.setattr(torch, "compile", SlowFirstCall)
+    out = tmp_path / "c"
+    assert study(out, *SOFTMAX, "--epochs", "2", "--no-probe", "--compile") == 0  # 2 steps of 32 per epoch
+    stdout = capsys.readouterr().out
+    first, second = json.loads((out / "results.json").read_text())["runs"][0]["history"]
+    assert first["compile_seconds"] == pytest.approx(100.5) and second["compile_seconds"] == 0.0
+    assert first["seconds"] == pytest.approx(101.0)  # the epoch's own time still holds the compile
+    assert first["train_images_per_s"] == pytest.approx(32 / 0.5)  # its second step alone
+    assert second["train_images_per_s"] == pytest.approx(64 / 1.0)
+    assert "(101.0 s incl. 100.5 s compiling, 64 img/s)" in stdout
+
+
+@pytest.mark.slow  # a real torch.compile on the CPU (tens of seconds)
+def test_compile_on_the_cpu_reports_a_steady_rate(tmp_path: Path) -> None:
+    out = tmp_path / "c"
+    assert study(out, *SOFTMAX, "--epochs", "2", "--no-probe", "--compile") == 0
+    first, second = json.loads((out / "results.json").read_text())["runs"][0]["history"]
+    assert first["compile_seconds"] > 1.0 and first["train_images_per_s"] > 0.2 * second["train_images_per_s"]
+
+
+def test_window_flag_and_the_note_when_it_covers_the_grid() -> None:
+    """--window / --window-dilation reach the configuration; on a 4x4 patch grid the default 5x5 window
+    holds every patch (the window attention is softmax there): the study's opening lines say so, and
+    a 3x3 window is not noted."""
+    from vitattn.cli import build_parser
+    from vitattn.cli.study import config_from_args
+    from vitattn.study.distributed import DistEnv
+    from vitattn.study.runner import describe_study
+
+    tiny = ["study", "--model", "vit_tiny_patch16_224", "--img-size", "16", "--attention", "window"]
+    tiny += [f"--model-arg={k}={v}" for k, v in {"patch_size": 4, "embed_dim": 32, "depth": 2}.items()]
+
+    def lines(*extra: str) -> str:
+        config = config_from_args(build_parser().parse_args([*tiny, "--model-arg=num_heads=2", *extra]))
+        return "\n".join(describe_study(config, 1, DistEnv()))
+
+    text = lines()
+    assert "4x4 patch grid" in text and "window 5x5" in text
+    assert "note: the 5x5 window covers the whole 4x4 patch grid" in text and "--window" in text
+    text = lines("--window", "3")
+    assert "window 3x3" in text and "covers the whole" not in text
+    text = lines("--window", "4", "--window-dilation", "2")
+    assert "window 4x4, dilation 2" in text and "covers the whole" not in text  # dilated: 2 sub-grids
+    config = config_from_args(build_parser().parse_args(["study", "--attention", "window", "--window", "3"]))
+    assert (config.window, config.window_size, config.dilation) == (3, 3, 1)
 
 
 def test_resume_flag_reads_the_stored_config(tmp_path: Path, capsys) -> None:
@@ -315,6 +439,23 @@ def test_presets_and_defaults() -> None:
         make_config(dim=30, heads=8)
     with pytest.raises(ValueError, match="probe_layer 5"):
         make_config(probe_layer=5)
+
+
+def test_a_config_written_before_a_field_existed_means_its_old_value() -> None:
+    """A study folder from before ``window`` / ``window_dilation`` (or ``gaug_lr_scale``) existed
+    resumes: a missing key means the field's default; a missing ``scenes_version`` means version 2."""
+    from vitattn.study.config import config_diff
+
+    new = make_config("quick").to_dict()
+    old = {k: v for k, v in new.items() if k not in ("window", "window_dilation", "gaug_lr_scale")}
+    assert config_diff(old, new) == []
+    assert config_diff(old, make_config("quick", attentions=["window"], window=3).to_dict()) == [
+        "attentions: ['softmax', 'entmax15', 'locat'] -> ['window']",
+        "window: None -> 3",
+    ]
+    older = {k: v for k, v in new.items() if k != "scenes_version"}
+    assert config_diff(older, new) == ["scenes_version: 2 -> 3"]
+    assert StudyConfig.from_dict(older).scenes_version == 2
 
 
 def test_scenes_normalization_matches_the_dataset() -> None:

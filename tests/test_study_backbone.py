@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from vitattn.layers import EntmaxAttention, LocAtAttention
 from vitattn.study import make_config
 from vitattn.study.backbone import CheckpointMismatch, classifier_keys
+from vitattn.study.config import STUDY_WINDOW, ConfigError
 from vitattn.study.model import build_model
 from vitattn.study.optim import param_groups
 
@@ -254,3 +255,71 @@ def test_window_and_adaptive_from_a_checkpoint_keep_its_weights(tmp_path):
     with torch.no_grad():
         assert not torch.allclose(window(x), softmax(x))  # the window changes what block 0 sees
         assert adaptive(x).shape == (2, 10)
+
+
+def test_an_input_size_that_is_not_a_multiple_of_the_patch_is_refused():
+    """40 px with 16-px patches would train on a 2x2 grid that never sees 8 pixel rows and columns (the
+    conv patch embedding drops them): refused when the config is made, naming both sizes; timm's
+    ``dynamic_img_pad`` pads instead, so it passes."""
+    with pytest.raises(ConfigError, match=r"img_size 40 is not a multiple of the patch size 16") as info:
+        make_config("quick", model=TIMM, model_args={"depth": 1}, img_size=40)
+    assert info.value.render(lambda f: "--" + f.replace("_", "-")).startswith("--img-size 40 is not")
+    with pytest.raises(ConfigError, match=r"img_size 36 is not a multiple of the patch size 8 .*32 or 40"):
+        make_config("quick", model=TIMM, model_args=dict(TIMM_ARGS, patch_size=8), img_size=36)
+    pads = dict(TIMM_ARGS, dynamic_img_pad=True, dynamic_img_size=True)
+    padded = make_config("quick", model=TIMM, model_args=pads, img_size=34)
+    assert build_model(padded, "softmax")(torch.randn(1, 3, 34, 34)).shape == (1, 10)
+    make_config("quick", model=TIMM, model_args={"depth": 1}, img_size=48)  # a multiple: accepted
+
+
+def test_a_timm_backbone_is_built_at_the_input_size():
+    """Without --img-size the backbone takes the dataset's images (32 px scenes), not timm's default
+    224 (which failed at the first batch)."""
+    config = make_config("quick", model=TIMM, model_args=dict(TIMM_ARGS))
+    model = build_model(config, "softmax")
+    assert tuple(model.patch_embed.img_size) == (32, 32) and config.input_size == 32
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_the_window_attention_takes_its_window_and_dilation():
+    study = build_model(make_config("quick", attentions=["window"], window=3, window_dilation=2), "window")
+    timm_vit = build_model(timm_config(attentions=["window"], window=3), "window")
+    default = build_model(make_config("quick", attentions=["window"]), "window")
+    assert study.blocks[0].attn.window == (3, 3) and study.blocks[1].attn.dilation == (2, 2)
+    assert timm_vit.blocks[0].attn.window == (3, 3) and timm_vit.blocks[0].attn.dilation == (1, 1)
+    assert default.blocks[0].attn.window == (STUDY_WINDOW, STUDY_WINDOW)
+    with pytest.raises(ConfigError, match="window and window_dilation are for the 'window' attention"):
+        make_config("quick", window=3)  # the quick preset's attentions have no window
+
+
+@pytest.mark.parametrize(
+    ("grid", "window", "dilation"),
+    [((4, 4), 5, 1), ((4, 4), 4, 1), ((4, 4), 3, 1), ((8, 8), 5, 1), ((4, 4), 5, 2), ((1, 6), 6, 1),
+     ((1, 6), 5, 1), ((2, 3), 3, 1), ((3, 3), 7, 3)],
+)  # fmt: skip
+def test_window_covers_grid_matches_the_mask(grid, window, dilation):
+    from vitattn.functional import WindowMask
+    from vitattn.study.runner import window_covers_grid
+
+    dense = WindowMask(grid, window, 0, dilation).patch_keep()
+    assert window_covers_grid(grid, window, dilation) == bool(dense.all())
+
+
+def test_check_inputs_reads_each_seeds_checkpoint_before_anything_is_written(tmp_path):
+    """The study's checks before it writes: every remaining seed's checkpoint exists, is readable
+    and fits the model of every attention (shapes only, models on the meta device)."""
+    from vitattn.study.distributed import DistEnv
+    from vitattn.study.runner import check_inputs, run_specs
+
+    torch.manual_seed(0)
+    path = save(build_model(timm_config(), "softmax"), tmp_path / "w-s0.safetensors")
+    config = timm_config(checkpoint=str(tmp_path / "w-s{seed}.safetensors"), seeds=[0, 1])
+    specs = run_specs(config)
+    check_inputs(config, DistEnv(), [s for s in specs if s.seed == 0])  # seed 0's file fits
+    with pytest.raises(FileNotFoundError, match="w-s1.safetensors"):
+        check_inputs(config, DistEnv(), specs)
+    state = load_file(str(path))
+    state["blocks.0.attn.qkv.weight"] = torch.zeros(3, 3)
+    save_file(state, str(tmp_path / "w-s1.safetensors"))
+    with pytest.raises(CheckpointMismatch, match=r"w-s1.safetensors.*'blocks.0.attn.qkv.weight'"):
+        check_inputs(config, DistEnv(), specs)

@@ -242,7 +242,20 @@ def test_torchscript() -> None:  # pragma: no cover - documented as unsupported
 
 # ---- timm's AttentionExtract on vitattn layers (fused attention off) -------------------------------------
 EXTRACT_NAMES = ["*attn.softmax", "*attn.entmax*", "*attn.sparsemax"]  # docs/layers.md
-EXTRACT_CASES = [*CASES, "patched-entmax:1.25", "patched-entmax:sparsemax"]
+# window and adaptive layers (and LocAt with both) branch on their window and learned alphas: FX must
+# still trace them (their data-dependent parts are leaves)
+COMPOSED = {
+    "window": dict(attention="window", window=3),
+    "adaptive": dict(normalizer="adaptive"),
+    "locat-window-adaptive": dict(attention="locat", window=3, normalizer="adaptive"),
+    "window-entmax": dict(attention="window", window=3, normalizer="entmax15"),
+}
+EXTRACT_CASES = [
+    *CASES,
+    "patched-entmax:1.25",
+    "patched-entmax:sparsemax",
+    *(f"composed:{name}" for name in COMPOSED),
+]
 
 
 def _build_extract_case(case: str) -> torch.nn.Module:
@@ -253,6 +266,8 @@ def _build_extract_case(case: str) -> torch.nn.Module:
     model = timm.create_model("vit_tiny_patch16_224", img_size=SIZE, patch_size=8, depth=2)
     if kind == "patched":
         return vitattn.patch(model, what)
+    if kind == "composed":
+        return vitattn.patch(model, **COMPOSED[what])  # type: ignore[arg-type]
     return vitattn.patch(model, "softmax", normalizer=float(what) if what[0].isdigit() else what)
 
 
@@ -311,10 +326,13 @@ def test_attention_extract_default_names(unfused) -> None:
     ]
 
 
-@pytest.mark.parametrize("case", ["registered:locatvit_tiny", "patched:entmax15"])
+@pytest.mark.parametrize(
+    "case",
+    ["registered:locatvit_tiny", "patched:entmax15", "composed:locat-window-adaptive", "composed:window"],
+)
 def test_explicit_path_equals_fused(case: str) -> None:
     """The explicit path computes what the fused one does: outputs and gradients (float64, eval)."""
-    model = build(case).double().eval()
+    model = (_build_extract_case(case) if case.startswith("composed") else build(case)).double().eval()
     x = torch.randn(2, 3, *image_size(model), dtype=torch.float64)
     attns = [m for m in model.modules() if hasattr(m, "fused_attn") and hasattr(m, "normalizer")]
     assert attns and all(a.fused_attn for a in attns)  # timm's default: fused, the fast path
@@ -333,3 +351,61 @@ def test_explicit_path_equals_fused(case: str) -> None:
     assert len(explicit_grads) == len(fused_grads) > 10
     for g, f in zip(explicit_grads, fused_grads, strict=True):
         torch.testing.assert_close(g, f)
+
+
+@pytest.mark.parametrize(
+    "case", ["registered:locatvit_tiny", "composed:window", "composed:adaptive", "patched:entmax15"]
+)
+def test_fx_graph_node_names_of_composed_layers(case: str, unfused) -> None:
+    """timm's ``get_graph_node_names`` traces window / adaptive / entmax / LocAt layers on the explicit
+    path (it raised ``TraceError`` on window and adaptive layers): the weights are one node per block."""
+    from timm.models import get_graph_node_names as timm_node_names
+
+    model = _build_extract_case(case).eval()
+    _, eval_nodes = timm_node_names(model)
+    want = vitattn.layers.attention_extract_names(model)
+    assert want and set(want) <= set(eval_nodes)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["registered:locatvit_tiny", "registered:locatswin_tiny", "patched:entmax15", "composed:adaptive"]
+    + ["composed:window-entmax", "plain"],
+)
+@pytest.mark.parametrize("method", ["fx", "hook"])
+def test_attention_extract_names_helper(case: str, method: str) -> None:
+    """``attention_extract_names`` refuses a model whose attention is fused (timm's default), naming
+    the fix; after ``use_explicit_attention`` its names make ``AttentionExtract`` return every block's
+    weights (equal to the ones a capture sees), whatever the normalizer."""
+    from timm.utils import AttentionExtract
+
+    from vitattn.layers import attention_extract_names, use_explicit_attention
+
+    if case == "plain":  # timm's own layers
+        model = timm.create_model("vit_tiny_patch16_224", img_size=SIZE, patch_size=8, depth=2)
+    else:
+        model = _build_extract_case(case)
+    model.eval()
+    flags = [m.fused_attn for m in model.modules() if hasattr(m, "attn_drop") and hasattr(m, "fused_attn")]
+    if "swin" in case:  # timm's Swin counts fused attention as experimental: off by default
+        assert not any(flags)
+    else:
+        assert all(flags)
+        with pytest.raises(ValueError, match=r"fused .*use_explicit_attention\(model\)"):
+            attention_extract_names(model, method)
+    use_explicit_attention(model)
+    names = attention_extract_names(model, method)
+    x = torch.randn(2, 3, *image_size(model))
+    got = AttentionExtract(model, names=names, method=method)(x)
+    assert list(got) == names
+    if case != "plain":  # timm's layers do not report to vitattn's capture
+        want = _captured_maps(model, x)
+        assert len(want) == len(names) >= 2
+        for g, w in zip(got.values(), want, strict=True):
+            torch.testing.assert_close(g, w)
+    use_explicit_attention(model, False)
+    assert all(m.fused_attn for m in model.modules() if hasattr(m, "attn_drop") and hasattr(m, "fused_attn"))
+    with pytest.raises(ValueError, match="method must be 'fx' or 'hook'"):
+        attention_extract_names(model, "graph")
+    with pytest.raises(ValueError, match="no attention module"):
+        attention_extract_names(torch.nn.Linear(2, 2))

@@ -10,11 +10,20 @@ each ``attention=`` name becomes. transformers models go to :func:`vitattn.hf.pa
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from torch import nn
 
-from .layers import PRR, Attention, EntmaxAttention, LocAtAttention, NeighborhoodAttention
+from .layers import (
+    PRR,
+    Attention,
+    EntmaxAttention,
+    GridAttention,
+    LocAtAttention,
+    LocAtWindowAttention,
+    NeighborhoodAttention,
+)
 from .layers.adaptive import LayerNormalizer, resolve_layer_normalizer
 from .layers.locat import GaugInit, check_gaug_init
 from .layers.prr import PRRPool, PRRPoolNHWC  # re-exported: their home was here
@@ -33,7 +42,6 @@ _LAYERS: dict[str, type[Attention]] = {
     "locat": LocAtAttention,
     "window": NeighborhoodAttention,
 }
-_DEFAULT_NORMALIZER = {"softmax": "softmax", "entmax15": "entmax15", "locat": "softmax", "window": "softmax"}
 _DEFAULT_WINDOW = 7
 # The rotary family comes first: vitattn's rotary layers are Attention subclasses too.
 _FAMILIES = (EVA, VIT)
@@ -75,8 +83,10 @@ def _family(attn: object, swin: bool) -> Family | None:
     return next((f for f in candidates if f.accepts(attn)), None)
 
 
-def _attention_name(attention: object) -> str:
-    """``attention`` as a key of ``_LAYERS``: a name, or one of the vitattn layer classes."""
+def _attention_name(attention: object) -> str | None:
+    """``attention`` as a key of ``_LAYERS`` (a name, or one of the vitattn layer classes), or None."""
+    if attention is None:
+        return None
     if isinstance(attention, type):
         for name, cls in _LAYERS.items():
             if attention is cls:
@@ -84,16 +94,18 @@ def _attention_name(attention: object) -> str:
         raise ValueError(
             f"attention={attention.__module__}.{attention.__qualname__} is not a layer vitattn.patch "
             f"knows; give one of {sorted(_LAYERS)} (or the classes "
-            f"{', '.join(layer.__name__ for layer in _LAYERS.values())})"
+            f"{', '.join(layer.__name__ for layer in _LAYERS.values())}), or None to keep each block's"
         )
     if not isinstance(attention, str) or attention not in _LAYERS:
-        raise ValueError(f"attention must be one of {sorted(_LAYERS)}, got {attention!r}")
+        raise ValueError(f"attention must be one of {sorted(_LAYERS)} or None (keep), got {attention!r}")
     return attention
 
 
-def _layer_normalizer(attention: str, normalizer: LayerNormalizer | None) -> str | float:
+def _layer_normalizer(attention: str | None, normalizer: LayerNormalizer | None) -> str | float | None:
+    """The normalizer the call names: ``normalizer`` resolved, else the one ``attention`` implies
+    (``"softmax"`` / ``"entmax15"``), else None (each block keeps its own)."""
     if normalizer is None:
-        return _DEFAULT_NORMALIZER[attention]
+        return {"softmax": "softmax", "entmax15": "entmax15"}.get(attention or "")
     resolved = resolve_layer_normalizer(normalizer)
     if attention == "entmax15" and resolved != "entmax15":
         raise ValueError(
@@ -160,32 +172,92 @@ def _add_prr_swin(model: nn.Module, slots: list[tuple[str, nn.Module]]) -> None:
     head.global_pool = PRRPoolNHWC(layer, pool)  # type: ignore[union-attr]
 
 
-def _window_options(name: str, window: object, dilation: object, swin: bool) -> dict[str, object]:
-    """The layers' ``window`` / ``dilation`` arguments: ``attention="window"`` (default window 7) or
-    ``"locat"`` with a window; ``ValueError`` for a window elsewhere (other layers, a Swin)."""
-    if window is None and name != "window":
-        if dilation != 1:
-            raise ValueError(f"dilation={dilation!r} needs a window (attention='window', or window=...)")
-        return {}
-    if name not in ("window", "locat") or swin:
+@dataclass(frozen=True)
+class _Layer:
+    """What a block's attention is, in the terms of ``patch``'s arguments: its bias / mask kind
+    (``"none"``, ``"locat"``: GAug, ``"window"``: a neighbourhood window without GAug), its window
+    and dilation (a LocAt layer may have one too), its normalizer, and whether it is entmax-1.5 by
+    class (``EntmaxAttention``)."""
+
+    kind: str
+    window: tuple[int, int] | None
+    dilation: tuple[int, int]
+    normalizer: str | float
+    entmax_class: bool
+
+
+def _current(attn: nn.Module) -> _Layer:
+    """The state of an attention module (a timm layer: no bias, softmax)."""
+    kind = "none"
+    if isinstance(attn, (LocAtAttention, LocAtWindowAttention)):
+        kind = "locat"
+    elif isinstance(attn, NeighborhoodAttention):
+        kind = "window"
+    window = getattr(attn, "window", None) if isinstance(attn, GridAttention) else None
+    dilation = getattr(attn, "dilation", (1, 1)) if isinstance(attn, GridAttention) else (1, 1)
+    normalizer = getattr(attn, "normalizer", "softmax")  # timm's layers have none: softmax
+    return _Layer(kind, window, dilation, normalizer, isinstance(attn, EntmaxAttention))
+
+
+def _target(
+    label: str,
+    old: _Layer,
+    name: str | None,
+    normalizer: str | float | None,
+    window: object,
+    dilation: object,
+    swin: bool,
+) -> tuple[str, str, dict[str, object]]:
+    """``(family layer name, kind, layer kwargs)`` of one block: what the call names, the rest kept.
+
+    ``"softmax"`` / ``"entmax15"`` name an attention without bias or window; ``"locat"`` adds (or
+    keeps) GAug, ``"window"`` adds (or keeps) a neighbourhood window; ``None`` keeps the kind. A block's
+    window (LocAt's or a neighbourhood layer's) and normalizer stay unless the call names them.
+    """
+    kind = old.kind if name is None else {"softmax": "none", "entmax15": "none"}.get(name, name)
+    if name == "window" and old.kind == "locat":
+        kind = "locat"  # GAug kept: LocAt inside the window
+    if name is None and window is not None and kind == "none":
+        kind = "window"  # window= alone adds a neighbourhood window
+    keep_window = name is None or (name in ("locat", "window") and old.kind in ("locat", "window"))
+    win = window if window is not None else (old.window if keep_window else None)
+    dil = dilation if dilation is not None else (old.dilation if keep_window else 1)
+    if name == "window" and win is None:
+        win = _DEFAULT_WINDOW
+    if win is not None and (kind == "none" or swin):
         where = "a Swin (its attention is already windowed)" if swin else f"attention={name!r}"
         raise ValueError(f"window={window!r} is for attention='window' or 'locat' (ViT, Eva), not {where}")
-    return {"window": _DEFAULT_WINDOW if window is None else window, "dilation": dilation}
+    if win is None and dil not in (1, (1, 1)):
+        raise ValueError(f"dilation={dilation!r} needs a window (attention='window', or window=...)")
+    kwargs: dict[str, object] = {"normalizer": old.normalizer if normalizer is None else normalizer}
+    if win is not None:
+        kwargs.update(window=win, dilation=dil)
+    by_class = name == "entmax15" or (name is None and old.entmax_class)
+    entmax = kwargs["normalizer"] == "entmax15" and by_class
+    layer = {"none": "entmax15" if entmax else "softmax"}.get(kind, kind)
+    if swin and kwargs["normalizer"] == "adaptive":
+        raise ValueError(f"normalizer='adaptive' is not available for a Swin's window attention ({label})")
+    return layer, kind, kwargs
 
 
 def patch(
     model: nn.Module,
-    attention: Literal["softmax", "entmax15", "locat", "window"] | type[Attention] = "softmax",
+    attention: Literal["softmax", "entmax15", "locat", "window"] | type[Attention] | None = None,
     prr: bool = False,
     blocks: int | Iterable[int] | None = None,
     normalizer: LayerNormalizer | None = None,
     gaug_init: GaugInit = "paper",
     *,
     window: int | Sequence[int] | None = None,
-    dilation: int | Sequence[int] = 1,
+    dilation: int | Sequence[int] | None = None,
 ) -> nn.Module:
     """Swap the attention of a timm ``VisionTransformer``, ``Eva`` or ``SwinTransformer``, or of a
     transformers vision model, in place; return it.
+
+    Calls compose: each changes only what it names, and every block keeps what it is not told to
+    change (its GAug heads, neighbourhood window, normalizer and learned alphas), so
+    ``patch(model, "locat")`` then ``patch(model, normalizer="adaptive")`` is GAug-biased attention
+    with learnable alphas.
 
     Args:
         model: a timm ViT whose ``blocks[i].attn`` are timm ``Attention``; an ``Eva`` (EVA-02, the
@@ -194,34 +266,40 @@ def patch(
             or a transformers ViT, DeiT, DINOv2 (with or without registers), ViT-MAE, CLIP vision or
             SigLIP vision model (or one holding such a tower, e.g. ``CLIPModel``): see
             :func:`vitattn.hf.patch_transformers` and docs/huggingface.md.
-        attention: ``"softmax"`` (vitattn :class:`Attention`, :class:`RopeAttention` or
-            :class:`WindowAttention`: same outputs), ``"entmax15"`` or ``"locat"`` (GAug; new
-            ``gaug`` heads initialised as in a fresh LocAt model). In an Eva, GAug reads q before the
-            rotary embedding and biases the scores of the rotated q, k; in a Swin, the bias is per
-            window (grid = window, no prefix tokens), added to the relative-position bias and shift mask.
-            ``"window"``: neighbourhood attention (:class:`NeighborhoodAttention`, ViT only): each patch
-            query sees a ``window x window`` neighbourhood of patches, class / register tokens stay
-            global.
+        attention: ``None`` (default): each block keeps its kind (a timm layer becomes the vitattn
+            layer computing the same). ``"softmax"`` (vitattn :class:`Attention`,
+            :class:`RopeAttention` or :class:`WindowAttention`: same outputs) or ``"entmax15"``:
+            attention without a bias or window (this removes GAug heads and windows the blocks had),
+            with softmax / entmax-1.5 unless ``normalizer`` says otherwise. ``"locat"``: GAug added
+            (new ``gaug`` heads started as ``gaug_init`` says) or kept, the block's window and
+            normalizer kept. In an Eva, GAug reads q before the rotary embedding and biases the
+            scores of the rotated q, k; in a Swin, the bias is per window (grid = window, no prefix
+            tokens), added to the relative-position bias and shift mask. ``"window"``: neighbourhood
+            attention (ViT only): each patch query sees a ``window x window`` neighbourhood of patches,
+            class / register tokens stay global (:class:`NeighborhoodAttention`; a LocAt block keeps
+            GAug inside the window).
         prr: also refine the final tokens with PRR before the model's pooling and head (in a Swin:
             all positions of the last stage's NHWC output, before the head's pooling).
         blocks: indices of the blocks to patch (negative ones count from the end); all by default.
             A Swin's blocks are numbered stage by stage (``layers[0].blocks[0]`` is 0).
         normalizer: the attention normalizer of the patched blocks (``"softmax"``, ``"entmax15"``,
             ``"sparsemax"``, a float alpha > 1, or ``"adaptive"``: one learnable alpha per head, from
-            1.5). ``None`` (default) keeps each attention's own: softmax for ``"softmax"``,
-            ``"locat"`` and ``"window"``, entmax-1.5 for ``"entmax15"``. So
-            ``attention="locat", normalizer="entmax15"`` is GAug-biased entmax-1.5 attention, as in
+            1.5; not for a Swin). ``None`` (default) keeps each block's own (``"softmax"`` and
+            ``"entmax15"`` as ``attention`` set theirs). So ``attention="locat",
+            normalizer="entmax15"`` is GAug-biased entmax-1.5 attention, as in
             ``LocAtViT(normalizer="entmax15")``, and ``attention="softmax", normalizer=1.25`` is
             unbiased 1.25-entmax.
-        gaug_init: how new GAug heads start (``"locat"``): ``"paper"`` (default; LocAtViT's init,
-            α ≈ ln 2, which changes a pretrained model's function at once) or ``"identity"`` (α =
-            :data:`vitattn.layers.locat.IDENTITY_ALPHA` for every query: the patched model's outputs
-            match the unpatched ones to about 1e-4 and GAug's heads still get a gradient). Heads kept
+        gaug_init: how new GAug heads start: ``"paper"`` (default; LocAtViT's init, α ≈ ln 2, which
+            changes a pretrained model's function at once) or ``"identity"`` (the paper's heads behind
+            a per-head gate started at 0: the patched model computes exactly what it did, and the gate
+            learns at the learning rate; see :class:`~vitattn.layers.GaussianAugment`). Heads kept
             from a LocAt layer are left as they are.
         window: the neighbourhood in patches (int or (rows, columns)) of ``attention="window"``
-            (default 7), or a hard window around LocAt's Gaussian bias with ``attention="locat"``
-            (timm ViT / Eva only).
-        dilation: the window's dilation (int or (rows, columns), default 1).
+            (default 7), or a hard window around LocAt's Gaussian bias (timm ViT / Eva only); with
+            ``attention=None`` it windows every chosen block (a plain one becomes neighbourhood
+            attention). ``None``: each block keeps its window.
+        dilation: the window's dilation (int or (rows, columns)); ``None`` keeps the block's (1 for a
+            new window).
 
     qkv / proj / norm weights (and a Swin's relative-position tables) are kept: the same parameters
     move into the new layers. Class and register tokens and ``dynamic_img_size`` are handled: the
@@ -231,53 +309,52 @@ def patch(
         TypeError: ``model`` is not a ViT, a block's attention is of an unsupported class (the
             message names it and the supported ones), or a block index is not an int.
         ValueError: unknown ``attention`` name or class, an unknown ``normalizer`` (or one other
-            than entmax-1.5 with ``attention="entmax15"``), a block index out of range, patch
-            dropout with ``"locat"``, ``prr=True`` on a model pooling with its own attention pool, or an
-            unknown ``gaug_init``.
+            than entmax-1.5 with ``attention="entmax15"``, or ``"adaptive"`` on a Swin), a block
+            index out of range, patch dropout with ``"locat"``, ``prr=True`` on a model pooling with
+            its own attention pool, a window where none can go, or an unknown ``gaug_init``.
     """
     gaug_init = check_gaug_init(gaug_init)
+    name = _attention_name(attention)
     if is_transformers_model(model):
         from .hf.patching import patch_transformers
 
-        if window is not None or _attention_name(attention) == "window":
+        if window is not None or dilation is not None or name == "window":
             raise ValueError("window= / attention='window' is for timm ViTs, not transformers models")
         if normalizer == "adaptive":
             raise ValueError("normalizer='adaptive' is for timm models, not transformers models")
         return patch_transformers(
-            model,
-            _attention_name(attention),
-            prr=prr,
-            blocks=blocks,
-            normalizer=normalizer,
-            gaug_init=gaug_init,
+            model, name, prr=prr, blocks=blocks, normalizer=normalizer, gaug_init=gaug_init
         )
     slots, swin = _attention_slots(model)
-    name = _attention_name(attention)
     layer_normalizer = _layer_normalizer(name, normalizer)
-    windowed = _window_options(name, window, dilation, swin)
     all_blocks = [block for _, block in slots]
     indices = _block_indices(blocks, len(all_blocks))
-    families = {}
+    plans: dict[int, tuple[Family, str, str, dict[str, object]]] = {}
     for i in indices:
-        family = _family(getattr(all_blocks[i], "attn", None), swin)
+        label, old = slots[i][0], getattr(all_blocks[i], "attn", None)
+        family = _family(old, swin)
         if family is None:
-            raise _unsupported_attention(slots[i][0], getattr(all_blocks[i], "attn", None))
-        if name not in family.layers:
-            raise ValueError(f"attention={name!r} is not available for {family.name} ({slots[i][0]})")
-        families[i] = family
-    extra: dict[str, object] = {"normalizer": layer_normalizer, "gaug_init": gaug_init, **windowed}
-    grid_layers = name in ("locat", "window") and not swin
+            raise _unsupported_attention(label, old)
+        assert isinstance(old, nn.Module)
+        layer, kind, kwargs = _target(label, _current(old), name, layer_normalizer, window, dilation, swin)
+        if layer not in family.layers:
+            raise ValueError(f"attention={layer!r} is not available for {family.name} ({label})")
+        plans[i] = (family, layer, kind, kwargs)
+    grid_layers = not swin and any(kind != "none" for _, _, kind, _ in plans.values())
+    grid: dict[str, object] = {}
     if grid_layers:  # a Swin's GAug grid is each layer's window
         patch_drop = getattr(model, "patch_drop", None)
         if getattr(patch_drop, "prob", 0.0):
-            raise ValueError(f"attention={name!r} needs every patch token: this model uses patch dropout")
-        grid = tuple(int(g) for g in model.patch_embed.grid_size)  # type: ignore[union-attr]
-        extra.update(grid_size=grid, num_prefix_tokens=int(getattr(model, "num_prefix_tokens", 0)))
-    for i in indices:
+            kinds = sorted({kind for _, _, kind, _ in plans.values() if kind != "none"})
+            raise ValueError(f"attention={kinds[0]!r} needs every patch token: this model uses patch dropout")
+        size = tuple(int(g) for g in model.patch_embed.grid_size)  # type: ignore[union-attr]
+        grid = {"grid_size": size, "num_prefix_tokens": int(getattr(model, "num_prefix_tokens", 0))}
+    for i, (family, layer, kind, kwargs) in plans.items():
         old = all_blocks[i].attn
-        new = families[i].convert(old, families[i].layers[name], **extra)
-        if name == "locat" and isinstance(old, LocAtAttention) and old.initial_grid_size is not None:
-            new.set_grid(extra["grid_size"], initial_grid_size=old.initial_grid_size)  # type: ignore[operator]
+        extra = {**kwargs, "gaug_init": gaug_init, **(grid if kind != "none" else {})}
+        new = family.convert(old, family.layers[layer], **extra)
+        if isinstance(new, LocAtAttention) and isinstance(old, GridAttention) and old.initial_grid_size:
+            new.set_grid(grid["grid_size"], initial_grid_size=old.initial_grid_size)  # type: ignore[arg-type]
         all_blocks[i].attn = new
     if grid_layers:
         attach_grid_sync(model)

@@ -25,7 +25,8 @@ def build_model(
     vitattn attention (``attention``: softmax / entmax15 / locat / window) and loaded from ``checkpoint``,
     in eval mode.
 
-    ``model_args`` go to ``timm.create_model``. Raises ``ValueError`` for a name timm does not know.
+    ``model_args`` go to ``timm.create_model``. Raises ``ValueError`` for a name timm does not know,
+    or builder arguments it does not take.
     """
     try:
         model = timm.create_model(name, pretrained=False, **(model_args or {}))
@@ -35,6 +36,8 @@ def build_model(
                 f"unknown model {name!r}: give a timm model name (see timm.list_models())"
             ) from err
         raise
+    except TypeError as err:  # an argument the model's builder does not take
+        raise ValueError(f"timm cannot build {name!r} with {model_args}: {err}") from err
     if attention is not None:
         patch(model, attention)
     if checkpoint is not None:

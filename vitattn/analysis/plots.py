@@ -30,6 +30,7 @@ __all__ = [
     "plot_mad_per_layer",
     "plot_query_attention",
     "plot_rollout",
+    "query_token",
 ]
 
 _MARKERS = "o^sDvP*X"
@@ -226,7 +227,7 @@ def _nan_mean(values: Sequence[float]) -> float:
     return sum(ok) / len(ok) if ok else math.nan
 
 
-def _query_index(
+def query_token(
     query: int | Sequence[int] | str | None, grid: tuple[int, int], prefix: int
 ) -> tuple[int, str]:
     """Token index of ``query`` and a label: None = centre patch, int = patch index, (row, col), or
@@ -285,7 +286,7 @@ def plot_query_attention(
         image = image[0]
     if image.dim() != 3:
         raise ValueError(f"image must be (C, H, W), got {tuple(image.shape)}")
-    token, label = _query_index(query, grid, num_prefix_tokens)
+    token, label = query_token(query, grid, num_prefix_tokens)
     img = image.detach().float().cpu()
     img = (img - img.min()) / (img.max() - img.min()).clamp_min(1e-12)
     shown = (img[0] if img.shape[0] == 1 else img[:3].permute(1, 2, 0)).numpy()

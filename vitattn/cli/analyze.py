@@ -8,7 +8,17 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .options import parse_layers, parse_model_args
+from .options import (
+    USAGE_ERRORS,
+    check_device,
+    check_output_folder,
+    float_range,
+    hf_progress,
+    int_at_least,
+    parse_layers,
+    parse_model_args,
+    report_error,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -16,7 +26,17 @@ if TYPE_CHECKING:
 
     from ..analysis.data import InputSpec
 
-__all__ = ["DATASETS", "HELP", "NAME", "add_arguments", "parse_query", "run"]
+__all__ = [
+    "DATASETS",
+    "HELP",
+    "NAME",
+    "add_arguments",
+    "check_args",
+    "check_model_args",
+    "compute_rollout",
+    "parse_query",
+    "run",
+]
 
 NAME = "analyze"
 HELP = "attention locality (MAD, entropy per head): table, JSON, plots"
@@ -38,8 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--images", metavar="DIR", help="image folder (ImageFolder layout or flat)")
     src.add_argument("--dataset", choices=DATASETS, default="digits", help="built-in data (default)")
-    p.add_argument("--max-images", type=int, default=64, help="images to average over (default 64)")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument(
+        "--max-images", type=int_at_least(1), default=64, help="images to average over (default 64)"
+    )
+    p.add_argument("--batch-size", type=int_at_least(1), default=16)
     p.add_argument("--layers", help="block indices, e.g. '0,5,-1' (default: all)")
     p.add_argument("--map-layer", type=int, help="block of the attention-map plot (default: last analysed)")
     p.add_argument("--query", help="query of the map plot: ROW,COL, patch index or 'cls' (default: centre)")
@@ -47,10 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rollout", action="store_true", help="also write rollout.png: class-token heat maps over the images"
     )
-    p.add_argument("--rollout-images", type=int, default=4, help="images in rollout.png (default 4)")
+    p.add_argument(
+        "--rollout-images", type=int_at_least(1), default=4, help="images in rollout.png (default 4)"
+    )
     p.add_argument(
         "--discard-ratio",
-        type=float,
+        type=float_range(0.0, 1.0, high_open=True),
         default=0.0,
         help="rollout: fraction of each row's patch weights dropped",
     )
@@ -85,12 +109,48 @@ def parse_query(text: str | None) -> int | tuple[int, int] | str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``vitattn analyze``: 0, or 2 with a one-line message on a usage, file or missing-extra error."""
+    """``vitattn analyze``: 0, or 2 with a one-line message on a usage, file, checkpoint or missing-extra
+    error (found before anything is written)."""
     try:
         return run_analyze(args)
-    except (ValueError, FileNotFoundError, ImportError) as err:
-        print(f"vitattn analyze: {err}", file=sys.stderr)
-        return 2
+    except USAGE_ERRORS as err:
+        return report_error(NAME, err)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What can be checked before a model is built: the device, the output folder, the option values,
+    the files to read, and options that do not go together."""
+    check_device(args.device)
+    check_output_folder(args.out)
+    parse_query(args.query)
+    parse_layers(args.layers)
+    parse_model_args(args.model_arg)
+    if args.gradient_rollout and not args.rollout:
+        raise ValueError("--gradient-rollout chooses the rule of --rollout: give --rollout too")
+    if args.gradient_rollout and args.model.startswith("hf:"):
+        raise ValueError(
+            "--gradient-rollout needs a timm or vitattn ViT; for a transformers model use "
+            "vitattn.analysis.gradient_rollout with the gradients of outputs.attentions"
+        )
+    if args.compare and not Path(args.compare).is_file():
+        raise FileNotFoundError(f"--compare {args.compare!r}: no such report file")
+    if args.images and not Path(args.images).is_dir():
+        raise FileNotFoundError(f"--images {args.images!r}: no such folder")
+
+
+def check_model_args(args: argparse.Namespace, model: nn.Module, spec: InputSpec) -> None:
+    """What needs the model: its input size against its patches, and ``--layers`` / ``--map-layer``
+    against its blocks."""
+    from ..models.blocks import block_indices
+    from ..probe.features import backbone_depth, check_image_size
+
+    check_image_size(model, spec.size, "the model's input size")
+    depth = backbone_depth(model)
+    layers = parse_layers(args.layers)
+    if layers is not None:
+        block_indices(layers, depth, "--layers")
+    if args.map_layer is not None:
+        block_indices([args.map_layer], depth, "--map-layer")
 
 
 def _first_image(args: argparse.Namespace, spec: InputSpec) -> torch.Tensor:
@@ -137,9 +197,11 @@ def _rollout_images(args: argparse.Namespace, spec: InputSpec) -> torch.Tensor:
     return digits_images(spec=spec, max_images=count)[0]
 
 
-def write_rollout(args: argparse.Namespace, model: nn.Module, spec: InputSpec, path: Path) -> Path:
-    """``rollout.png``: each image above its rollout heat map (the class token's, or Jumbo's J tokens')."""
-    from ..analysis.plots import plot_rollout
+def compute_rollout(
+    args: argparse.Namespace, model: nn.Module, spec: InputSpec
+) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """The rollout of the first ``--rollout-images`` images: ``(images, heat maps, title)`` for
+    :func:`~vitattn.analysis.plots.plot_rollout` (the class token's maps, or Jumbo's J tokens')."""
     from ..analysis.rollout import model_heatmap, model_rollout
     from ..models.blocks import is_transformers_model
 
@@ -162,12 +224,22 @@ def write_rollout(args: argparse.Namespace, model: nn.Module, spec: InputSpec, p
         if args.gradient_rollout
         else f"attention rollout (discard {args.discard_ratio:g}, {args.head_fusion} over heads)"
     )
-    plot_rollout(images, model_heatmap(model, images, rollout), path, title=f"{args.model}: {kind}")
+    return images, model_heatmap(model, images, rollout), f"{args.model}: {kind}"
+
+
+def write_rollout(args: argparse.Namespace, model: nn.Module, spec: InputSpec, path: Path) -> Path:
+    """``rollout.png``: each image above its rollout heat map (:func:`compute_rollout`)."""
+    from ..analysis.plots import plot_rollout
+
+    images, heat, title = compute_rollout(args, model, spec)
+    plot_rollout(images, heat, path, title=title)
     return path
 
 
 def run_analyze(args: argparse.Namespace) -> int:
-    """Build the model, run ``locality_report``, print it, write JSON and PNGs to ``args.out``."""
+    """Check the options, build the model, run ``locality_report`` and compute the maps (and the rollout),
+    then print the report and write JSON and PNGs to ``args.out``: nothing is written before every
+    input has been checked and every number computed."""
     import torch
 
     from ..analysis.data import digits_images, image_folder_batches
@@ -177,14 +249,20 @@ def run_analyze(args: argparse.Namespace) -> int:
         plot_locality_plane,
         plot_mad_per_layer,
         plot_query_attention,
+        plot_rollout,
+        query_token,
     )
     from ..analysis.report import LocalityReport, locality_report
     from ..models.layout import resolve_layout
 
+    check_args(args)
     torch.manual_seed(args.seed)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model, spec = load_model_and_spec(args)
+    with hf_progress(args.model, not args.no_progress):
+        model, spec = load_model_and_spec(args)
+    check_model_args(args, model, spec)
     model.to(device)
+    other = LocalityReport.from_json(Path(args.compare)) if args.compare else None
     if args.images:
         data: Any = image_folder_batches(args.images, spec, args.batch_size, args.max_images)
         source = str(args.images)
@@ -202,14 +280,24 @@ def run_analyze(args: argparse.Namespace) -> int:
         attention=args.attention,
         model_args=parse_model_args(args.model_arg),
     )
+    image = _first_image(args, spec).to(device)
+    layer = report.layers[-1] if args.map_layer is None else args.map_layer
+    maps = attention_maps(model, image[None].to(next(model.parameters()).dtype), [layer])
+    layer = next(iter(maps))
+    grid, prefix = resolve_layout(maps[layer].shape[-1], *token_layout(model, image.shape[-2:]))
+    query = parse_query(args.query)
+    try:  # a query outside the grid fails here, before anything is written
+        query_token(query, grid, prefix)
+    except ValueError as err:
+        raise ValueError(f"--query {args.query!r}: {err}") from err
+    rollout = compute_rollout(args, model, spec) if args.rollout else None
+
     print(report)
     reports = {args.model: report}
-    if args.compare:
-        other = LocalityReport.from_json(Path(args.compare))
+    if other is not None:
         print()
         print(other.compare(report, names=(f"{other.model} ({args.compare})", args.model)))
         reports = {f"{other.model} (reference)": other, args.model: report}
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     written = [
@@ -224,22 +312,18 @@ def run_analyze(args: argparse.Namespace) -> int:
     if report.alpha:  # the model learns its alpha-entmax alphas
         written.append(out / "alpha_per_layer.png")
         plot_alpha_per_layer(reports, written[-1], title=f"Learned alpha per head: {args.model}")
-    image = _first_image(args, spec).to(device)
-    layer = report.layers[-1] if args.map_layer is None else args.map_layer
-    maps = attention_maps(model, image[None].to(next(model.parameters()).dtype), [layer])
-    layer = next(iter(maps))
-    grid, prefix = resolve_layout(maps[layer].shape[-1], *token_layout(model, image.shape[-2:]))
     plot_query_attention(
         image,
         maps[layer][0],
         grid,
         prefix,
-        parse_query(args.query),
+        query,
         written[3],
         title=f"{args.model}, block {layer}: attention of one query, per head",
     )
-    if args.rollout:
-        written.append(write_rollout(args, model, spec, out / "rollout.png"))
+    if rollout is not None:
+        written.append(out / "rollout.png")
+        plot_rollout(rollout[0], rollout[1], written[-1], title=rollout[2])
     for path in written:
         print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .options import USAGE_ERRORS, check_output_file, int_at_least, report_error
+
 __all__ = ["HELP", "NAME", "add_arguments", "run"]
 
 NAME = "bench"
@@ -17,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, noisier numbers)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--list", action="store_true", help="list the suites and exit")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int_at_least(1), help="torch CPU threads (default: torch's choice)")
     p.add_argument(
         "--keep-heap",
         action="store_true",
@@ -39,13 +41,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run benchmark suites side by side and print ratio tables."""
+    """Run benchmark suites side by side and print ratio tables; 2 with one line on stderr on a usage
+    error (unknown suite or module, a bad value or path: found before any suite runs)."""
+    try:
+        return _run(args)
+    except USAGE_ERRORS as err:
+        return report_error(NAME, err)
+
+
+def _run(args: argparse.Namespace) -> int:
     import importlib
 
     from ..bench import keep_heap, run_suites, suites
 
+    check_output_file(args.json, "--json")
     for module in args.import_module or []:
-        importlib.import_module(module)  # may register more suites
+        try:
+            importlib.import_module(module)  # may register more suites
+        except ImportError as err:
+            raise ImportError(f"--import-module {module!r}: {err}") from err
     known = suites()
     if args.list:
         for name, help in known.items():
@@ -54,11 +68,9 @@ def run(args: argparse.Namespace) -> int:
     names = args.suites or list(known)
     unknown = [n for n in names if n not in known]
     if unknown:
-        print(f"vitattn bench: unknown suite(s) {unknown}; known: {sorted(known)}", file=sys.stderr)
-        return 2
+        raise ValueError(f"unknown suite(s) {unknown}; known: {sorted(known)}")
     if args.processes < 1:
-        print(f"vitattn bench: --processes must be >= 1, got {args.processes}", file=sys.stderr)
-        return 2
+        raise ValueError(f"--processes must be >= 1, got {args.processes}")
     if args.processes > 1:  # threads and heap are the children's business
         try:
             run_suites(
@@ -70,9 +82,8 @@ def run(args: argparse.Namespace) -> int:
                 keep_heap=args.keep_heap,
                 imports=args.import_module or (),
             )
-        except (ValueError, RuntimeError) as err:
-            print(f"vitattn bench: {err}", file=sys.stderr)
-            return 2
+        except RuntimeError as err:
+            return report_error(NAME, err)
         return 0
     if args.threads is not None:
         import torch

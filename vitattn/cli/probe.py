@@ -21,7 +21,17 @@ from ..probe.api import METHODS, ProbeResult, probe_features
 from ..probe.diagnostics import pca_images
 from ..probe.extract import extract_dense_features, resolve_num_classes
 from ..probe.features import patch_features
-from .options import parse_layers, parse_model_args
+from .options import (
+    USAGE_ERRORS,
+    check_device,
+    check_output_file,
+    check_output_folder,
+    hf_progress,
+    int_at_least,
+    parse_layers,
+    parse_model_args,
+    report_error,
+)
 
 __all__ = [
     "HELP",
@@ -61,13 +71,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--download", action="store_true", help="download PASCAL VOC 2012 with torchvision")
     p.add_argument(
-        "--image-size", type=int, help="square input side (default 32 for scenes, 448 for voc/ade20k)"
+        "--image-size",
+        type=int_at_least(1),
+        help="square input side, a multiple of the model's patch size (default 32 for scenes, 448 for "
+        "voc/ade20k)",
     )
-    p.add_argument("--batch-size", type=int, default=64, help="images per batch (default 64)")
-    p.add_argument("--epochs", type=int, help="linear probe epochs (default 20, at least 200 steps)")
-    p.add_argument("--k", type=int, help="kNN neighbours (default 10)")
-    p.add_argument("--limit-train", type=int, metavar="N", help="use the first N train images")
-    p.add_argument("--limit-test", type=int, metavar="N", help="use the first N test images")
+    p.add_argument("--batch-size", type=int_at_least(1), default=64, help="images per batch (default 64)")
+    p.add_argument(
+        "--epochs", type=int_at_least(1), help="linear probe epochs (default 20, at least 200 steps)"
+    )
+    p.add_argument("--k", type=int_at_least(1), help="kNN neighbours (default 10)")
+    p.add_argument("--limit-train", type=int_at_least(1), metavar="N", help="use the first N train images")
+    p.add_argument("--limit-test", type=int_at_least(1), metavar="N", help="use the first N test images")
     p.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="builder kwarg (repeatable)")
     p.add_argument(
         "--checkpoint", metavar="PATH", help="weights of a timm model (.safetensors or state dict)"
@@ -186,6 +201,11 @@ def load_backbone(name_or_path: str, model_args: dict[str, Any], checkpoint: str
 
 
 def _check_image_size(model: nn.Module, size: int) -> None:
+    """Refuse an ``--image-size`` the model cannot take whole: not its fixed input size, or not a
+    multiple of its patch size (the patch embedding would drop the remainder)."""
+    from ..probe.features import check_image_size
+
+    check_image_size(model, size, "--image-size")
     embed = getattr(model, "patch_embed", None)
     fixed = getattr(embed, "img_size", None)
     if (
@@ -241,13 +261,12 @@ def load_datasets(args: argparse.Namespace, size: int) -> tuple[Dataset, Dataset
 
 
 def run(args: argparse.Namespace) -> int:
-    """``vitattn probe``: 0, or 2 with a one-line message on a usage, data or missing-extra error."""
+    """``vitattn probe``: 0, or 2 with a one-line message on a usage, data, checkpoint or missing-extra
+    error (found before anything is written)."""
     try:
         return run_probe(args)
-    except (ValueError, OSError, ImportError) as err:
-        message = " ".join(str(err).split())
-        print(f"vitattn probe: {message}", file=sys.stderr)
-        return 2
+    except USAGE_ERRORS as err:
+        return report_error(NAME, err)
 
 
 def results_table(results: Sequence[ProbeResult]) -> str:
@@ -266,17 +285,21 @@ def run_probe(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
-    if args.batch_size < 1:
+    if args.batch_size < 1:  # argparse checks it; run_probe may be handed a Namespace
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    check_device(args.device)
+    check_output_folder(args.out)
+    check_output_file(args.json, "--json")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     size = args.image_size or DEFAULT_IMAGE_SIZE[args.dataset]
     parsed = parse_layers(args.layers)
-    bb = load_backbone(args.model, parse_model_args(args.model_arg), args.checkpoint)  # its errors first
+    with hf_progress(args.model, not args.no_progress):  # its errors first
+        bb = load_backbone(args.model, parse_model_args(args.model_arg), args.checkpoint)
     train, test, data_desc = load_datasets(args, size)
-    model = bb.model.to(device).eval()
-    _check_image_size(model, size)
-    depth = backbone_depth(model)
+    _check_image_size(bb.model, size)
+    depth = backbone_depth(bb.model)
     layers = block_indices(range(depth) if parsed is None else parsed, depth, "--layers")
+    model = bb.model.to(device).eval()
     k = resolve_num_classes(train, None)
     transform = bb.transform(device)
     progress = not args.no_progress

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from ..study.amp import AMP_CHOICES
-from ..study.config import ATTENTIONS, PRESETS, StudyConfig, make_config
+from ..study.config import ATTENTIONS, PRESETS, STUDY_WINDOW, ConfigError, StudyConfig, make_config
 from ..study.datasets import DATASETS
 from ..study.init import INIT_SCHEMES
 from ..study.protocols import PROTOCOLS
-from .options import parse_model_args
+from .options import USAGE_ERRORS, parse_model_args, report_error
 
-__all__ = ["HELP", "NAME", "add_arguments", "config_from_args", "run"]
+__all__ = ["HELP", "NAME", "add_arguments", "config_from_args", "option_of", "run"]
 
 NAME = "study"
 HELP = "train and compare attentions: the locality study, fine-tuning timm backbones (default: quick, scenes)"
@@ -62,8 +61,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=ATTENTIONS,
         metavar="KIND",
         help="softmax, entmax15, locat, adaptive (alpha-entmax, one learnable alpha per head) and/or "
-        "window (5x5 neighbourhood softmax) (default: the preset's; quick: the first three); several "
-        "give one run each",
+        f"window ({STUDY_WINDOW}x{STUDY_WINDOW} neighbourhood softmax, --window) (default: the preset's; "
+        "quick: the first three); several give one run each",
+    )
+    p.add_argument(
+        "--window",
+        type=int,
+        metavar="K",
+        help="--attention window: each patch attends to the K x K patches around it (default "
+        f"{STUDY_WINDOW}; a window as large as the patch grid is plain softmax attention, which the "
+        "study notes)",
+    )
+    p.add_argument(
+        "--window-dilation",
+        type=int,
+        metavar="D",
+        help="--attention window: the window takes every D-th patch (default 1)",
     )
     p.add_argument("--prr", action="store_true", help="add PRR before the head")
     b = p.add_argument_group("backbone and fine-tuning")
@@ -112,9 +125,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--gaug-lr-scale",
         type=float,
         metavar="F",
-        help="learning rate of LocAt's GAug heads times F (default 1; with --gaug-init identity, whose "
-        "alpha starts at 1e-5, AdamW moves log-alpha by about lr per step: e.g. 100 lets it grow within "
-        "a short fine-tuning)",
+        help="learning rate of LocAt's GAug heads times F (default 1; with --gaug-init identity their "
+        "per-head gate starts at 0 and AdamW moves it by about lr per step: F sets how fast GAug may move)",
     )
     b.add_argument(
         "--init",
@@ -264,12 +276,16 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
     if args.resume:
         if not args.out:
             raise ValueError("--resume needs --out DIR (the folder of the study to continue)")
+        from ..study.results import load_results
+
         path = Path(args.out) / "results.json"
         if not path.is_file():
             raise FileNotFoundError(f"nothing to resume: {str(path)!r} does not exist")
-        stored = StudyConfig.from_dict(json.loads(path.read_text())["config"])
+        stored = StudyConfig.from_dict(load_results(path)["config"])
         return stored.with_runtime(**_runtime(args, stored.dataset))
     protocols = list(PROTOCOLS) if args.ablation else args.protocol
+    if args.seeds is not None and args.seeds < 1:
+        raise ConfigError(f"seeds must be >= 1, got {args.seeds}", "seeds")
     seeds = None if args.seeds is None else list(range(args.first_seed, args.first_seed + args.seeds))
     if seeds is None and args.first_seed:
         seeds = [args.first_seed]
@@ -280,6 +296,8 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         attentions=args.attention,
         prr=args.prr or None,
         seeds=seeds,
+        window=args.window,
+        window_dilation=args.window_dilation,
         epochs=args.epochs,
         batch_size=args.batch_size,
         lr=args.lr,
@@ -319,26 +337,43 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
     )
 
 
+# StudyConfig fields whose option has another name (the others: --field-name)
+_FIELD_OPTIONS = {
+    "attentions": "--attention",
+    "protocols": "--protocol",
+    "model_args": "--model-arg",
+    "mixup_alpha": "--mixup",
+    "cutmix_alpha": "--cutmix",
+    "label_smoothing": "--smoothing",
+    "probe": "--no-probe",
+}
+
+
+def option_of(field: str) -> str:
+    """The ``vitattn study`` option of a :class:`StudyConfig` field (or ``run_study`` argument):
+    ``epochs`` -> ``--epochs``, ``label_smoothing`` -> ``--smoothing``; the field's name when no option
+    sets it."""
+    if field in _FIELD_OPTIONS:
+        return _FIELD_OPTIONS[field]
+    option = "--" + field.replace("_", "-")
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    return option if option in parser._option_string_actions else field
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run ``vitattn study``; 0 on success (also when stopped on purpose), 2 on a usage / data error,
-    130 when interrupted with Ctrl-C (rerun to resume)."""
-    from ..study.backbone import CheckpointMismatch
-    from ..study.datasets import DatasetMissingError
-    from ..study.runner import StudyConfigMismatch, run_study
+    """Run ``vitattn study``; 0 on success (also when stopped on purpose), 2 with one line on stderr on a
+    usage, data or checkpoint error (found before anything is written), 130 when interrupted with
+    Ctrl-C (rerun to resume). Errors in a study's inputs name the option (``--epochs``)."""
+    from ..study.runner import run_study
 
     try:
         config = config_from_args(args)
         run_study(config, args.out, overwrite=args.overwrite, stop_after_epochs=args.stop_after_epochs)
-    except (
-        DatasetMissingError,
-        StudyConfigMismatch,
-        CheckpointMismatch,
-        ValueError,
-        FileNotFoundError,
-        ImportError,
-    ) as err:
-        print(f"vitattn study: {err}", file=sys.stderr)
-        return 2
+    except ConfigError as err:
+        return report_error(NAME, ValueError(err.render(option_of)))
+    except USAGE_ERRORS as err:
+        return report_error(NAME, err)
     except KeyboardInterrupt:
         print(
             "\nvitattn study: interrupted; run the same command again (or --resume --out DIR) to continue "

@@ -160,9 +160,9 @@ class GaussianBias:
             exponent's denominator ``r·σ + eps`` vanish or change sign; NaN gives NaN rows). Checked by
             the ``reference`` backend and, with value checks on (``VITATTN_CHECK_VALUES=1``), by every
             call; not read back otherwise (a device sync).
-        alpha: ``(B, H, Np, 1)`` finite amplitudes per spatial query. LocAt's are ``softplus(·) >= 0``;
-            a negative amplitude (a gated start's signed gate) pushes the query away from its
-            neighbours and is computed exactly too.
+        alpha: ``(B, H, Np, 1)`` amplitudes per spatial query, any finite real values: GAug's
+            softplus gives α ≥ 0, its identity start's signed per-head gate may make them negative
+            (every backend computes either sign).
         grid_size: current patch grid ``(gh, gw)`` with ``gh * gw == Np``.
         num_prefix_tokens: class / register tokens before the patches (their rows/columns get 0).
         initial_grid_size: the grid the model was built for; defaults to ``grid_size``. It fixes

@@ -192,12 +192,16 @@ def _projection_weight(attn: nn.Module) -> torch.Tensor:
 
 
 def _patch_layer(
-    layout: HFLayout, index: int, normalizer: Normalizer, gaug: bool, gaug_init: GaugInit
+    layout: HFLayout, index: int, normalizer: Normalizer | None, gaug: bool | None, gaug_init: GaugInit
 ) -> None:
-    """One attention module set up: its normalizer, and GAug heads kept / created (or removed)."""
+    """One attention module set up: its normalizer (``None``: kept, softmax for a module not patched
+    before), and GAug heads kept / created (``gaug=True``) or removed (``False``; ``None``: as they are)."""
     attn = layout.attentions[index]
     settings: HFAttentionSettings = getattr(attn, SETTINGS_ATTR, None) or HFAttentionSettings()
-    settings.normalizer = normalizer
+    if normalizer is not None:
+        settings.normalizer = normalizer
+    if gaug is None:
+        gaug = isinstance(getattr(attn, "gaug", None), GaussianAugment)
     if gaug:
         grid = layout.grid()
         settings.num_prefix_tokens = layout.num_prefix_tokens
@@ -205,7 +209,13 @@ def _patch_layer(
         settings.grid_size = settings.grid_size or grid
         if not isinstance(getattr(attn, "gaug", None), GaussianAugment):
             weight = _projection_weight(attn)
-            heads = GaussianAugment(attention_head_dim(attn), weight.device, weight.dtype, init=gaug_init)
+            heads = GaussianAugment(
+                attention_head_dim(attn),
+                weight.device,
+                weight.dtype,
+                init=gaug_init,
+                num_heads=layout.num_heads(index),
+            )
             attn.gaug = heads.train(attn.training)
             setattr(attn.gaug, GAUG_START_ATTR, gaug_init)  # the model's weight init starts it so again
     elif isinstance(getattr(attn, "gaug", None), nn.Module):
@@ -214,23 +224,30 @@ def _patch_layer(
 
 
 def _write_record(layout: HFLayout, prr: bool) -> None:
-    """``config.vitattn``: each patched layer's normalizer and GAug flag, and PRR (JSON-ready)."""
+    """``config.vitattn``: each patched layer's normalizer and GAug flag, and PRR (JSON-ready); a layer
+    whose GAug heads have the identity start's gate says so (``"gate": true``, record version 2, which
+    an older vitattn refuses rather than load without the gate)."""
     layers: dict[str, dict[str, Any]] = {}
     for i, attn in enumerate(layout.attentions):
         settings: HFAttentionSettings | None = getattr(attn, SETTINGS_ATTR, None)
         if settings is not None:
-            layers[str(i)] = {
-                "normalizer": settings.normalizer,
-                "gaug": getattr(attn, "gaug", None) is not None,
-            }
+            gaug = getattr(attn, "gaug", None)
+            layers[str(i)] = {"normalizer": settings.normalizer, "gaug": gaug is not None}
+            if getattr(gaug, "gate", None) is not None:
+                layers[str(i)]["gate"] = True
     config = getattr(layout.model, "config", layout.config)
     old = getattr(config, RECORD_KEY, None) or {}
-    setattr(config, RECORD_KEY, {"version": 1, "layers": layers, "prr": bool(prr or old.get("prr", False))})
+    version = 2 if any(entry.get("gate") for entry in layers.values()) else 1
+    keep_prr = bool(prr or old.get("prr", False))
+    setattr(config, RECORD_KEY, {"version": version, "layers": layers, "prr": keep_prr})
 
 
-def _layer_normalizer(attention: str, normalizer: Normalizer | None) -> Normalizer:
+def _layer_normalizer(attention: str | None, normalizer: Normalizer | None) -> Normalizer | None:
+    """The normalizer the call names (``normalizer``, else the one ``"softmax"`` / ``"entmax15"``
+    imply), or None: each module keeps its own."""
     if normalizer is None:
-        return "entmax15" if attention == "entmax15" else "softmax"
+        implied: dict[str | None, Normalizer] = {"softmax": "softmax", "entmax15": "entmax15"}
+        return implied.get(attention)
     resolved = resolve_normalizer(normalizer)
     if attention == "entmax15" and resolved != "entmax15":
         raise ValueError(
@@ -242,7 +259,7 @@ def _layer_normalizer(attention: str, normalizer: Normalizer | None) -> Normaliz
 
 def patch_transformers(
     model: nn.Module,
-    attention: str = "softmax",
+    attention: str | None = None,
     prr: bool = False,
     blocks: int | Iterable[int] | None = None,
     normalizer: Normalizer | None = None,
@@ -250,24 +267,29 @@ def patch_transformers(
 ) -> nn.Module:
     """:func:`vitattn.patch` for a transformers vision model (arguments as there); returns ``model``.
 
-    ``attention`` is ``"softmax"``, ``"entmax15"`` or ``"locat"``. LocAt's heads read the query
-    before scaling; the grid and prefix tokens (class token, DeiT's distillation token, DINOv2's
-    registers; none for SigLIP) come from each input, so interpolated position encodings and other
-    image sizes work. Raises ``TypeError`` for an unsupported model (naming the supported families),
-    ``ValueError`` for bad arguments or a ViT-MAE that masks patches with ``"locat"``.
+    ``attention`` is ``None`` (each module keeps its GAug heads, or none), ``"softmax"``, ``"entmax15"``
+    (no GAug: heads a module had are removed) or ``"locat"`` (GAug added or kept); ``normalizer=None``
+    keeps each module's normalizer (softmax for one not patched before; ``"softmax"`` and
+    ``"entmax15"`` set theirs), so calls compose: each changes only what it names. LocAt's heads read
+    the query before scaling; the grid and prefix tokens (class token, DeiT's distillation token,
+    DINOv2's registers; none for SigLIP) come from each input, so interpolated position encodings and
+    other image sizes work. Raises ``TypeError`` for an unsupported model (naming the supported
+    families), ``ValueError`` for bad arguments or a ViT-MAE that masks patches with ``"locat"``.
     """
-    if attention not in ("softmax", "entmax15", "locat"):
-        raise ValueError(f"attention must be one of ['entmax15', 'locat', 'softmax'], got {attention!r}")
+    if attention not in (None, "softmax", "entmax15", "locat"):
+        raise ValueError(
+            f"attention must be one of ['entmax15', 'locat', 'softmax'] or None (keep), got {attention!r}"
+        )
     gaug_init = check_gaug_init(gaug_init)
     layout = hf_layout(model)
     chosen = _indices(blocks, layout.depth)
     layer_normalizer = _layer_normalizer(attention, normalizer)
-    locat = attention == "locat"
-    if locat:
+    gaug = None if attention is None else attention == "locat"
+    if gaug:
         _check_all_patches(layout)
     register()
     for i in chosen:
-        _patch_layer(layout, i, layer_normalizer, locat, gaug_init)
+        _patch_layer(layout, i, layer_normalizer, gaug, gaug_init)
     _finish(layout, prr)
     return model
 
@@ -407,21 +429,21 @@ def _install_setter(model: nn.Module) -> None:
 
 def apply_record(model: nn.Module, record: dict[str, Any], gaug_init: GaugInit = "paper") -> nn.Module:
     """Rebuild what :func:`patch_transformers` did from its ``config.vitattn`` record (fresh GAug
-    heads: load their weights after). Raises ``ValueError`` for a record this version cannot read."""
+    heads, gated where the record says so: load their weights after). Raises ``ValueError`` for a
+    record this version cannot read."""
     if (
         not isinstance(record, dict)
-        or record.get("version") != 1
+        or record.get("version") not in (1, 2)
         or not isinstance(record.get("layers"), dict)
     ):
-        raise ValueError(f"config.{RECORD_KEY} is not a vitattn patch record (version 1): {record!r}")
+        raise ValueError(f"config.{RECORD_KEY} is not a vitattn patch record (version 1 or 2): {record!r}")
     layout = hf_layout(model)
     if any(entry.get("gaug") for entry in record["layers"].values()):
         _check_all_patches(layout)
     register()
     for key, entry in record["layers"].items():
         index = block_indices([int(key)], layout.depth, name="layers")[0]
-        _patch_layer(
-            layout, index, resolve_normalizer(entry["normalizer"]), bool(entry.get("gaug")), gaug_init
-        )
+        start: GaugInit = "identity" if entry.get("gate") else gaug_init
+        _patch_layer(layout, index, resolve_normalizer(entry["normalizer"]), bool(entry.get("gaug")), start)
     _finish(layout, bool(record.get("prr", False)))
     return model

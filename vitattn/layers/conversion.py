@@ -57,7 +57,8 @@ def finish_conversion(
     if gaug is not None:  # as in a new model: kept from a LocAt layer, else freshly initialised
         old_gaug = getattr(old, "gaug", None)
         if not isinstance(old_gaug, type(gaug)):
-            old_gaug = type(gaug)(new.head_dim, device=weight.device, dtype=weight.dtype, init=gaug_init)
+            heads = int(new.num_heads)  # type: ignore[arg-type]
+            old_gaug = type(gaug)(new.head_dim, weight.device, weight.dtype, init=gaug_init, num_heads=heads)
         new.gaug = old_gaug
     adaptive: nn.Module | None = getattr(new, "adaptive_alpha", None)
     if adaptive is not None:  # alpha = 1.5 per head in a new layer; learned ones carry over

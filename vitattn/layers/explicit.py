@@ -14,8 +14,9 @@ nodes (``method="fx"``). The vitattn layers built in that state do the same:
 
 So ``AttentionExtract(model, method="fx")`` finds softmax layers (LocAt included) under its default
 ``*attn.softmax``; for the others pass their names, e.g. ``names=["*attn.entmax15"]`` or
-``["*attn.softmax", "*attn.entmax*", "*attn.sparsemax"]`` for any of them. With fused attention on
-(timm's default), the layers never come here.
+``["*attn.softmax", "*attn.entmax*", "*attn.sparsemax"]`` for any of them:
+:func:`attention_extract_names` gives the exact list for a model. With fused attention on (timm's
+default), the layers never come here: :func:`use_explicit_attention` switches a built model over.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ from ..functional.normalize import AttentionNormalizer, Normalizer
 
 __all__ = [
     "WEIGHT_NODE_NAMES",
+    "attention_extract_names",
     "explicit_attention",
     "layer_call_options",
     "layer_mask",
     "resolve_attn_mask",
+    "use_explicit_attention",
     "weight_node_name",
 ]
 
@@ -43,6 +46,59 @@ WEIGHT_NODE_NAMES = {"softmax": "softmax", "entmax15": "entmax15", "sparsemax": 
 def weight_node_name(normalizer: Normalizer | str) -> str:
     """The FX node name (the last part of ``blocks.0.attn.<name>``) of a layer's attention weights."""
     return WEIGHT_NODE_NAMES.get(normalizer, "entmax") if isinstance(normalizer, str) else "entmax"
+
+
+def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every attention module timm's ``AttentionExtract`` can read: one with a
+    ``fused_attn`` flag and an ``attn_drop`` module (timm's attention layers and vitattn's)."""
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "fused_attn", None), bool)
+        and isinstance(getattr(m, "attn_drop", None), nn.Module)
+    ]
+
+
+def use_explicit_attention(model: nn.Module, explicit: bool = True) -> nn.Module:
+    """Switch every attention module of ``model`` (timm's and vitattn's: a ``fused_attn`` flag and an
+    ``attn_drop`` module) to the explicit path (``fused_attn = False``), where the weights exist for
+    ``timm.utils.AttentionExtract``; ``explicit=False`` switches back to the fused call. Outputs do not
+    change. Returns ``model``."""
+    for _, module in _attention_modules(model):
+        module.fused_attn = not explicit  # type: ignore[assignment]  # a plain bool attribute, as timm's
+    return model
+
+
+def attention_extract_names(model: nn.Module, method: str = "fx") -> list[str]:
+    """The ``names=`` of ``timm.utils.AttentionExtract(model, names=..., method=method)`` that select every
+    attention module's weights: FX node names (``method="fx"``: ``blocks.0.attn.softmax``, or
+    ``.entmax15`` / ``.sparsemax`` / ``.entmax`` after the module's normalizer, :func:`weight_node_name`)
+    or module names (``method="hook"``: ``blocks.0.attn.attn_drop``), in module order.
+
+    Raises ``ValueError`` when ``model`` has no attention module with an explicit path, or when some
+    compute their attention fused (timm's default): their weights never exist as a node or pass
+    through ``attn_drop``; the message names them and the fix (:func:`use_explicit_attention`, or
+    ``timm.layers.set_fused_attn(False)`` before the model is built).
+    """
+    if method not in ("fx", "hook"):
+        raise ValueError(f"method must be 'fx' or 'hook' (AttentionExtract's), got {method!r}")
+    modules = _attention_modules(model)
+    if not modules:
+        raise ValueError(
+            f"{type(model).__name__} has no attention module that timm's AttentionExtract can read "
+            "(one with a fused_attn flag and an attn_drop module, as timm's and vitattn's layers)"
+        )
+    fused = [name for name, m in modules if m.fused_attn]
+    if fused:
+        raise ValueError(
+            f"{len(fused)} attention module(s) compute their attention fused ({', '.join(fused[:3])}"
+            f"{', ...' if len(fused) > 3 else ''}), so their weights are never formed: call "
+            "vitattn.layers.use_explicit_attention(model) first (or "
+            "timm.layers.set_fused_attn(False) before building / patching the model)"
+        )
+    if method == "hook":
+        return [f"{name}.attn_drop" for name, _ in modules]
+    return [f"{name}.{weight_node_name(getattr(m, 'normalizer', 'softmax'))}" for name, m in modules]
 
 
 def resolve_attn_mask(
@@ -92,24 +148,23 @@ def _weights(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    attn_mask: torch.Tensor | WindowMask | None,
+    attn_mask: torch.Tensor | None,
     is_causal: bool,
     bias: torch.Tensor | GaussianBias | None,
     normalizer: AttentionNormalizer,
     scale: float,
     backend: str,
+    window: WindowMask | None,
 ) -> torch.Tensor:
     """``(B, H, Nq, Nk)`` attention weights (before dropout) from one :func:`attention` call; the mask
-    with timm's semantics (:func:`resolve_attn_mask`, inside the FX leaf: it branches on the flags).
+    with timm's semantics and the layer's window folded in (:func:`layer_mask`, inside the FX leaf:
+    it branches on the flags and the token count).
 
     On the meta device the result is shape-only, as the layers' fused call.
     """
     if q.device.type == "meta":
         return q.new_empty(*q.shape[:-1], k.shape[-2])
-    if isinstance(attn_mask, WindowMask):  # a layer's window (folded with any other mask already)
-        mask: torch.Tensor | WindowMask | None = attn_mask
-    else:
-        mask = resolve_attn_mask(q.shape[2], attn_mask, is_causal, q.device)
+    mask = layer_mask(q.shape[2], attn_mask, is_causal, q.device, window)
     _, weights = attention(
         q, k, v, normalizer=normalizer, scale=scale, mask=mask, bias=bias, return_weights=True,
         backend=backend,
@@ -128,9 +183,10 @@ def softmax(
     bias: torch.Tensor | GaussianBias | None,
     scale: float,
     backend: str,
+    window: WindowMask | None = None,
 ) -> torch.Tensor:
     """Softmax attention weights ``(B, H, Nq, Nk)``."""
-    return _weights(q, k, v, attn_mask, is_causal, bias, "softmax", scale, backend)
+    return _weights(q, k, v, attn_mask, is_causal, bias, "softmax", scale, backend, window)
 
 
 def entmax15(
@@ -142,9 +198,10 @@ def entmax15(
     bias: torch.Tensor | GaussianBias | None,
     scale: float,
     backend: str,
+    window: WindowMask | None = None,
 ) -> torch.Tensor:
     """Entmax-1.5 attention weights ``(B, H, Nq, Nk)``."""
-    return _weights(q, k, v, attn_mask, is_causal, bias, "entmax15", scale, backend)
+    return _weights(q, k, v, attn_mask, is_causal, bias, "entmax15", scale, backend, window)
 
 
 def sparsemax(
@@ -156,9 +213,10 @@ def sparsemax(
     bias: torch.Tensor | GaussianBias | None,
     scale: float,
     backend: str,
+    window: WindowMask | None = None,
 ) -> torch.Tensor:
     """Sparsemax attention weights ``(B, H, Nq, Nk)``."""
-    return _weights(q, k, v, attn_mask, is_causal, bias, "sparsemax", scale, backend)
+    return _weights(q, k, v, attn_mask, is_causal, bias, "sparsemax", scale, backend, window)
 
 
 def entmax(
@@ -171,10 +229,11 @@ def entmax(
     scale: float,
     backend: str,
     alpha: float | torch.Tensor,
+    window: WindowMask | None = None,
 ) -> torch.Tensor:
     """Alpha-entmax attention weights ``(B, H, Nq, Nk)`` (``alpha``: a float, or a tensor of them)."""
     alpha = alpha if isinstance(alpha, torch.Tensor) else float(alpha)
-    return _weights(q, k, v, attn_mask, is_causal, bias, alpha, scale, backend)
+    return _weights(q, k, v, attn_mask, is_causal, bias, alpha, scale, backend, window)
 
 
 for _leaf in (softmax, entmax15, sparsemax, entmax):
@@ -196,20 +255,25 @@ def explicit_attention(
 ) -> torch.Tensor:
     """``attn_drop(weights) @ v: (B, H, Nq, Dv)`` for a vitattn layer ``module`` (its normalizer and
     window, :func:`layer_call_options`, ``scale``, ``backend`` and ``attn_drop``); ``attn_mask`` and
-    ``is_causal`` as timm's."""
+    ``is_causal`` as timm's.
+
+    Which leaf runs is decided from the layer's own ``normalizer`` attribute (a name or float), never
+    from a tensor, so FX can trace the choice: learned alphas (``"adaptive"``) reach the ``entmax``
+    leaf as an argument, and the window and mask are folded inside the leaf.
+    """
     normalizer, window = layer_call_options(module)
     scale, backend = float(module.scale), str(module.backend)  # type: ignore[arg-type]
-    if window is not None:  # the window and any other mask as one mask (no is_causal left)
-        attn_mask, is_causal = layer_mask(q.shape[2], attn_mask, is_causal, q.device, window), False  # type: ignore[assignment]
-    if isinstance(normalizer, torch.Tensor):  # learned alphas: alpha-entmax
-        weights = entmax(q, k, v, attn_mask, is_causal, bias, scale, backend, normalizer)
-    elif normalizer == "softmax":
-        weights = softmax(q, k, v, attn_mask, is_causal, bias, scale, backend)
-    elif normalizer == "entmax15":
-        weights = entmax15(q, k, v, attn_mask, is_causal, bias, scale, backend)
-    elif normalizer == "sparsemax":
-        weights = sparsemax(q, k, v, attn_mask, is_causal, bias, scale, backend)
+    kind = getattr(module, "normalizer", normalizer)
+    args = (q, k, v, attn_mask, is_causal, bias, scale, backend)
+    if kind == "adaptive" or isinstance(kind, torch.Tensor):  # learned alphas: alpha-entmax
+        weights = entmax(*args, normalizer, window)  # type: ignore[arg-type]  # the alphas tensor
+    elif kind == "softmax":
+        weights = softmax(*args, window)
+    elif kind == "entmax15":
+        weights = entmax15(*args, window)
+    elif kind == "sparsemax":
+        weights = sparsemax(*args, window)
     else:
-        weights = entmax(q, k, v, attn_mask, is_causal, bias, scale, backend, float(normalizer))
+        weights = entmax(*args, float(kind), window)
     drop: nn.Module = module.get_submodule("attn_drop")
     return drop(weights).to(v.dtype) @ v

@@ -18,7 +18,6 @@ from .adaptive import LayerNormalizer
 from .grid import GridAttention
 
 __all__ = [
-    "IDENTITY_ALPHA",
     "GaugInit",
     "GaussianAugment",
     "LocAtAttention",
@@ -27,15 +26,10 @@ __all__ = [
     "grid_pair",
 ]
 
-#: How fresh GAug heads start: ``"paper"`` (LocAtViT's init, α ≈ ln 2) or ``"identity"`` (α =
-#: :data:`IDENTITY_ALPHA` for every query, so a pretrained model keeps its function at patch time).
+#: How fresh GAug heads start: ``"paper"`` (LocAtViT's init, α ≈ ln 2) or ``"identity"`` (the paper's
+#: heads behind a zero per-head gate, so a pretrained model keeps its function at patch time and GAug
+#: still learns at the learning rate).
 GaugInit = Literal["paper", "identity"]
-
-#: The amplitude α of the ``"identity"`` start. The bias a query adds to its scores lies in [0, α], so
-#: each attention row moves by a factor within [e^-α, e^α] and a block's output by about α times the
-#: spread of its values; the gradient reaching ``log_alpha`` is sigmoid(b) ≈ α times the gradient of α
-#: itself, non-zero and far above float32's floor. docs/huggingface.md gives the measured numbers.
-IDENTITY_ALPHA = 1e-5
 
 
 def check_gaug_init(gaug_init: object) -> GaugInit:
@@ -51,7 +45,14 @@ class GaussianAugment(nn.Module):
 
     ``log_var = Linear(head_dim, 2)`` and ``log_alpha = Linear(head_dim, 1)`` are shared across heads
     (the official parameter names). The bias itself is :class:`vitattn.functional.GaussianBias`.
-    ``init`` picks the start (:meth:`init_weights`).
+
+    ``init="identity"`` (which needs ``num_heads``) adds ``gate: (num_heads,)``, a per-head factor on
+    the amplitude, ``α_h = gate_h · softplus(log_alpha(q))``, started at 0: the bias is exactly zero,
+    so a pretrained model keeps its function, and the gate's gradient (the bias' effect at the paper's
+    amplitude) is not small, so a first step moves it by about the learning rate (a ReZero /
+    LayerScale-style start). The gate is signed: α may become negative (a repulsive bias). Without
+    it (``init="paper"``, the official layout) the module has the official state-dict keys only; a
+    state dict that carries a gate gives the module one when it loads (:meth:`init_weights`).
     """
 
     def __init__(
@@ -60,24 +61,69 @@ class GaussianAugment(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         init: GaugInit = "paper",
+        *,
+        num_heads: int | None = None,
     ) -> None:
         super().__init__()
+        init = check_gaug_init(init)
         self.log_var = nn.Linear(head_dim, 2, device=device, dtype=dtype)
         self.log_alpha = nn.Linear(head_dim, 1, device=device, dtype=dtype)
+        self.gate: nn.Parameter | None = None
+        if init == "identity":
+            if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+                raise ValueError(
+                    f"GaussianAugment(init='identity') needs num_heads, an int >= 1 (one gate per head), "
+                    f"got num_heads={num_heads!r}"
+                )
+            self.gate = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
         self.init_weights(init)
 
-    def init_weights(self, init: GaugInit = "paper") -> None:
-        """``"paper"``: timm's ViT init for linears, truncated normal (std 0.02) and zero bias, so
-        σ ≈ 1 and α ≈ ln 2. ``"identity"``: the same σ heads, and ``log_alpha`` with zero weight and
-        bias softplus⁻¹(:data:`IDENTITY_ALPHA`), so α = ``IDENTITY_ALPHA`` for every query: the bias
-        is at most that, and the scores (so the model's outputs) barely move."""
-        init = check_gaug_init(init)
+    @property
+    def start(self) -> GaugInit:
+        """``"identity"`` when the module has a gate, else ``"paper"``."""
+        return "paper" if self.gate is None else "identity"
+
+    def init_weights(self, init: GaugInit | None = None) -> None:
+        """Initialise every parameter: ``log_var`` and ``log_alpha`` as timm's ViT linears (truncated
+        normal, std 0.02, zero bias: σ ≈ 1 and α ≈ ln 2 before the gate), and the gate, if the module
+        has one, to 0 for ``"identity"`` (the bias is zero) or 1 for ``"paper"`` (the paper's start).
+        ``init=None`` (e.g. from a model's own weight init) restarts the module as it was built
+        (:attr:`start`). ``"identity"`` on a module without a gate is a ``ValueError``: the gate's
+        head count is not known here (build it with ``init="identity", num_heads=H``)."""
+        init = self.start if init is None else check_gaug_init(init)
+        if init == "identity" and self.gate is None:
+            raise ValueError(
+                "init_weights('identity') needs the per-head gate, which this GaussianAugment was built "
+                "without: build it with GaussianAugment(head_dim, init='identity', num_heads=H)"
+            )
         for layer in (self.log_var, self.log_alpha):
             nn.init.trunc_normal_(layer.weight, std=0.02)
             nn.init.zeros_(layer.bias)
-        if init == "identity":
-            nn.init.zeros_(self.log_alpha.weight)
-            nn.init.constant_(self.log_alpha.bias, math.log(math.expm1(IDENTITY_ALPHA)))
+        if self.gate is not None:
+            nn.init.constant_(self.gate, 0.0 if init == "identity" else 1.0)
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """A state dict with a ``gate`` (saved from an identity start) gives a gate-less module one first,
+        so it loads, strict included, into a model built the paper's way and computes what was saved."""
+        saved = state_dict.get(f"{prefix}gate")
+        if self.gate is None and isinstance(saved, torch.Tensor) and saved.dim() == 1:
+            ref = self.log_alpha.weight
+            self.gate = nn.Parameter(torch.ones(saved.shape, device=ref.device, dtype=ref.dtype))
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    def extra_repr(self) -> str:
+        return "" if self.gate is None else f"gate=({self.gate.shape[0]},)"
 
     def forward(
         self,
@@ -89,7 +135,7 @@ class GaussianAugment(nn.Module):
         """Spatial queries ``q_sp: (B, H, gh*gw, d)`` (after q_norm, unscaled) -> the bias description.
 
         σ = c · sigmoid(log_var(q) − ln(c − 1)) with c = max(initial grid)² (no shift when c ≤ 2), and
-        α = softplus(log_alpha(q)); both in float32 with autocast off.
+        α = softplus(log_alpha(q)) (times ``gate_h`` when gated); all in float32 with autocast off.
         """
         return gaussian_bias_from_queries(
             q_sp,
@@ -98,6 +144,7 @@ class GaussianAugment(nn.Module):
             grid_size,
             num_prefix_tokens,
             initial_grid_size,
+            self.gate,
         )
 
 
@@ -116,9 +163,11 @@ def gaussian_bias_from_queries(
     grid_size: tuple[int, int],
     num_prefix_tokens: int,
     initial_grid_size: tuple[int, int],
+    gate: torch.Tensor | None = None,
 ) -> GaussianBias:
     """GAug's σ, α from spatial queries ``q_sp: (B, H, Np, d)`` and the stacked heads
-    ``weight: (3, d)``, ``bias: (3,)`` (``log_var`` rows, then ``log_alpha``), as a :class:`GaussianBias`.
+    ``weight: (3, d)``, ``bias: (3,)`` (``log_var`` rows, then ``log_alpha``), as a :class:`GaussianBias`;
+    ``gate: (H,)`` (or None) multiplies each head's α (then α may be negative).
 
     A leaf for ``torch.fx``: it returns a dataclass, and autocast is switched by device type.
     """
@@ -130,6 +179,8 @@ def gaussian_bias_from_queries(
         out = F.linear(q_sp.to(work), weight.to(work), bias.to(work))  # (B, H, Np, 3)
         sigma = torch.sigmoid(out[..., :2] - shift) * sigma_max
         alpha = -F.logsigmoid(-out[..., 2:])  # softplus, in the CPU's faster kernel (within 1 ulp)
+        if gate is not None:
+            alpha = alpha * gate.to(work).view(-1, 1, 1)
     return GaussianBias(sigma, alpha, grid_size, num_prefix_tokens, initial_grid_size)
 
 
@@ -162,6 +213,7 @@ class LocAtAttention(GridAttention):
     ``initial_grid_size`` (the grid the model was built for, which fixes c, eps and the clamp), and
     optionally a neighbourhood ``window`` (with ``dilation``): the Gaussian bias inside a hard window.
     A model sets the layout with :meth:`set_grid`, and again whenever the input resolution changes.
+    ``gaug_init`` starts the GAug heads (:class:`GaussianAugment`: ``"paper"`` or ``"identity"``).
     """
 
     def __init__(
@@ -173,6 +225,7 @@ class LocAtAttention(GridAttention):
         num_prefix_tokens: int = 1,
         initial_grid_size: int | Sequence[int] | None = None,
         normalizer: LayerNormalizer = "softmax",
+        gaug_init: GaugInit = "paper",
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -184,7 +237,10 @@ class LocAtAttention(GridAttention):
             normalizer=normalizer,
             **kwargs,
         )
-        self.gaug = GaussianAugment(self.head_dim, device=self.qkv.weight.device, dtype=self.qkv.weight.dtype)
+        weight = self.qkv.weight
+        self.gaug = GaussianAugment(
+            self.head_dim, weight.device, weight.dtype, init=gaug_init, num_heads=self.num_heads
+        )
 
     def attention_bias(self, q: torch.Tensor) -> GaussianBias:
         """GAug bias from ``q: (B, H, N, d)``, ``N = num_prefix_tokens + gh * gw``."""

@@ -119,14 +119,21 @@ class LocAtWindowAttention(WindowAttention):
     the clamp come from ``initial_window_size`` (default: the window the layer is built with). If
     the window is later resized (timm's ``set_window_size``), σ is rescaled by
     ``min(window) / min(initial window)`` as GAug does for a new resolution (the official release
-    has no window resizing).
+    has no window resizing). ``gaug_init`` starts the GAug heads (:class:`~vitattn.layers.GaussianAugment`).
     """
 
     def __init__(
-        self, *args: Any, initial_window_size: int | Sequence[int] | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        initial_window_size: int | Sequence[int] | None = None,
+        gaug_init: GaugInit = "paper",
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.gaug = GaussianAugment(self.head_dim, device=self.qkv.weight.device, dtype=self.qkv.weight.dtype)
+        weight = self.qkv.weight
+        self.gaug = GaussianAugment(
+            self.head_dim, weight.device, weight.dtype, init=gaug_init, num_heads=self.num_heads
+        )
         init = self.window_size if initial_window_size is None else initial_window_size
         self.initial_window_size = grid_pair("initial_window_size", init)
 

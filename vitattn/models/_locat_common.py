@@ -135,9 +135,9 @@ class LocAtModelMixin:
         normalizer: the attention normalizer of every block (``"softmax"``, ``"entmax15"``, ...;
             ``"adaptive"``: one learnable alpha-entmax alpha per head and block, from 1.5).
         gaug_init: how the GAug heads start: ``"paper"`` (the release's init) or ``"identity"``
-            (α tiny, so a model loaded from a plain, GAug-free checkpoint keeps that checkpoint's
-            function; see :class:`~vitattn.layers.GaussianAugment`). A checkpoint with GAug weights
-            overwrites them either way.
+            (a per-head gate at 0, so a model loaded from a plain, GAug-free checkpoint keeps that
+            checkpoint's function; see :class:`~vitattn.layers.GaussianAugment`). A checkpoint with
+            GAug weights overwrites them either way (gate 1 where it has none).
 
     A subclass names its ``family`` and what it ``needs`` at each block (for the ``TypeError``);
     ``patch_grid`` (ViT, Eva) gives GAug the model's patch grid and prefix tokens and keeps them in
@@ -226,14 +226,17 @@ def keep_fresh_gaug(filter_fn: Callable[..., Any]) -> Callable[..., Any]:
     """``filter_fn(state_dict, model)`` of a LocAt variant, extended to plain checkpoints: when the
     filtered checkpoint has no GAug weight at all (a timm ViT / Eva / Swin checkpoint), the model's own
     ``gaug`` tensors (started as its ``gaug_init`` says) fill their keys, so timm's strict load passes
-    and the heads keep their start. A checkpoint with some GAug weights is left as it is."""
+    and the heads keep their start. A checkpoint with GAug weights (the official ones) is taken as it
+    is; where it has no gate for a model built with the identity start's gate, the gate is 1 there,
+    so the checkpoint's heads act as trained."""
 
     def filtered(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
         out = filter_fn(state_dict, model)
-        if any(".gaug." in key for key in out):
-            return out
         own = {k: v for k, v in model.state_dict().items() if ".gaug." in k}
-        return {**out, **own}
+        if not any(".gaug." in key for key in out):
+            return {**out, **own}
+        gates = {k: torch.ones_like(v) for k, v in own.items() if k.endswith(".gaug.gate") and k not in out}
+        return {**out, **gates}
 
     return filtered
 

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..datasets.sized import dataset_length
 from ..models.blocks import block_indices
 from .diagnostics import alignment_sum
-from .features import Backbone, backbone_depth, patch_features
+from .features import Backbone, backbone_depth, check_image_size, patch_features
 from .progress import Progress
 
 __all__ = ["DenseFeatures", "extract_dense_features", "resolve_num_classes"]
@@ -104,7 +104,9 @@ def extract_dense_features(
 
     Each batch of images goes to ``device`` (default: the backbone's), through ``transform`` (batched,
     e.g. a normalization), then :func:`~vitattn.probe.patch_features`. Masks are checked against
-    ``[0, num_classes) ∪ {ignore_index}``.
+    ``[0, num_classes) ∪ {ignore_index}``; images whose size is not a multiple of the backbone's patch
+    size are refused (:func:`~vitattn.probe.features.check_image_size`: the patch embedding would
+    drop the pixels past the last whole patch, and with them the mask's).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -125,6 +127,8 @@ def extract_dense_features(
             x = images.to(dev, torch.float32)
             if transform is not None:
                 x = transform(x)
+            if masks is None and isinstance(backbone, torch.nn.Module):  # the first batch: sizes fixed
+                check_image_size(backbone, tuple(x.shape[-2:]), "image size")
             maps = patch_features(backbone, x, idx, norm=norm)
             b = images.shape[0]
             if masks is None:

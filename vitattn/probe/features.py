@@ -27,10 +27,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..functional import grid_pair
 from ..models.blocks import block_indices, is_transformers_model, module_items
 from ..models.layout import model_grid_size, model_num_prefix_tokens, resolve_layout
 
-__all__ = ["FeatureMaps", "backbone_depth", "patch_features"]
+__all__ = ["FeatureMaps", "backbone_depth", "check_image_size", "patch_features", "patch_size_of"]
 
 Backbone = nn.Module | Callable[[torch.Tensor], torch.Tensor]
 
@@ -57,6 +58,43 @@ def backbone_depth(backbone: Backbone) -> int:
         return hf_layout(backbone).depth  # type: ignore[arg-type]
     blocks = _blocks(backbone)
     return len(blocks) if blocks is not None else 1
+
+
+def patch_size_of(model: nn.Module) -> tuple[int, int] | None:
+    """``(rows, columns)`` of a patch of a timm-style ViT (``patch_embed.patch_size``) or of a
+    transformers vision model (its config's ``patch_size``); None for a model without patches."""
+    if is_transformers_model(model):
+        from ..hf.layout import hf_layout
+
+        return hf_layout(model).patch_size
+    size = getattr(getattr(model, "patch_embed", None), "patch_size", None)
+    return None if size is None else grid_pair("patch_embed.patch_size", tuple(size))
+
+
+def check_image_size(model: nn.Module, size: int | Sequence[int], name: str = "image size") -> None:
+    """Refuse an input size that is not a multiple of ``model``'s patch size.
+
+    A convolutional patch embedding (timm's, transformers') silently drops the pixels past the last
+    whole patch: 40 px with 16-px patches is a 2x2 grid that never sees 8 pixel rows and columns.
+    Passes when the model has no patch embedding, or pads the input itself (timm's
+    ``dynamic_img_pad``). ``name`` names the size in the ``ValueError`` (an option or a field).
+    """
+    patch_size = patch_size_of(model)
+    if patch_size is None or getattr(getattr(model, "patch_embed", None), "dynamic_img_pad", False):
+        return
+    h, w = grid_pair(name, size)
+    (ph, pw) = patch_size
+    if h % ph == 0 and w % pw == 0:
+        return
+    shown = f"{h}" if h == w else f"{h}x{w}"
+    patch = f"{ph}" if ph == pw else f"{ph}x{pw}"
+    below = h - h % ph
+    hint = f" (e.g. {below} or {below + ph})" if ph == pw and h == w and below > 0 else ""
+    raise ValueError(
+        f"{name} {shown} is not a multiple of the patch size {patch} of {type(model).__name__}: its "
+        f"{h // ph}x{w // pw} patch grid would drop the last {h % ph} pixel row(s) and {w % pw} "
+        f"column(s) of every image; give a multiple of {patch}{hint}"
+    )
 
 
 def _has_class_token(backbone: Backbone) -> bool:

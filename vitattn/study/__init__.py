@@ -19,7 +19,7 @@ from typing import Any
 
 _EXPORTS = {
     "backbone": ("CheckpointMismatch",),
-    "config": ("ATTENTIONS", "PRESETS", "StudyConfig", "make_config"),
+    "config": ("ATTENTIONS", "PRESETS", "ConfigError", "StudyConfig", "make_config"),
     "datasets": ("DATASETS", "DatasetMissingError", "DatasetSpec", "load_datasets"),
     "imagefolder": ("DataFolderError", "inspect_imagefolder"),
     "model": ("build_model",),
@@ -51,6 +51,7 @@ __all__ = [
     "PRESETS",
     "PROTOCOLS",
     "CheckpointMismatch",
+    "ConfigError",
     "DataFolderError",
     "DatasetMissingError",
     "DatasetSpec",

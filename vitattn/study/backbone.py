@@ -26,8 +26,10 @@ __all__ = [
     "LoadReport",
     "classifier_keys",
     "create_timm_model",
+    "fit_weights",
     "load_weights",
     "patch_backbone",
+    "read_weights",
 ]
 
 
@@ -100,11 +102,14 @@ def classifier_keys(model: nn.Module) -> list[str]:
     return [k for k, p in model.named_parameters() if id(p) in ids]
 
 
-def patch_backbone(model: nn.Module, attention: str, prr: bool, gaug_init: str, window: int = 5) -> nn.Module:
+def patch_backbone(
+    model: nn.Module, attention: str, prr: bool, gaug_init: str, window: int = 5, dilation: int = 1
+) -> nn.Module:
     """``model`` with ``attention`` swapped in (``softmax`` keeps the backbone's own) and PRR if asked.
 
     ``adaptive`` is softmax attention with one learnable alpha-entmax alpha per head (from 1.5);
-    ``window`` is softmax neighbourhood attention over ``window x window`` patches.
+    ``window`` is softmax neighbourhood attention over ``window x window`` patches (every
+    ``dilation``-th patch).
     """
     if attention == "softmax" and not prr:
         return model
@@ -113,24 +118,17 @@ def patch_backbone(model: nn.Module, attention: str, prr: bool, gaug_init: str, 
     if attention == "adaptive":
         return patch(model, "softmax", prr=prr, normalizer="adaptive")
     if attention == "window":
-        return patch(model, "window", prr=prr, window=window)
+        return patch(model, "window", prr=prr, window=window, dilation=dilation)
     return patch(model, attention, prr=prr, gaug_init=gaug_init)  # type: ignore[arg-type]
 
 
-def load_weights(
-    model: nn.Module, path: str | Path, new_keys: set[str], log: Callable[[str], object] | None = None
-) -> LoadReport:
-    """Load the weights in ``path`` (safetensors, or a weights-only torch state dict) into ``model``.
-
-    ``new_keys``: parameters the checkpoint may lack (those a patch added). A classifier whose shape
-    differs from the checkpoint's is left at its fresh init (a note says so). Raises
-    :class:`CheckpointMismatch` naming the first missing and unexpected keys, or the first shape
-    that differs, when the checkpoint does not fit otherwise.
-    """
-    try:
-        state = read_state_dict(path)
-    except ValueError as err:
-        raise CheckpointMismatch(str(err)) from err
+def fit_weights(
+    model: nn.Module, state: dict[str, torch.Tensor], new_keys: set[str], path: str | Path
+) -> tuple[dict[str, torch.Tensor], LoadReport]:
+    """What of ``state`` (the tensors of the checkpoint ``path``) :func:`load_weights` loads into
+    ``model``, and its report; raises :class:`CheckpointMismatch` when the checkpoint does not fit.
+    Reads shapes only: ``model`` may live on the meta device (the study checks its checkpoints so,
+    before it writes anything)."""
     report = LoadReport(str(path))
     own = model.state_dict()
     head = set(classifier_keys(model))
@@ -158,9 +156,32 @@ def load_weights(
             f"{missing[:5]}, {len(unexpected)} unexpected key(s) {unexpected[:5]} (check --model, "
             "--model-arg, --depth / --dim / --heads and --prr)"
         )
+    report.kept = sorted(k for k in new_keys if k not in state)
+    return state, report
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """:func:`vitattn.analysis.read_state_dict` of ``path``; an unreadable file is a
+    :class:`CheckpointMismatch` (``FileNotFoundError`` when it does not exist)."""
+    try:
+        return read_state_dict(path)
+    except ValueError as err:
+        raise CheckpointMismatch(str(err)) from err
+
+
+def load_weights(
+    model: nn.Module, path: str | Path, new_keys: set[str], log: Callable[[str], object] | None = None
+) -> LoadReport:
+    """Load the weights in ``path`` (safetensors, or a weights-only torch state dict) into ``model``.
+
+    ``new_keys``: parameters the checkpoint may lack (those a patch added). A classifier whose shape
+    differs from the checkpoint's is left at its fresh init (a note says so). Raises
+    :class:`CheckpointMismatch` naming the first missing and unexpected keys, or the first shape
+    that differs, when the checkpoint does not fit otherwise (:func:`fit_weights`).
+    """
+    state, report = fit_weights(model, read_weights(path), new_keys, path)
     with torch.no_grad():
         model.load_state_dict(state, strict=False)
-    report.kept = sorted(k for k in new_keys if k not in state)
     if log is not None:
         for line in report.notes():
             log(line)

@@ -4,17 +4,61 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import numbers
+import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from .datasets import DATASETS, DatasetSpec
 from .protocols import PROTOCOLS, Protocol, resolve_protocols
 
-__all__ = ["ATTENTIONS", "PRESETS", "RUNTIME_KEYS", "StudyConfig", "config_diff", "make_config"]
+__all__ = [
+    "ATTENTIONS",
+    "PRESETS",
+    "RUNTIME_KEYS",
+    "STUDY_WINDOW",
+    "ConfigError",
+    "StudyConfig",
+    "config_diff",
+    "make_config",
+]
 
 # softmax, entmax-1.5, LocAt (GAug), adaptive (alpha-entmax, one learnable alpha per head from 1.5) and
-# window (softmax inside a STUDY_WINDOW x STUDY_WINDOW neighbourhood, see vitattn.study.model)
+# window (softmax inside a window x window neighbourhood, STUDY_WINDOW by default: vitattn.study.model)
 ATTENTIONS = ("softmax", "entmax15", "locat", "adaptive", "window")
+
+# the default neighbourhood of the "window" attention on the study's 8x8 patch grid: uniform attention
+# over 5x5 patches has about the mean attention distance (1.9 patches) of LocAt's most local block-0 heads
+STUDY_WINDOW = 5
+
+# what a config written before a field existed meant by its absence (from_dict and config_diff)
+_LEGACY = {"scenes_version": 2}
+
+
+class ConfigError(ValueError):
+    """An input of a study that is out of range or inconsistent: a :class:`StudyConfig` field, or an
+    argument of :func:`~vitattn.study.run_study`.
+
+    ``fields`` are the names the message uses for them (field names, e.g. ``epochs``);
+    :meth:`render` names them otherwise, e.g. the command line by its options (``--epochs``).
+    """
+
+    def __init__(self, message: str, *fields: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields = fields
+
+    def render(self, name: Callable[[str], str]) -> str:
+        """The message with the first mention of each field ``f`` replaced by ``name(f)``."""
+        text = self.message
+        for f in self.fields:
+            match = re.search(rf"(?<![\w.-]){re.escape(f)}(?![\w-])", text)
+            if match is not None:
+                text = text[: match.start()] + name(f) + text[match.end() :]
+        return text
+
 
 # what each preset sets; everything else comes from StudyConfig's defaults. ``quick`` is the main
 # job: a narrower, shallower ViT on the scenes, trained long enough to learn, comparing attentions
@@ -78,6 +122,10 @@ class StudyConfig:
     attentions: list[str] = field(default_factory=lambda: ["softmax"])
     prr: bool = False
     seeds: list[int] = field(default_factory=lambda: [0])
+    # the "window" attention's neighbourhood: window x window patches (None: STUDY_WINDOW), every
+    # window_dilation-th patch (None: 1, contiguous)
+    window: int | None = None
+    window_dilation: int | None = None
     # model
     depth: int = 8
     dim: int = 192
@@ -128,14 +176,19 @@ class StudyConfig:
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
-            raise ValueError(f"unknown dataset {self.dataset!r}; known: {', '.join(DATASETS)}")
-        self.protocols = [p.name for p in resolve_protocols(self.protocols)]
+            raise ConfigError(f"unknown dataset {self.dataset!r}; known: {', '.join(DATASETS)}", "dataset")
+        try:
+            self.protocols = [p.name for p in resolve_protocols(self.protocols)]
+        except ValueError as err:
+            raise ConfigError(f"protocols: {err}", "protocols") from err
         bad = [a for a in self.attentions if a not in ATTENTIONS]
         if bad or not self.attentions:
-            raise ValueError(f"attention must be among {', '.join(ATTENTIONS)}, got {self.attentions}")
+            raise ConfigError(
+                f"attentions must be among {', '.join(ATTENTIONS)}, got {self.attentions}", "attentions"
+            )
         self.attentions = list(dict.fromkeys(self.attentions))
-        if not self.seeds:
-            raise ValueError("give at least one seed")
+        if not self.seeds or not all(_is_int(s) for s in self.seeds):
+            raise ConfigError(f"seeds must be a non-empty list of ints, got {self.seeds!r}", "seeds")
         self.seeds = [int(s) for s in dict.fromkeys(self.seeds)]
         spec = DATASETS[self.dataset]
         if self.batch_size is None:
@@ -147,65 +200,142 @@ class StudyConfig:
         if self.num_classes is None and spec.num_classes:
             self.num_classes = spec.num_classes
         if self.num_classes is not None and spec.num_classes and self.num_classes != spec.num_classes:
-            raise ValueError(
-                f"{self.dataset} has {spec.num_classes} classes, not num_classes={self.num_classes}"
+            raise ConfigError(
+                f"{self.dataset} has {spec.num_classes} classes, not num_classes={self.num_classes}",
+                "num_classes",
             )
+        self._check_numbers()
         self._check_backbone()
         if self.first_layers is None:
             self.first_layers = max(1, self.model_depth // 4)
+        _at_least(self, 1, "first_layers")
         if not -self.model_depth <= int(self.probe_layer) < self.model_depth:
-            raise ValueError(f"probe_layer {self.probe_layer} is out of range for depth {self.model_depth}")
-        numbered = ("depth", "dim", "heads", "epochs", "batch_size", "first_layers", "analysis_images")
-        for name in (*numbered, "probe_train_images", "probe_epochs", "probe_bank_size"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.dim % self.heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
+            raise ConfigError(
+                f"probe_layer {self.probe_layer} is out of range for depth {self.model_depth}", "probe_layer"
+            )
         if self.first_layers > self.model_depth:
-            raise ValueError(f"first_layers ({self.first_layers}) exceeds depth ({self.model_depth})")
-        if self.warmup_epochs < 0 or self.lr <= 0 or self.weight_decay < 0:
-            raise ValueError("warmup_epochs and weight_decay must be >= 0 and lr > 0")
-        for name in ("limit_train", "limit_test"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1 or None")
+            raise ConfigError(
+                f"first_layers ({self.first_layers}) exceeds depth ({self.model_depth})", "first_layers"
+            )
+
+    def _check_numbers(self) -> None:
+        """Counts, rates and ranges (the model's shape, the schedule, the protocol, the probes, data
+        subsets and runtime), each refused with its field's name and value."""
+        counts = ("depth", "dim", "heads", "epochs", "batch_size", "analysis_images")
+        _at_least(self, 1, *counts, "probe_train_images", "probe_epochs", "probe_bank_size")
+        _at_least(self, 1, "limit_train", "limit_test", "threads", "window", "window_dilation", optional=True)
+        _at_least(self, 0, "workers")
+        if not _is_int(self.probe_layer):
+            raise ConfigError(f"probe_layer must be an int, got {self.probe_layer!r}", "probe_layer")
+        if self.dim % self.heads:
+            raise ConfigError(f"dim ({self.dim}) must be divisible by heads ({self.heads})", "dim", "heads")
+        _in_range(self, "lr", 0.0, math.inf, low_open=True)
+        _in_range(self, "mlp_ratio", 0.0, math.inf, low_open=True)
+        _in_range(self, "gaug_lr_scale", 0.0, math.inf, low_open=True)
+        for name in ("weight_decay", "warmup_epochs", "mixup_alpha", "cutmix_alpha"):
+            _in_range(self, name, 0.0, math.inf)
+        _in_range(self, "label_smoothing", 0.0, 1.0, high_open=True)
+        _in_range(self, "drop_path", 0.0, 1.0, high_open=True)
+        if self.layer_decay is not None:
+            _in_range(self, "layer_decay", 0.0, 1.0, low_open=True)
+        if self.pos_embed_std is not None:
+            _in_range(self, "pos_embed_std", 0.0, math.inf)
+        if (self.window is not None or self.window_dilation is not None) and "window" not in self.attentions:
+            raise ConfigError(
+                f"window and window_dilation are for the 'window' attention, which attentions "
+                f"{self.attentions} does not hold",
+                "window",
+                "window_dilation",
+                "attentions",
+            )
+        if self.device is not None:
+            import torch
+
+            try:
+                torch.device(self.device)
+            except (RuntimeError, ValueError):
+                raise ConfigError(
+                    f"device {self.device!r} is not a torch device (e.g. cpu, cuda, cuda:1)", "device"
+                ) from None
 
     def _check_backbone(self) -> None:
-        """Resolve and check the backbone options (``gaug_init``, ``init``, ``amp``, ...)."""
+        """Resolve and check the backbone options (``gaug_init``, ``init``, ``amp``, the input size
+        against the patches, ...)."""
         from ..datasets.scenes import VERSIONS
         from .amp import AMP_CHOICES
         from .init import INIT_SCHEMES
 
         if self.scenes_version not in VERSIONS:
-            raise ValueError(f"scenes_version must be one of {VERSIONS}, got {self.scenes_version!r}")
+            raise ConfigError(
+                f"scenes_version must be one of {VERSIONS}, got {self.scenes_version!r}", "scenes_version"
+            )
         if self.pretrained and self.checkpoint is not None:
-            raise ValueError("give --pretrained or --checkpoint, not both")
+            raise ConfigError("give --pretrained or --checkpoint, not both")
         if self.pretrained and self.model is None:
-            raise ValueError("--pretrained needs --model NAME (a timm model with pretrained weights)")
+            raise ConfigError("--pretrained needs --model NAME (a timm model with pretrained weights)")
+        if self.checkpoint is not None and not str(self.checkpoint).strip():
+            raise ConfigError("checkpoint must be a file path, got an empty string", "checkpoint")
         if self.gaug_init is None:
             self.gaug_init = "identity" if self.from_weights else "paper"
         if self.gaug_init not in ("identity", "paper"):
-            raise ValueError(f"gaug_init must be 'identity' or 'paper', got {self.gaug_init!r}")
+            raise ConfigError(f"gaug_init must be 'identity' or 'paper', got {self.gaug_init!r}", "gaug_init")
         if self.init not in INIT_SCHEMES:
-            raise ValueError(f"init must be one of {', '.join(INIT_SCHEMES)}, got {self.init!r}")
+            raise ConfigError(f"init must be one of {', '.join(INIT_SCHEMES)}, got {self.init!r}", "init")
         if self.amp is not None and self.amp not in AMP_CHOICES:
-            raise ValueError(f"amp must be one of {', '.join(AMP_CHOICES)}, got {self.amp!r}")
-        if self.img_size is not None and self.img_size < 1:
-            raise ValueError(f"img_size must be >= 1, got {self.img_size}")
+            raise ConfigError(f"amp must be one of {', '.join(AMP_CHOICES)}, got {self.amp!r}", "amp")
+        _at_least(self, 1, "img_size", optional=True)
         if self.model is None and self.input_size % self.spec.grid_size[0]:
-            raise ValueError(
+            raise ConfigError(
                 f"img_size {self.input_size} is not divisible by the study ViT's {self.spec.grid_size[0]}x"
-                f"{self.spec.grid_size[1]} patch grid"
+                f"{self.spec.grid_size[1]} patch grid",
+                "img_size",
             )
-        if not 0.0 <= self.drop_path < 1.0:
-            raise ValueError(f"drop_path must be in [0, 1), got {self.drop_path}")
-        if self.layer_decay is not None and not 0.0 < self.layer_decay <= 1.0:
-            raise ValueError(f"layer_decay must be in (0, 1], got {self.layer_decay}")
-        if not self.gaug_lr_scale > 0.0:
-            raise ValueError(f"gaug_lr_scale must be > 0, got {self.gaug_lr_scale}")
-        if self.mixup_alpha < 0 or self.cutmix_alpha < 0:
-            raise ValueError("mixup_alpha and cutmix_alpha must be >= 0")
         if self.model is not None and self._model_depth is None:
-            self._model_depth = _timm_depth(self.model, self.model_args)
+            self._model_depth = self._check_timm_backbone()
+
+    def _check_timm_backbone(self) -> int:
+        """Build the timm backbone on the meta device (no memory, no weights) as a run will; check that
+        the input size is a multiple of its patch size; its number of blocks."""
+        import torch
+
+        from ..probe.features import check_image_size
+        from .backbone import create_timm_model
+
+        assert self.model is not None
+        with torch.device("meta"):
+            try:
+                model = create_timm_model(
+                    self.model,
+                    num_classes=self.num_classes or 1,
+                    img_size=self.input_size,
+                    in_chans=self.spec.channels,
+                    drop_path=float(self.drop_path),
+                    pretrained=False,
+                    model_args=self.model_args,
+                )
+            except ValueError as err:  # an unknown name, or arguments its builder does not take
+                raise ConfigError(str(err), "model") from err
+            except (RuntimeError, AssertionError, KeyError) as err:  # timm refuses the size or arguments
+                raise ConfigError(
+                    f"timm cannot build model {self.model!r} at img_size {self.input_size} with model_args "
+                    f"{self.model_args}: {err}",
+                    "model",
+                    "img_size",
+                    "model_args",
+                ) from err
+        try:
+            check_image_size(model, self.input_size, "img_size")
+        except ValueError as err:
+            raise ConfigError(f"{err} (model {self.model})", "img_size") from err
+        blocks = getattr(model, "blocks", None)
+        if blocks is not None:
+            return len(blocks)
+        layers = getattr(model, "layers", None)  # Swin: blocks stage by stage
+        if layers is not None:
+            return sum(len(stage.blocks) for stage in layers)
+        raise ConfigError(
+            f"model {self.model!r} has neither blocks nor layers[i].blocks: not a ViT, Eva or Swin", "model"
+        )
 
     _model_depth: int | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -213,6 +343,16 @@ class StudyConfig:
     def model_depth(self) -> int:
         """Blocks of the backbone: ``depth`` for the study's ViT, the timm model's otherwise."""
         return int(self.depth) if self.model is None or self._model_depth is None else self._model_depth
+
+    @property
+    def window_size(self) -> int:
+        """Side of the ``window`` attention's neighbourhood, in patches (:data:`STUDY_WINDOW` by default)."""
+        return STUDY_WINDOW if self.window is None else int(self.window)
+
+    @property
+    def dilation(self) -> int:
+        """Dilation of the ``window`` attention's neighbourhood (1: contiguous patches)."""
+        return 1 if self.window_dilation is None else int(self.window_dilation)
 
     @property
     def from_weights(self) -> bool:
@@ -277,7 +417,8 @@ class StudyConfig:
         ``scenes_version`` existed used version 2 of the scenes."""
         names = {f.name for f in fields(cls) if f.init}
         values = {k: v for k, v in d.items() if k in names}
-        values.setdefault("scenes_version", 2)
+        for key, value in _LEGACY.items():
+            values.setdefault(key, value)
         return cls(**values)
 
     def identity(self) -> dict[str, Any]:
@@ -297,24 +438,35 @@ class StudyConfig:
         return replace(self, **kwargs)
 
 
-def _timm_depth(name: str, model_args: dict[str, Any]) -> int:
-    """Blocks of timm model ``name`` (built on the meta device: no memory, no weights)."""
-    import timm
-    import torch
+def _is_int(value: Any) -> bool:
+    """An integer (Python's or NumPy's), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
-    from .. import models as _models  # noqa: F401  (registers locatvit_* with timm)
 
-    if not timm.is_model(name):
-        raise ValueError(f"unknown model {name!r}: give a timm model name (see timm.list_models())")
-    with torch.device("meta"):
-        model = timm.create_model(name, pretrained=False, **model_args)
-    blocks = getattr(model, "blocks", None)
-    if blocks is not None:
-        return len(blocks)
-    layers = getattr(model, "layers", None)  # Swin: blocks stage by stage
-    if layers is not None:
-        return sum(len(stage.blocks) for stage in layers)
-    raise ValueError(f"{name!r} has neither blocks nor layers[i].blocks: not a ViT, Eva or Swin")
+def _at_least(config: StudyConfig, low: int, *names: str, optional: bool = False) -> None:
+    """Refuse a field that is not an int ``>= low`` (None passes when ``optional``)."""
+    for name in names:
+        value = getattr(config, name)
+        if value is None and optional:
+            continue
+        if not _is_int(value) or value < low:
+            raise ConfigError(f"{name} must be an int >= {low}, got {value!r}", name)
+
+
+def _in_range(
+    config: StudyConfig, name: str, low: float, high: float, low_open: bool = False, high_open: bool = False
+) -> None:
+    """Refuse a field that is not a number in the interval (NaN never is)."""
+    value = getattr(config, name)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        if math.isinf(high):
+            interval = f"{'>' if low_open else '>='} {low:g}"
+        else:
+            interval = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ConfigError(f"{name} must be {interval}, got {value!r}", name)
 
 
 def make_config(preset: str = "quick", **overrides: Any) -> StudyConfig:
@@ -332,5 +484,14 @@ def make_config(preset: str = "quick", **overrides: Any) -> StudyConfig:
 def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """``key: old -> new`` for every identity key that differs between two config dicts."""
     keys = [k for k in sorted(set(old) | set(new)) if k not in RUNTIME_KEYS]
-    names = {f.name for f in fields(StudyConfig)}
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if k in names and old.get(k) != new.get(k)]
+    defaults = {f.name: f.default for f in fields(StudyConfig) if f.init}
+    defaults.update(_LEGACY)
+
+    def value(d: dict[str, Any], k: str) -> Any:  # a key a config was written without: its meaning then
+        return d[k] if k in d else defaults.get(k)
+
+    return [
+        f"{k}: {value(old, k)!r} -> {value(new, k)!r}"
+        for k in keys
+        if k in defaults and value(old, k) != value(new, k)
+    ]

@@ -33,6 +33,7 @@ __all__ = [
     "DatasetSpec",
     "DigitsDataset",
     "ScenesDataset",
+    "check_dataset",
     "load_datasets",
     "probe_datasets",
 ]
@@ -173,16 +174,27 @@ class _TinyImageNetVal(Dataset):
         return (self.transform(image) if self.transform else image), label
 
 
+_CIFAR_FILES = {
+    "cifar10": ("cifar-10-batches-py", "cifar-10-python.tar.gz"),
+    "cifar100": ("cifar-100-python", "cifar-100-python.tar.gz"),
+}
+
+
+def _cifar_missing(spec: DatasetSpec, root: Path) -> DatasetMissingError:
+    folder, archive = _CIFAR_FILES[spec.name]
+    return DatasetMissingError(
+        f"{spec.name} was not found under --data-dir {str(root)!r}: put torchvision's python version "
+        f"there as {str(root / folder)}/ (the extracted {archive} from the CIFAR page), "
+        "or pass --download to fetch it (about 170 MB)"
+    )
+
+
 def _cifar(
     spec: DatasetSpec, root: Path, download: bool, train_tf: Transform, test_tf: Transform
 ) -> tuple[Dataset, Dataset]:
     from torchvision import datasets
 
-    cls, folder, archive = (
-        (datasets.CIFAR10, "cifar-10-batches-py", "cifar-10-python.tar.gz")
-        if spec.name == "cifar10"
-        else (datasets.CIFAR100, "cifar-100-python", "cifar-100-python.tar.gz")
-    )
+    cls = datasets.CIFAR10 if spec.name == "cifar10" else datasets.CIFAR100
     try:
         return (
             cls(str(root), train=True, transform=train_tf, download=download),
@@ -191,18 +203,11 @@ def _cifar(
     except RuntimeError as err:
         if "not found" not in str(err).lower() and "corrupted" not in str(err).lower():
             raise
-        raise DatasetMissingError(
-            f"{spec.name} was not found under --data-dir {str(root)!r}: put torchvision's python version "
-            f"there as {str(root / folder)}/ (the extracted {archive} from the CIFAR page), "
-            "or pass --download to fetch it (about 170 MB)"
-        ) from err
+        raise _cifar_missing(spec, root) from err
 
 
-def _tinyimagenet(
-    spec: DatasetSpec, root: Path, download: bool, train_tf: Transform, test_tf: Transform
-) -> tuple[Dataset, Dataset]:
-    from torchvision.datasets import ImageFolder
-
+def _tinyimagenet_dirs(root: Path, download: bool) -> tuple[Path, Path]:
+    """``(train, val)`` folders of Tiny-ImageNet under ``root``; :class:`DatasetMissingError` when absent."""
     base = root / "tiny-imagenet-200" if (root / "tiny-imagenet-200").is_dir() else root
     train_dir, val_dir = base / "train", base / "val"
     if download:
@@ -217,6 +222,27 @@ def _tinyimagenet(
             "val/images + val/val_annotations.txt, or val/<wnid>/... image folders); unzip "
             "tiny-imagenet-200.zip there"
         )
+    return train_dir, val_dir
+
+
+def check_dataset(name: str, data_dir: str | os.PathLike[str] = "data", download: bool = False) -> None:
+    """Raise :class:`DatasetMissingError` (saying what to put where) when the files of ``name`` are not
+    under ``data_dir``: a quick look at the folders, before a study writes anything. The built-in sets
+    need nothing; CIFAR passes when ``download`` will fetch it; image folders are inspected by
+    :func:`~.imagefolder.inspect_imagefolder`."""
+    root = Path(data_dir)
+    if name in _CIFAR_FILES and not download and not (root / _CIFAR_FILES[name][0]).is_dir():
+        raise _cifar_missing(DATASETS[name], root)
+    if name == "tinyimagenet":
+        _tinyimagenet_dirs(root, download)
+
+
+def _tinyimagenet(
+    spec: DatasetSpec, root: Path, download: bool, train_tf: Transform, test_tf: Transform
+) -> tuple[Dataset, Dataset]:
+    from torchvision.datasets import ImageFolder
+
+    train_dir, val_dir = _tinyimagenet_dirs(root, download)
     train = ImageFolder(str(train_dir), transform=train_tf)
     if (val_dir / "val_annotations.txt").is_file() and (val_dir / "images").is_dir():
         test: Dataset = _TinyImageNetVal(val_dir, train.class_to_idx, test_tf)

@@ -12,14 +12,10 @@ from ..layers.adaptive import LayerNormalizer
 from ..models import LocAtViT
 from ..patch import patch
 from .backbone import create_timm_model, load_weights, patch_backbone
-from .config import StudyConfig
+from .config import STUDY_WINDOW, StudyConfig
 from .init import init_study_vit
 
-__all__ = ["STUDY_WINDOW", "build_model", "count_parameters", "model_kwargs"]
-
-# the neighbourhood of the "window" attention on the study's 8x8 patch grid: uniform attention over
-# 5x5 patches has about the mean attention distance (1.9 patches) of LocAt's most local block-0 heads
-STUDY_WINDOW = 5
+__all__ = ["STUDY_WINDOW", "build_backbone", "build_model", "count_parameters", "model_kwargs"]
 
 
 class ModelKwargs(TypedDict):
@@ -70,11 +66,12 @@ _NORMALIZERS: dict[str, LayerNormalizer] = {"entmax15": "entmax15", "adaptive": 
 
 def _study_vit(config: StudyConfig, attention: str) -> LocAtViT:
     """The study's ViT built with ``attention``, initialised as ``config.init`` says; ``window``
-    patches in :class:`vitattn.layers.NeighborhoodAttention` (a :data:`STUDY_WINDOW` x
-    :data:`STUDY_WINDOW` window; the class token stays global) before the init."""
+    patches in :class:`vitattn.layers.NeighborhoodAttention` (a ``config.window_size`` square window,
+    :data:`STUDY_WINDOW` by default, dilated by ``config.dilation``; the class token stays global)
+    before the init."""
     model = LocAtViT(**model_kwargs(config, attention))
     if attention == "window":
-        patch(model, attention="window", window=STUDY_WINDOW)
+        patch(model, attention="window", window=config.window_size, dilation=config.dilation)
     init_study_vit(model, config.init, config.pos_embed_std)
     return model
 
@@ -94,26 +91,35 @@ def build_model(
       is replaced by ``seed``), then ``attention`` and ``prr`` applied by :func:`vitattn.patch`
       (GAug heads start as ``config.gaug_init`` says; ``softmax`` keeps the backbone's attention).
     """
+    model, new_keys = build_backbone(config, attention)
+    if config.checkpoint is not None:
+        load_weights(model, config.checkpoint_path(seed), new_keys, log)
+    return model
+
+
+def build_backbone(config: StudyConfig, attention: str) -> tuple[nn.Module, set[str]]:
+    """The run's model before any weights are loaded (the study's ViT, or the timm backbone with
+    ``pretrained`` weights, patched with ``attention`` and ``prr``) and the state-dict keys the patch
+    added (a checkpoint of the unpatched backbone lacks them). Works on the meta device."""
     if not config.from_weights and config.model is None:
-        return _study_vit(config, attention)
+        return _study_vit(config, attention), set()
     if config.model is None:
         base: nn.Module = _study_vit(config, "softmax")
     else:
         base = create_timm_model(
             config.model,
             num_classes=config.classes,
-            img_size=config.img_size,
+            img_size=config.input_size,
             in_chans=config.spec.channels,
             drop_path=float(config.drop_path),
             pretrained=config.pretrained,
             model_args=config.model_args,
         )
     before = set(base.state_dict())
-    model = patch_backbone(base, attention, config.prr, str(config.gaug_init), STUDY_WINDOW)
-    if config.checkpoint is not None:
-        new_keys = set(model.state_dict()) - before
-        load_weights(model, config.checkpoint_path(seed), new_keys, log)
-    return model
+    model = patch_backbone(
+        base, attention, config.prr, str(config.gaug_init), config.window_size, config.dilation
+    )
+    return model, set(model.state_dict()) - before
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -14,8 +14,9 @@ from ..analysis import LocalityReport, plot_locality_plane, plot_mad_per_layer
 from ..analysis.plots import new_figure as _figure
 from ..analysis.plots import save_figure as _save
 from .results import report_of
+from .words import plural
 
-__all__ = ["plot_attention_comparison", "plot_min_mad_vs_accuracy", "write_plots"]
+__all__ = ["padded_limits", "plot_attention_comparison", "plot_min_mad_vs_accuracy", "write_plots"]
 
 _MARKERS = "o^sDvP*X"
 
@@ -24,14 +25,29 @@ def _group(run: dict[str, Any]) -> str:
     return f"{run['protocol']} / {run['attention']}{'+prr' if run.get('prr') else ''}"
 
 
+def padded_limits(values: list[float], pad: float = 0.08, floor: float | None = None) -> tuple[float, float]:
+    """Axis limits that hold every value with a margin of ``pad`` times the span on each side, so
+    that no marker touches (or is clipped by) the frame; the span covers ``floor`` too when given
+    (e.g. 0 for an axis meant to start at 0). A single value gets a span of 1 % of its size (at least
+    0.01)."""
+    lo, hi = min(values), max(values)
+    if floor is not None:
+        lo = min(lo, floor)
+    span = hi - lo if hi > lo else max(abs(hi) * 0.01, 0.01)
+    return lo - pad * span, hi + pad * span
+
+
 def plot_min_mad_vs_accuracy(
     runs: list[dict[str, Any]], path: str | Path | None = None, title: str = ""
 ) -> Any:
     """Each run as a point (min head MAD of the first layers, test accuracy %): filled when it used
-    CutMix, open without; one marker per protocol / attention."""
+    CutMix, open without; one marker per protocol / attention. The axes hold every point with a
+    margin (:func:`padded_limits`; MAD from 0)."""
     fig = _figure(figsize=(6.4, 4.4))
     ax = fig.add_subplot()
     groups = list(dict.fromkeys(_group(r) for r in runs))
+    xs = [r["min_mad_first"] for r in runs if r.get("min_mad_first") is not None]
+    ys = [100 * r["test_acc"] for r in runs if r.get("min_mad_first") is not None]
     for k, g in enumerate(groups):
         rs = [r for r in runs if _group(r) == g and r.get("min_mad_first") is not None]
         if not rs:
@@ -52,7 +68,9 @@ def plot_min_mad_vs_accuracy(
     blocks = f"blocks {first[0]}–{first[-1]}" if len(first) > 1 else f"block {first[0]}"
     ax.set_xlabel(f"minimum head MAD in {blocks} (fraction of the grid diagonal)")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_xlim(left=0)
+    if xs:
+        ax.set_xlim(*padded_limits(xs, floor=0.0))
+        ax.set_ylim(*padded_limits(ys))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     ax.set_title(title or "Locality of the first layers vs accuracy (one point per run)")
@@ -165,7 +183,7 @@ def write_plots(folder: Path, data: dict[str, Any]) -> list[Path]:
     for r in runs:
         firsts.setdefault(_group(r), report_of(r, data["config"]))
     cfg = data["config"]
-    what = f"{cfg['dataset']}, {cfg['epochs']} epochs, first seed of each"
+    what = f"{cfg['dataset']}, {plural(cfg['epochs'], 'epoch')}, first seed of each"
     paths = [folder / "locality_plane.png", folder / "mad_per_layer.png", folder / "min_mad_vs_acc.png"]
     plot_locality_plane(firsts, paths[0], title=f"Attention locality per head ({what})")
     plot_mad_per_layer(firsts, paths[1], title=f"Locality per layer ({what}; band: min–max over heads)")

@@ -224,12 +224,19 @@ def write_results(path: Path, config: dict[str, Any], runs: list[dict[str, Any]]
 
 
 def load_results(path: str | Path) -> dict[str, Any]:
-    """Read and validate a ``results.json`` (a file, or a study folder holding one)."""
+    """Read and validate a ``results.json`` (a file, or a study folder holding one); a file that is not
+    JSON or breaks the schema is a ``ValueError`` naming it."""
     path = Path(path)
     if path.is_dir():
         path = path / "results.json"
-    data = json.loads(path.read_text())
-    validate_results(data)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{str(path)!r} is not a readable results.json ({err})") from err
+    try:
+        validate_results(data)
+    except ValueError as err:
+        raise ValueError(f"{str(path)!r}: {err}") from err
     return data
 
 

@@ -21,19 +21,24 @@ from typing import Any
 
 import torch
 
+from ..functional.window import window_starts
 from ..models.layout import model_grid_size
-from .config import StudyConfig, config_diff
+from .config import ConfigError, StudyConfig, config_diff
 from .distributed import DistEnv, barrier, init_distributed, shutdown_distributed
 from .results import load_results, run_record, summary_table, write_csv, write_results
 from .train import RunResult, RunSpec, train_run
+from .words import plural
 
 __all__ = [
     "StudyConfigMismatch",
     "StudyOutcome",
+    "check_inputs",
     "default_out_dir",
+    "describe_study",
     "prepare_config",
     "run_specs",
     "run_study",
+    "window_covers_grid",
 ]
 
 
@@ -67,7 +72,14 @@ def run_specs(config: StudyConfig) -> list[RunSpec]:
     ]
 
 
-def _describe(config: StudyConfig, n_runs: int, env: DistEnv) -> str:
+def window_covers_grid(grid: tuple[int, int], window: int, dilation: int) -> bool:
+    """Whether a ``window x window`` neighbourhood (``dilation``) holds every patch of ``grid`` for every
+    query: the window attention is then plain softmax attention."""
+    return all(all(count == size for _, count in window_starts(size, window, dilation)) for size in grid)
+
+
+def describe_study(config: StudyConfig, n_runs: int, env: DistEnv) -> list[str]:
+    """The study's opening lines: what runs on what (and a note when a window covers the whole grid)."""
     import dataclasses
 
     from .amp import resolve_amp
@@ -83,22 +95,33 @@ def _describe(config: StudyConfig, n_runs: int, env: DistEnv) -> str:
     if config.model is None:
         what = f"ViT depth {config.depth}, dim {config.dim}, {config.heads} heads"
     else:
-        what = f"{config.model} ({config.model_depth} blocks)"
+        what = f"{config.model} ({plural(config.model_depth, 'block')})"
     if config.pretrained:
         what += ", timm's pretrained weights"
     elif config.checkpoint is not None:
         what += f", from {config.checkpoint}"
     if config.from_weights and "locat" in config.attentions:
         what += f", GAug start {config.gaug_init}"
+    if "window" in config.attentions:
+        dilated = f", dilation {config.dilation}" if config.dilation > 1 else ""
+        what += f", window {config.window_size}x{config.window_size}{dilated}"
     amp = resolve_amp(config.amp, env.device)
-    return (
+    lines = [
         f"vitattn study: {config.dataset} ({size} px, {grid[0]}x{grid[1]} patch grid), "
-        f"preset {config.preset}: {len(config.protocols)} protocol(s) x {len(config.attentions)} "
-        f"attention(s) x {len(config.seeds)} seed(s) = {n_runs} runs of {config.epochs} epoch(s); {what} "
+        f"preset {config.preset}: {plural(len(config.protocols), 'protocol')} x "
+        f"{plural(len(config.attentions), 'attention')} x {plural(len(config.seeds), 'seed')} = "
+        f"{plural(n_runs, 'run')} of {plural(config.epochs, 'epoch')}; {what} "
         f"({params / 1e6:.2f} M parameters with {config.attentions[0]} attention); device {env.device}, "
         f"amp {amp}"
         f"{', torch.compile' if config.compile else ''}{ddp}"
-    )
+    ]
+    if "window" in config.attentions and window_covers_grid(grid, config.window_size, config.dilation):
+        lines.append(
+            f"note: the {config.window_size}x{config.window_size} window covers the whole "
+            f"{grid[0]}x{grid[1]} patch grid, so the window attention is plain softmax attention here; "
+            f"give a smaller --window (at most {min(grid) - 1}) for a local one"
+        )
+    return lines
 
 
 def _run_line(record: dict[str, Any]) -> str:
@@ -133,16 +156,15 @@ def _clear(out: Path) -> None:
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
 
 
-def _previous_runs(
-    config: StudyConfig, out: Path, say: Callable[[str], None]
-) -> tuple[list[dict[str, Any]], bool]:
-    """The finished runs an earlier call left in ``out`` and whether that study is complete.
+def _previous_runs(config: StudyConfig, out: Path) -> tuple[list[dict[str, Any]], str | None]:
+    """The finished runs an earlier call left in ``out`` and that study's status (``running``,
+    ``complete``; None when there is none).
 
     Raises :class:`StudyConfigMismatch` when ``out`` holds a study of another configuration.
     """
     results_path = out / "results.json"
     if not results_path.is_file():
-        return [], False
+        return [], None
     old = load_results(results_path)
     diff = config_diff(old["config"], config.to_dict())
     if diff:
@@ -150,9 +172,49 @@ def _previous_runs(
             f"{str(out)!r} holds a study with another configuration ({'; '.join(diff)}); "
             "choose another --out, pass --overwrite, or --resume to continue that study"
         )
-    if old.get("status") != "complete":
-        say(f"vitattn study: resuming the study in {str(out)!r} ({len(old['runs'])} run(s) already finished)")
-    return old["runs"], old.get("status") == "complete"
+    return old["runs"], str(old.get("status"))
+
+
+def check_inputs(config: StudyConfig, env: DistEnv, specs: list[RunSpec]) -> None:
+    """Check what a study can check before it writes anything, for the runs ``specs``: the device, the
+    batch over the ranks, the dataset's files, and each run's starting checkpoint (it exists, is
+    readable, and fits the model of each attention: shapes only, the models built on the meta device).
+
+    A local file of timm's pretrained weights (``pretrained_cfg_overlay={"file": ...}``) must exist;
+    the Hugging Face Hub cache is left to timm.
+
+    Raises :class:`ConfigError`, ``DatasetMissingError``, ``FileNotFoundError`` or
+    :class:`~.backbone.CheckpointMismatch`, each naming what is wrong.
+    """
+    import dataclasses
+
+    from .backbone import fit_weights, read_weights
+    from .datasets import check_dataset
+    from .model import build_backbone
+
+    if env.device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {str(env.device)!r}: CUDA is not available here", "device")
+    batch = config.global_batch_size
+    if batch % env.world_size:
+        raise ConfigError(f"batch_size {batch} is not divisible by the {env.world_size} ranks", "batch_size")
+    mixed = any(spec.protocol.cutmix for spec in specs)
+    if config.dataset == "imagefolder" and mixed and (batch // env.world_size) % 2:
+        raise ConfigError(f"batch_size {batch}: timm's Mixup needs an even batch on every rank", "batch_size")
+    check_dataset(config.dataset, config.data_dir, config.download)
+    overlay = config.model_args.get("pretrained_cfg_overlay") if config.pretrained else None
+    local = overlay.get("file") if isinstance(overlay, dict) else None
+    if local is not None and not Path(local).is_file():  # timm's pretrained weights from a local file
+        raise FileNotFoundError(f"--pretrained: the weights file {str(local)!r} does not exist")
+    if config.checkpoint is None:
+        return
+    bare = dataclasses.replace(config, pretrained=False, checkpoint=None, gaug_init=config.gaug_init)
+    for seed in dict.fromkeys(s.seed for s in specs):
+        path = config.checkpoint_path(seed)
+        state = read_weights(path)
+        for attention in dict.fromkeys(s.attention for s in specs if s.seed == seed):
+            with torch.device("meta"):
+                model, new_keys = build_backbone(dataclasses.replace(bare, checkpoint=path), attention)
+            fit_weights(model, state, new_keys, path)
 
 
 def _record_run(
@@ -177,16 +239,17 @@ def _finish_study(
 
     results_path = out / "results.json"
     table = summary_table(runs)
+    last = len(config.first_layer_indices) - 1
+    first = "block 0" if last == 0 else f"blocks 0..{last}"
     write_results(results_path, config.to_dict(), runs, "complete")
     write_csv(out / "results.csv", runs)
     (out / "summary.md").write_text(table + "\n")
     write_plots(out, load_results(results_path))
     say(f"\n{table}\n")
     say(
-        f"MAD: mean attention distance / grid diagonal; min over the heads of blocks "
-        f"0..{len(config.first_layer_indices) - 1}; sparsity: fraction of exact zeros in the attention "
-        f"maps; mIoU: linear and k-NN segmentation probes of the frozen features (–: no "
-        f"masks); entropy: mean over heads / log(patches). "
+        f"MAD: mean attention distance / grid diagonal; min over the heads of {first}; sparsity: "
+        "fraction of exact zeros in the attention maps; mIoU: linear and k-NN segmentation probes of the "
+        "frozen features (–: no masks); entropy: mean over heads / log(patches). "
         f"{seconds:.0f} s. Results, CSV, plots and checkpoints in {out}"
     )
     return load_results(results_path)
@@ -247,27 +310,31 @@ def run_study(
     say: Callable[[str], None] = log if env.is_main else (lambda _: None)
     try:
         config = prepare_config(config, say)
-    except Exception:
-        shutdown_distributed(env)
-        raise
-    out = Path(out) if out is not None else default_out_dir(config)
-    try:
-        if overwrite and env.is_main:
-            _clear(out)
-        barrier(env)
-        cfg_dict = config.to_dict()
-        runs, complete = _previous_runs(config, out, say)
-        if complete:
+        out = Path(out) if out is not None else default_out_dir(config)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"out {str(out)!r} is a file, not a folder", "out")
+        runs, status = ([], None) if overwrite else _previous_runs(config, out)
+        if status == "complete":
             table = summary_table(runs)
             say(f"vitattn study: {str(out)!r} already holds this complete study\n{table}")
             return StudyOutcome("complete", load_results(out / "results.json"), out, table)
         specs = run_specs(config)
-        say(_describe(config, len(specs), env))
+        done = {r["name"] for r in runs}
+        check_inputs(config, env, [spec for spec in specs if spec.name not in done])
+        # every input is checked: from here on the study writes
+        if status is not None:
+            finished = plural(len(runs), "run")
+            say(f"vitattn study: resuming the study in {str(out)!r} ({finished} already finished)")
+        if overwrite and env.is_main:
+            _clear(out)
+        barrier(env)
+        cfg_dict = config.to_dict()
+        for line in describe_study(config, len(specs), env):
+            say(line)
         say(f"output: {out}")
         if env.is_main:
             out.mkdir(parents=True, exist_ok=True)
             write_results(out / "results.json", cfg_dict, runs, "running")
-        done = {r["name"] for r in runs}
         t0 = time.perf_counter()
         for k, spec in enumerate(specs):
             if spec.name in done:

@@ -245,6 +245,7 @@ class _Training:
     scaler: torch.amp.GradScaler | None
     first_epoch: int
     history: list[dict[str, Any]]
+    compiling: bool = False  # torch.compile compiles in the next step (the run's first in this process)
 
 
 def _setup_training(
@@ -257,7 +258,11 @@ def _setup_training(
 ) -> _Training:
     """Seeded model, AdamW (layer-wise lr decay if asked), warmup-cosine schedule, loss scaler;
     restored from ``folder`` when it holds an unfinished run's state (the order of the seeded draws
-    is part of the resume contract)."""
+    is part of the resume contract).
+
+    What building the model from a checkpoint did (a re-initialised head, heads kept at their start)
+    is logged for a fresh run; a resumed run says it resumed instead, since its weights then come
+    from its own training state."""
     if config.global_batch_size % env.world_size:
         raise ValueError(
             f"batch_size {config.global_batch_size} is not divisible by the {env.world_size} ranks"
@@ -266,7 +271,8 @@ def _setup_training(
     if data.mix is not None and per_rank % 2 and config.dataset == "imagefolder":
         raise ValueError(f"timm's Mixup needs an even batch on every rank, got {per_rank}")
     _seed_everything(spec.seed)  # same initial weights on every rank
-    model = _build_on_rank(config, spec, env, log).to(env.device)
+    notes: list[str] = []
+    model = _build_on_rank(config, spec, env, notes.append).to(env.device)
     optimizer = torch.optim.AdamW(param_groups(model, config), lr=config.lr)
     steps_per_epoch = len(_loader(data.train, config, env, spec.seed, 0))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -280,6 +286,9 @@ def _setup_training(
     first_epoch = state["epoch"] if state else 0
     if state:
         log(f"  {spec.name}: resumed from epoch {first_epoch} (checkpoint in {folder})")
+    else:
+        for line in notes:
+            log(line)
     net: nn.Module = model
     if env.distributed:
         net = DistributedDataParallel(
@@ -297,6 +306,7 @@ def _setup_training(
         scaler=scaler,
         first_epoch=first_epoch,
         history=list(state["history"]) if state else [],
+        compiling=config.compile,
     )
 
 
@@ -337,49 +347,69 @@ def _train_epoch(
     tr: _Training, config: StudyConfig, spec: RunSpec, env: DistEnv, epoch: int
 ) -> dict[str, Any]:
     """One epoch over the training set, then the test set; the history entry ``{epoch, train_loss,
-    lr, seconds, train_images_per_s, test_acc, eval_images_per_s, peak_memory_mb}``."""
+    lr, seconds, train_images_per_s, test_acc, eval_images_per_s, peak_memory_mb}``, plus
+    ``compile_seconds`` under ``torch.compile``.
+
+    ``seconds`` is the whole epoch. Under ``torch.compile`` the run's first step in this process
+    compiles the model: its time is ``compile_seconds`` (0 in later epochs), and ``train_images_per_s`` is the
+    steady rate of the other steps (all steps when the epoch has only the one).
+    """
     reset_peak_memory(env.device)
     t0 = time.perf_counter()
     tr.net.train()
     loader = _loader(tr.data.train, config, env, spec.seed, epoch)
     loss_sum, count = 0.0, 0
+    warm_seconds, warm_images = 0.0, 0  # the compiling step
     bar = _progress(
         len(loader), f"{spec.name} epoch {epoch + 1}/{config.epochs}", config.progress and env.is_main
     )
+    if tr.compiling:
+        bar.set_postfix_str("compiling")
     for x, y in loader:
         x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
         if tr.data.mix is not None:
             x, y = tr.data.mix(x, y)
-        loss = float(_step(tr, x, y, env.device))
+        loss = float(_step(tr, x, y, env.device))  # float(): the step has finished (a CUDA sync)
+        if tr.compiling:
+            tr.compiling = False
+            warm_seconds, warm_images = time.perf_counter() - t0, x.shape[0]
         loss_sum += loss * x.shape[0]
         count += x.shape[0]
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}")
     bar.close()
     seconds = time.perf_counter() - t0
-    loss_all, count_all = all_reduce_sum(env, [loss_sum, count])
-    train_seconds = all_reduce_max(env, [seconds])[0]
+    loss_all, count_all, warm_all = all_reduce_sum(env, [loss_sum, count, warm_images])
+    train_seconds, compile_seconds = all_reduce_max(env, [seconds, warm_seconds])
+    steady_images, steady_seconds = count_all, train_seconds
+    if warm_all and count_all > warm_all:  # the rate of the steps after the compiling one
+        steady_images, steady_seconds = count_all - warm_all, train_seconds - compile_seconds
     ev = evaluate(tr.model, tr.data.test, env, amp=tr.amp, workers=config.workers)
     peak = all_reduce_max(env, [peak_memory_mb(env.device)])[0]
-    return dict(
+    entry = dict(
         epoch=epoch + 1,
         train_loss=loss_all / max(count_all, 1),
         lr=float(max(tr.scheduler.get_last_lr())),  # the head's (layer decay scales the rest)
         seconds=round(train_seconds, 2),
-        train_images_per_s=round(count_all / max(train_seconds, 1e-9), 1),
+        train_images_per_s=round(steady_images / max(steady_seconds, 1e-9), 1),
         test_acc=ev.accuracy,
         eval_seconds=round(ev.seconds, 2),
         eval_images_per_s=round(ev.images_per_s, 1),
         peak_memory_mb=round(peak, 1),
     )
+    if config.compile:
+        entry["compile_seconds"] = round(compile_seconds, 2)
+    return entry
 
 
 def epoch_line(spec_name: str, entry: dict[str, Any], epochs: int, device: torch.device) -> str:
     """The log line of a finished epoch: loss, time, throughput, test accuracy, peak memory."""
     mem = "peak CUDA memory" if memory_kind(device) == "cuda_allocated" else "peak RSS"
+    compiled = entry.get("compile_seconds") or 0.0
+    compiling = f" incl. {compiled:.1f} s compiling" if compiled else ""
     return (
         f"  {spec_name}: epoch {entry['epoch']}/{epochs}  train loss {entry['train_loss']:.4f}  "
-        f"({entry['seconds']:.1f} s, {entry['train_images_per_s']:.0f} img/s)  "
+        f"({entry['seconds']:.1f} s{compiling}, {entry['train_images_per_s']:.0f} img/s)  "
         f"test acc {100 * entry['test_acc']:.1f} % ({entry['eval_images_per_s']:.0f} img/s)  "
         f"{mem} {entry['peak_memory_mb']:.0f} MiB"
     )

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The fine-tuning finding of docs/finetune.md: pretrain the quick study's ViT with softmax on the
-# scenes, then fine-tune that checkpoint for the same number of epochs four ways, 3 seeds each.
+# scenes, then fine-tune that checkpoint for the same number of epochs seven ways, 3 seeds each.
 # Run from the repository root: bash docs/study_results/finetune/commands.sh OUT_DIR
 set -euo pipefail
 OUT="${1:-runs/finetune}"
@@ -12,7 +12,8 @@ vitattn study "${FT[@]}" --attention softmax --out "$OUT/softmax"
 vitattn study "${FT[@]}" --attention locat --gaug-init identity --out "$OUT/locat"
 vitattn study "${FT[@]}" --attention entmax15 --out "$OUT/entmax15"
 vitattn study "${FT[@]}" --attention locat --gaug-init identity --prr --out "$OUT/locat-prr"
-# what the identity start needs under AdamW: a larger learning rate for the GAug heads; and the paper's start
+# the identity start with the GAug parameters' learning rate x100 (how far its gate goes when let),
+# and the paper's start
 vitattn study "${FT[@]}" --attention locat --gaug-init identity --gaug-lr-scale 100 --out "$OUT/locat-lr100"
 vitattn study "${FT[@]}" --attention locat --gaug-init identity --gaug-lr-scale 100 --prr --out "$OUT/locat-prr-lr100"
 vitattn study "${FT[@]}" --attention locat --gaug-init paper --out "$OUT/locat-paper"

@@ -32,8 +32,10 @@ def cell(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
 
 
 def alpha_at_bias(out: Path, folder: str, runs: list[dict]) -> str:
-    """softplus of GAug's log_alpha bias per block after fine-tuning (the alpha of a query whose
-    log_alpha weight term is 0), mean over the seeds; '·' for runs without GAug."""
+    """GAug's amplitude at the bias per block after fine-tuning: ``gate_h * softplus(b)`` with ``b`` the
+    ``log_alpha`` bias (the amplitude of a query whose ``log_alpha`` weight term is 0) and ``gate_h``
+    the identity start's per-head gate (1 without one), as ``mean [min, max]`` over heads and seeds;
+    '·' for runs without GAug."""
     per_block: dict[str, list[float]] = {}
     for run in runs:
         path = out / folder / run["checkpoint"]
@@ -42,12 +44,15 @@ def alpha_at_bias(out: Path, folder: str, runs: list[dict]) -> str:
         state = load_file(str(path))
         for key, value in state.items():
             if key.endswith("gaug.log_alpha.bias"):
-                per_block.setdefault(key.split(".attn")[0], []).append(
-                    float(torch.nn.functional.softplus(value))
-                )
+                block = key.split(".attn")[0]
+                gate = state.get(key.replace("log_alpha.bias", "gate"), torch.ones(1))
+                alphas = gate.double() * float(torch.nn.functional.softplus(value))
+                per_block.setdefault(block, []).extend(alphas.tolist())
     if not per_block:
         return "·"
-    return " ".join(f"{statistics.mean(v):.2g}" for _, v in sorted(per_block.items()))
+    return "; ".join(
+        f"{statistics.mean(v):.2g} [{min(v):.2g}, {max(v):.2g}]" for _, v in sorted(per_block.items())
+    )
 
 
 def main(out: Path) -> None:
@@ -59,7 +64,7 @@ def main(out: Path) -> None:
     )
     print(
         "| fine-tuned with | seeds | test acc % | linear mIoU % | k-NN mIoU % | min MAD (block 0) "
-        "| patch–CLS cos | sparsity | α at the bias, per block |"
+        "| patch–CLS cos | sparsity | α at the bias, per block: mean [min, max] |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for folder, label in ARMS:
