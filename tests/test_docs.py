@@ -229,14 +229,20 @@ def _expand(word: str, variables: dict[str, str]) -> list[str]:
 
 
 def vitattn_commands(body: str) -> list[list[str]]:
-    """The arguments of every ``vitattn`` command in a bash block (after ``vitattn`` or ``-m vitattn``)."""
+    """The arguments of every ``vitattn`` command in a bash block: the words after ``vitattn`` in a
+    command that is not an ``echo`` or an ``install`` (``vitattn``, ``time vitattn``, ``python -m
+    vitattn``, ...)."""
     variables: dict[str, str] = {}
     out = []
     for line in body.replace("\\\n", " ").splitlines():
         lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|")
         lexer.whitespace_split = True
+        try:
+            line_words = [*lexer, ";"]
+        except ValueError as err:  # unbalanced quotes
+            raise ValueError(f"{line!r}: {err}") from err
         command: list[str] = []
-        for word in [*lexer, ";"]:
+        for word in line_words:
             if not (word and set(word) <= set(";&|")):
                 command.append(word)
                 continue
@@ -245,14 +251,21 @@ def vitattn_commands(body: str) -> list[list[str]]:
                 variables[assignment[1]] = assignment[2]
             while command and re.fullmatch(r"\w+=.*", command[0], re.S):  # FOO=bar vitattn ...
                 command.pop(0)
-            start = 1 if command[:1] == ["vitattn"] else None
-            for i in range(1, len(command)):
-                if start is None and command[i - 1 : i + 1] == ["-m", "vitattn"]:
-                    start = i + 1
-            if start is not None:
+            # vitattn ..., time vitattn ..., python -m vitattn ..., torchrun ... -m vitattn ...
+            at = [i for i, w in enumerate(command) if w == "vitattn" or w.endswith("/vitattn")]
+            if at and command[0] not in ("echo", "printf") and "install" not in command[: at[0]]:
+                start = at[0] + 1
                 out.append([w for word in command[start:] for w in _expand(word, variables)])
             command = []
     return out
+
+
+def _commands(block: Block) -> list[list[str] | str]:
+    """:func:`vitattn_commands` of a block, or the shell error as one string."""
+    try:
+        return list(vitattn_commands(block.body))
+    except ValueError as err:
+        return [str(err)]
 
 
 BASH = [
@@ -261,7 +274,7 @@ BASH = [
     if checked(p)
     for b in blocks(p)
     if b.lang in ("bash", "sh", "shell", "console") and not b.skip
-    for words in vitattn_commands(b.body)
+    for words in _commands(b)
 ]
 
 
@@ -269,15 +282,17 @@ def test_vitattn_commands_are_found() -> None:
     body = (
         "M=\"--model-arg depth=2 --model-arg 'img_size=32'\"   # two arguments\n"
         'pip install -e . && vitattn analyze vit_tiny $M --out "$OUT/a"  # a comment\n'
-        "vitattnx info; python -m vitattn info | cat\n"
+        "vitattnx info; python -m vitattn info | cat; pip install vitattn\n"
         "torchrun --nproc_per_node 2 -m vitattn study \\\n    --seeds 3\n"
         "FOO=1 vitattn bench --quick || echo vitattn study\n"
+        "for i in 1 2; do /usr/bin/time -f '%e s' vitattn study --out runs/main-$i; done\n"
     )
     assert vitattn_commands(body) == [
         ["analyze", "vit_tiny", "--model-arg", "depth=2", "--model-arg", "img_size=32", "--out", "OUT/a"],
         ["info"],
         ["study", "--seeds", "3"],
         ["bench", "--quick"],
+        ["study", "--out", "runs/main-i"],
     ]
 
 
@@ -288,9 +303,10 @@ def test_bash_blocks_have_vitattn_commands() -> None:
 @pytest.mark.parametrize(
     "block,words", BASH, ids=[f"{b.page.name}:{b.line}:{i}" for i, (b, _) in enumerate(BASH)]
 )
-def test_vitattn_commands_parse(block: Block, words: list[str]) -> None:
+def test_vitattn_commands_parse(block: Block, words: list[str] | str) -> None:
     from vitattn.cli import build_parser
 
+    assert isinstance(words, list), f"{block.where}: not a shell command: {words}"
     try:
         build_parser().parse_args(words)
     except SystemExit as exc:
