@@ -15,6 +15,7 @@ from typing import Literal
 
 from torch import nn
 
+from .functional import grid_pair
 from .layers import (
     PRR,
     Attention,
@@ -24,6 +25,7 @@ from .layers import (
     LocAtWindowAttention,
     NeighborhoodAttention,
 )
+from .layers._args import check_flag
 from .layers.adaptive import LayerNormalizer, resolve_layer_normalizer
 from .layers.locat import GaugInit, check_gaug_init
 from .layers.prr import PRRPool, PRRPoolNHWC  # re-exported: their home was here
@@ -127,11 +129,37 @@ def _unsupported_attention(label: str, attn: object) -> TypeError:
     )
 
 
+def _check_blocks(blocks: object) -> None:
+    """``blocks`` is None, an int or an iterable of them (a ``TypeError`` naming it otherwise)."""
+    if not (blocks is None or isinstance(blocks, int) or isinstance(blocks, Iterable)) or isinstance(
+        blocks, (str, bytes)
+    ):
+        raise TypeError(
+            f"blocks must be a block index (int), block indices or None (every block), got {blocks!r} "
+            f"({type(blocks).__name__})"
+        )
+
+
 def _block_indices(blocks: int | Iterable[int] | None, depth: int) -> list[int]:
     if blocks is None:
         return list(range(depth))
     items = [blocks] if isinstance(blocks, int) else list(blocks)
     return list(block_indices(items, depth, name="blocks")) if items else []
+
+
+def _prr_refusal(model: nn.Module, swin: bool) -> str | None:
+    """Why ``prr=True`` cannot go on ``model`` (None: it can), known before anything is patched."""
+    if isinstance(model, (LocAtViT, LocAtRoPEViT, LocAtSwin)):
+        return None
+    if swin:
+        head = getattr(model, "head", None)
+        if isinstance(getattr(head, "global_pool", None), nn.Module):
+            return None
+        return f"prr=True needs a Swin whose head pools with head.global_pool, got {type(head).__name__}"
+    attn_pool = getattr(model, "attn_pool", None)
+    if attn_pool is None or isinstance(attn_pool, PRRPool) or type(attn_pool).__name__ == "AttentionPoolPrr":
+        return None
+    return f"prr=True needs a token- or average-pooled ViT, not one pooling with {type(attn_pool).__name__}"
 
 
 def _add_prr(model: nn.Module) -> None:
@@ -143,10 +171,6 @@ def _add_prr(model: nn.Module) -> None:
     attn_pool = getattr(model, "attn_pool", None)
     if isinstance(attn_pool, PRRPool) or type(attn_pool).__name__ == "AttentionPoolPrr":
         return
-    if attn_pool is not None:
-        raise ValueError(
-            f"prr=True needs a token- or average-pooled ViT, not one pooling with {type(attn_pool).__name__}"
-        )
     include_prefix = bool(getattr(model, "pool_include_prefix", False))
     prefix = int(getattr(model, "num_prefix_tokens", 0))
     model.attn_pool = PRRPool(layer, str(model.global_pool), prefix, include_prefix)
@@ -165,10 +189,7 @@ def _add_prr_swin(model: nn.Module, slots: list[tuple[str, nn.Module]]) -> None:
     pool = getattr(head, "global_pool", None)
     if isinstance(pool, PRRPoolNHWC):
         return
-    if not isinstance(pool, nn.Module):
-        raise ValueError(
-            f"prr=True needs a Swin whose head pools with head.global_pool, got {type(head).__name__}"
-        )
+    assert isinstance(pool, nn.Module)  # _prr_refusal
     head.global_pool = PRRPoolNHWC(layer, pool)  # type: ignore[union-attr]
 
 
@@ -313,8 +334,17 @@ def patch(
             index out of range, patch dropout with ``"locat"``, ``prr=True`` on a model pooling with
             its own attention pool, a window where none can go, or an unknown ``gaug_init``.
     """
+    # every argument is checked before anything changes (a refused call leaves the model as it was)
     gaug_init = check_gaug_init(gaug_init)
     name = _attention_name(attention)
+    check_flag("prr", prr)
+    _check_blocks(blocks)
+    if normalizer is not None:
+        resolve_layer_normalizer(normalizer)  # a ValueError naming an unknown one
+    if window is not None:
+        grid_pair("window", window)
+    if dilation is not None:
+        grid_pair("dilation", dilation)
     if is_transformers_model(model):
         from .hf.patching import patch_transformers
 
@@ -326,6 +356,9 @@ def patch(
             model, name, prr=prr, blocks=blocks, normalizer=normalizer, gaug_init=gaug_init
         )
     slots, swin = _attention_slots(model)
+    refusal = _prr_refusal(model, swin) if prr else None
+    if refusal is not None:
+        raise ValueError(refusal)
     layer_normalizer = _layer_normalizer(name, normalizer)
     all_blocks = [block for _, block in slots]
     indices = _block_indices(blocks, len(all_blocks))
