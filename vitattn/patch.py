@@ -19,6 +19,7 @@ from typing import Literal
 from torch import nn
 
 from .adapter import ModelLayout, TimmLayout, layout_of
+from .functional import grid_pair
 from .layers import (
     PRR,
     Attention,
@@ -28,6 +29,7 @@ from .layers import (
     LocAtWindowAttention,
     NeighborhoodAttention,
 )
+from .layers._args import check_flag
 from .layers.adaptive import LayerNormalizer, resolve_layer_normalizer
 from .layers.kinds import ATTENTION_KINDS, implied_normalizer
 from .layers.locat import GaugInit, check_gaug_init
@@ -104,6 +106,32 @@ def _unsupported_attention(label: str, attn: object) -> TypeError:
     )
 
 
+def _check_blocks(blocks: object) -> None:
+    """``blocks`` is None, an int or an iterable of them (a ``TypeError`` naming it otherwise)."""
+    if not (blocks is None or isinstance(blocks, int) or isinstance(blocks, Iterable)) or isinstance(
+        blocks, (str, bytes)
+    ):
+        raise TypeError(
+            f"blocks must be a block index (int), block indices or None (every block), got {blocks!r} "
+            f"({type(blocks).__name__})"
+        )
+
+
+def _prr_refusal(model: nn.Module, swin: bool) -> str | None:
+    """Why ``prr=True`` cannot go on ``model`` (None: it can), known before anything is patched."""
+    if isinstance(model, (LocAtViT, LocAtRoPEViT, LocAtSwin)):
+        return None
+    if swin:
+        head = getattr(model, "head", None)
+        if isinstance(getattr(head, "global_pool", None), nn.Module):
+            return None
+        return f"prr=True needs a Swin whose head pools with head.global_pool, got {type(head).__name__}"
+    attn_pool = getattr(model, "attn_pool", None)
+    if attn_pool is None or isinstance(attn_pool, PRRPool) or type(attn_pool).__name__ == "AttentionPoolPrr":
+        return None
+    return f"prr=True needs a token- or average-pooled ViT, not one pooling with {type(attn_pool).__name__}"
+
+
 def _add_prr(model: nn.Module) -> None:
     layer = PRR(int(model.embed_dim), prr_heads(model.get_submodule("blocks")))  # type: ignore[arg-type]
     if isinstance(model, (LocAtViT, LocAtRoPEViT)):
@@ -113,10 +141,6 @@ def _add_prr(model: nn.Module) -> None:
     attn_pool = getattr(model, "attn_pool", None)
     if isinstance(attn_pool, PRRPool) or type(attn_pool).__name__ == "AttentionPoolPrr":
         return
-    if attn_pool is not None:
-        raise ValueError(
-            f"prr=True needs a token- or average-pooled ViT, not one pooling with {type(attn_pool).__name__}"
-        )
     include_prefix = bool(getattr(model, "pool_include_prefix", False))
     prefix = int(getattr(model, "num_prefix_tokens", 0))
     model.attn_pool = PRRPool(layer, str(model.global_pool), prefix, include_prefix)
@@ -135,10 +159,7 @@ def _add_prr_swin(model: nn.Module, blocks: list[nn.Module]) -> None:
     pool = getattr(head, "global_pool", None)
     if isinstance(pool, PRRPoolNHWC):
         return
-    if not isinstance(pool, nn.Module):
-        raise ValueError(
-            f"prr=True needs a Swin whose head pools with head.global_pool, got {type(head).__name__}"
-        )
+    assert isinstance(pool, nn.Module)  # _prr_refusal
     head.global_pool = PRRPoolNHWC(layer, pool)  # type: ignore[union-attr]
 
 
@@ -283,8 +304,17 @@ def patch(
             index out of range, patch dropout with ``"locat"``, ``prr=True`` on a model pooling with
             its own attention pool, a window where none can go, or an unknown ``gaug_init``.
     """
+    # every argument is checked before anything changes (a refused call leaves the model as it was)
     gaug_init = check_gaug_init(gaug_init)
     name = _attention_name(attention)
+    check_flag("prr", prr)
+    _check_blocks(blocks)
+    if normalizer is not None:
+        resolve_layer_normalizer(normalizer)  # a ValueError naming an unknown one
+    if window is not None:
+        grid_pair("window", window)
+    if dilation is not None:
+        grid_pair("dilation", dilation)
     layout = layout_of(model)
     options = _Options(name, prr, normalizer, gaug_init, window, dilation)
     if isinstance(layout, TimmLayout):
@@ -331,6 +361,9 @@ def _patch_timm(layout: TimmLayout, options: _Options, blocks: int | Iterable[in
             f"(patch_embed + layers[i].blocks), or a transformers ViT / DeiT / DINOv2 / ViT-MAE / CLIP "
             f"vision / SigLIP vision model, got {type(layout.model).__name__}"
         )
+    refusal = _prr_refusal(layout.model, layout.windowed) if options.prr else None
+    if refusal is not None:
+        raise ValueError(refusal)
     layer_normalizer = _layer_normalizer(options.attention, options.normalizer)
     plans = {i: _plan(layout, i, options, layer_normalizer) for i in chosen_blocks(blocks, layout.depth)}
     grid = _grid_options(layout, plans)

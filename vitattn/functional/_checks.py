@@ -74,17 +74,19 @@ def grid_pair(name: str, value: int | Sequence[int]) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
-def check_count(name: str, value: object) -> int:
-    """``value`` as a non-negative int (``operator.index``: ints, numpy ints, integer 0-d tensors; not
-    bools, floats or strings), else a ``TypeError`` / ``ValueError`` naming ``name``."""
+def check_count(name: str, value: object, minimum: int = 0) -> int:
+    """``value`` as an int >= ``minimum`` (``operator.index``: ints, numpy ints, integer 0-d tensors;
+    not bools, floats or strings), else a ``TypeError`` / ``ValueError`` naming ``name``."""
     if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int >= 0, got {value!r}")
+        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
     try:
         count = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise TypeError(f"{name} must be an int >= 0, got {value!r} ({type(value).__name__})") from None
-    if count < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {count}")
+        raise TypeError(
+            f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})"
+        ) from None
+    if count < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {count}")
     return int(count)
 
 

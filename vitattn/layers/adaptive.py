@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..functional import compute_dtype
+from ..functional._checks import check_count
 from ..functional.normalize import AttentionNormalizer, Normalizer, normalizer_spec, resolve_normalizer
 
 __all__ = ["ALPHA_FLOOR", "AdaptiveAlpha", "LayerNormalizer", "normalizer_alphas", "resolve_layer_normalizer"]
@@ -46,6 +47,7 @@ class AdaptiveAlpha(nn.Module):
         self, num_heads: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> None:
         super().__init__()
+        num_heads = check_count("num_heads", num_heads, minimum=1)
         self.logit = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
 
     @property

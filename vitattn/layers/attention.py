@@ -11,8 +11,10 @@ from timm.layers import register_notrace_function, use_fused_attn
 from torch import nn
 
 from ..functional import GaussianBias, WindowMask, attention
+from ..functional._checks import check_count
 from ..functional.dispatch import check_backend_name
 from ..functional.normalize import AttentionNormalizer
+from ._args import check_flag, check_heads, check_rate
 from .adaptive import AdaptiveAlpha, LayerNormalizer, normalizer_alphas, resolve_layer_normalizer
 from .call_options import layer_call_options, layer_mask, resolve_attn_mask
 from .explicit import explicit_attention
@@ -181,11 +183,18 @@ class Attention(nn.Module):
         kwargs.pop("depth", None)  # timm passes the block index to some attention layers
         if kwargs:
             raise TypeError(f"{type(self).__name__} got unexpected arguments {sorted(kwargs)}")
+        dim, num_heads, attn_head_dim = check_heads(dim, num_heads, attn_head_dim, "attn_head_dim")
+        dim_out = None if dim_out is None else check_count("dim_out", dim_out, minimum=1)
+        for flag, value in (
+            ("qkv_bias", qkv_bias),
+            ("qk_norm", qk_norm),
+            ("scale_norm", scale_norm),
+            ("proj_bias", proj_bias),
+            ("gated", gated),
+        ):
+            check_flag(flag, value)
+        attn_drop, proj_drop = check_rate("attn_drop", attn_drop), check_rate("proj_drop", proj_drop)
         dd: dict[str, Any] = {"device": device, "dtype": dtype}
-        if attn_head_dim is None:
-            if num_heads < 1 or dim % num_heads:
-                raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
-            attn_head_dim = dim // num_heads
         make_norm: Callable[..., nn.Module] = nn.LayerNorm if norm_layer is None else norm_layer
         self.num_heads = num_heads
         self.head_dim = attn_head_dim

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..functional import WindowMask, grid_pair
+from ..functional._checks import check_count
 from .attention import Attention
 
 __all__ = ["GridAttention"]
@@ -36,12 +37,15 @@ class GridAttention(Attention):
         dilation: int | Sequence[int] = 1,
         **kwargs: Any,
     ) -> None:
+        win = None if window is None else grid_pair("window", window)
+        dil = grid_pair("dilation", dilation)
+        prefix = check_count("num_prefix_tokens", num_prefix_tokens)
         super().__init__(dim, num_heads, **kwargs)
-        self.window = None if window is None else grid_pair("window", window)
-        self.dilation = grid_pair("dilation", dilation)
+        self.window = win
+        self.dilation = dil
         self.grid_size: tuple[int, int] | None = None
         self.initial_grid_size: tuple[int, int] | None = None
-        self.num_prefix_tokens = int(num_prefix_tokens)
+        self.num_prefix_tokens = prefix
         self._window_mask: WindowMask | None = None
         if grid_size is not None:
             self.set_grid(grid_size, num_prefix_tokens, initial_grid_size)
@@ -56,13 +60,14 @@ class GridAttention(Attention):
 
         The initial grid defaults to the first grid ever set and then stays fixed.
         """
-        self.grid_size = grid_pair("grid_size", grid_size)
-        if num_prefix_tokens is not None:
-            if int(num_prefix_tokens) < 0:
-                raise ValueError(f"num_prefix_tokens must be >= 0, got {num_prefix_tokens}")
-            self.num_prefix_tokens = int(num_prefix_tokens)
-        if initial_grid_size is not None:
-            self.initial_grid_size = grid_pair("initial_grid_size", initial_grid_size)
+        grid = grid_pair("grid_size", grid_size)
+        prefix = None if num_prefix_tokens is None else check_count("num_prefix_tokens", num_prefix_tokens)
+        initial = None if initial_grid_size is None else grid_pair("initial_grid_size", initial_grid_size)
+        self.grid_size = grid
+        if prefix is not None:
+            self.num_prefix_tokens = prefix
+        if initial is not None:
+            self.initial_grid_size = initial
         elif self.initial_grid_size is None:
             self.initial_grid_size = self.grid_size
         self._window_mask = None

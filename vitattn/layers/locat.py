@@ -13,6 +13,7 @@ from timm.layers import register_notrace_function
 from torch import nn
 
 from ..functional import GaussianBias, compute_dtype
+from ..functional._checks import check_count
 from .adaptive import LayerNormalizer
 from .grid import GridAttention
 
@@ -64,6 +65,7 @@ class GaussianAugment(nn.Module):
     ) -> None:
         super().__init__()
         init = check_gaug_init(init)
+        head_dim = check_count("head_dim", head_dim, minimum=1)
         self.log_var = nn.Linear(head_dim, 2, device=device, dtype=dtype)
         self.log_alpha = nn.Linear(head_dim, 1, device=device, dtype=dtype)
         self.gate: nn.Parameter | None = None
@@ -226,6 +228,7 @@ class LocAtAttention(GridAttention):
         gaug_init: GaugInit = "paper",
         **kwargs: Any,
     ) -> None:
+        gaug_init = check_gaug_init(gaug_init)
         super().__init__(
             dim,
             num_heads,

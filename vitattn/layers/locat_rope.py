@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from timm.layers import apply_rot_embed_cat
 from torch import nn
 
+from ..functional._checks import check_count
+from ._args import check_flag
 from .attention import Attention, run_attention
 from .convert_steps import finish_conversion, importable_classes, new_like
 from .locat import GaugInit, LocAtAttention
@@ -74,10 +76,13 @@ class _Rotary(Attention):
         num_kv_heads: int | None = None,
         **kwargs: Any,
     ) -> None:
+        check_flag("rotate_half", rotate_half)
+        check_flag("qkv_fused", qkv_fused)
+        kv_heads = None if num_kv_heads is None else check_count("num_kv_heads", num_kv_heads, minimum=1)
         super().__init__(dim, num_heads, qkv_bias=qkv_bias, **kwargs)
-        self.rotate_half = bool(rotate_half)
-        self.num_kv_heads = int(num_kv_heads or self.num_heads)
-        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+        self.rotate_half = rotate_half
+        self.num_kv_heads = kv_heads or self.num_heads
+        if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
             )

@@ -17,16 +17,16 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import torch
-from timm.layers import to_2tuple
 from timm.models.swin_transformer import WindowAttention as TimmWindowAttention
 from torch import nn
 
 from ..functional import GaussianBias, grid_pair
 from ..functional.dispatch import check_backend_name
 from ..functional.normalize import Normalizer, resolve_normalizer
+from ._args import check_flag, check_heads, check_rate
 from .attention import run_attention
 from .convert_steps import finish_conversion, new_like
-from .locat import GaugInit, GaussianAugment
+from .locat import GaugInit, GaussianAugment, check_gaug_init
 
 __all__ = [
     "LocAtWindowAttention",
@@ -76,18 +76,22 @@ class WindowAttention(TimmWindowAttention):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
+        dim, num_heads, head_dim = check_heads(dim, num_heads, head_dim)
+        window_size = grid_pair("window_size", window_size)
+        check_flag("qkv_bias", qkv_bias)
+        attn_drop, proj_drop = check_rate("attn_drop", attn_drop), check_rate("proj_drop", proj_drop)
         super().__init__(
             dim,
             num_heads,
             head_dim=head_dim,
-            window_size=to_2tuple(window_size),
+            window_size=window_size,
             qkv_bias=qkv_bias,
             attn_drop=attn_drop,
             proj_drop=proj_drop,
             device=device,
             dtype=dtype,
         )
-        self.head_dim = int(head_dim or dim // num_heads)
+        self.head_dim = head_dim
         self.normalizer = resolve_normalizer(normalizer)
         self.backend = check_backend_name(backend)
 
@@ -129,13 +133,15 @@ class LocAtWindowAttention(WindowAttention):
         gaug_init: GaugInit = "paper",
         **kwargs: Any,
     ) -> None:
+        gaug_init = check_gaug_init(gaug_init)
+        initial = initial_window_size
+        initial = None if initial is None else grid_pair("initial_window_size", initial)
         super().__init__(*args, **kwargs)
         weight = self.qkv.weight
         self.gaug = GaussianAugment(
             self.head_dim, weight.device, weight.dtype, init=gaug_init, num_heads=self.num_heads
         )
-        init = self.window_size if initial_window_size is None else initial_window_size
-        self.initial_window_size = grid_pair("initial_window_size", init)
+        self.initial_window_size = initial or grid_pair("initial_window_size", self.window_size)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, initial_window_size={self.initial_window_size}"

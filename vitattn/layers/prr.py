@@ -8,6 +8,7 @@ from timm.models.vision_transformer import global_pool_nlc
 from torch import nn
 
 from ..functional import prr
+from ._args import check_flag, check_heads
 
 __all__ = ["PRR", "PRRPool", "PRRPoolNHWC", "prr_nhwc"]
 
@@ -51,8 +52,9 @@ class PRR(nn.Module):
         super().__init__()
         if pool not in _POOLS:
             raise ValueError(f"pool must be one of {_POOLS}, got {pool!r}")
-        if num_heads < 1 or dim % num_heads:
-            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        dim, num_heads, _ = check_heads(dim, num_heads, head_dim_name=None)
+        check_flag("pre_norm", pre_norm)
+        check_flag("post_norm", post_norm)
         norm_layer = norm_layer or nn.LayerNorm
         dd = {"device": device, "dtype": dtype}
         self.dim = dim
