@@ -39,7 +39,7 @@ _KERNEL_ATTRS = {
     "fwd_softmax": ("softmax", "_fwd_softmax_kernel"),
     "fwd_entmax15": ("entmax15", "_fwd_entmax15_kernel"),
     "bwd_delta": ("backward", "_bwd_delta_kernel"),
-    "bwd_rows": ("backward", "_bwd_rows_kernel"),
+    "bwd_factors": ("backward", "_bwd_factors_kernel"),
     "bwd_dkdv": ("backward", "_bwd_dkdv_kernel"),
     "bwd_dq": ("backward", "_bwd_dq_kernel"),
 }
@@ -220,9 +220,24 @@ def pick_tile(
     return best
 
 
+_ASSUMED_ARCH: list[int] = []  # set by assume_arch (the ahead-of-time builder has no device)
+
+
+@contextlib.contextmanager
+def assume_arch(arch: int) -> Any:
+    """Within the block :func:`device_arch` answers ``arch`` (``configs.arch_of`` of it)."""
+    _ASSUMED_ARCH.append(configs.arch_of(arch))
+    try:
+        yield
+    finally:
+        _ASSUMED_ARCH.pop()
+
+
 def device_arch(tensors: Iterable[Any]) -> int:
     """The config-list arch (:func:`configs.arch_of`) of the tensors' CUDA device, or
     ``configs.DEFAULT_ARCH`` when there is none (CPU, fake CUDA tensors without a driver)."""
+    if _ASSUMED_ARCH:
+        return _ASSUMED_ARCH[-1]
     dev = launch_device(tensors)
     try:
         major, minor = torch.cuda.get_device_capability(dev)
@@ -239,19 +254,119 @@ def tile_candidates(
     block_d = max(meta["BLOCK_D"], meta["BLOCK_DV"])
     masked = bool(meta["HAS_ADD"] or meta["HAS_KEEP"])
     fp32 = bool(meta["F32_DOT"])  # on a GPU: float32 operands (TF32 or IEEE)
-    tiles = configs.autotune_list(name, block_d, masked, fp32, arch=arch, ragged=ragged)
+    gauss = bool(meta.get("GAUSS", False))
+    tiles = configs.autotune_list(name, block_d, masked, fp32, arch=arch, ragged=ragged, gauss=gauss)
     if not tiles:
         raise RuntimeError(
             f"no tile config of {name} serves head dim {block_d} (masked={masked}, fp32={fp32}, "
-            f"ragged={ragged}, sm_{arch})"
+            f"ragged={ragged}, gauss={gauss}, sm_{arch})"
         )
     return tiles
 
 
-def even_flags(tile_m: int, tile_n: int, n_q: int, n_k: int, even_d: bool) -> dict[str, bool]:
-    """``EVEN_M`` / ``EVEN_N`` / ``EVEN_D`` of a launch: the queries / keys are whole tiles, the head
-    dims their padded size (the kernels then leave those bound masks out)."""
-    return dict(EVEN_M=n_q % tile_m == 0, EVEN_N=n_k % tile_n == 0, EVEN_D=even_d)
+def grid_pad(grid_w: int) -> int:
+    """The padded grid width ``GWP`` of the grid-aligned key tiles: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(int(grid_w)))
+
+
+class PerTile:
+    """A kernel argument that depends on the tile (a tensor descriptor's block shape): resolved by
+    :func:`_launch` with ``fn(BLOCK_M, BLOCK_N)`` for each tile it compiles or runs."""
+
+    def __init__(self, fn: Callable[[int, int], Any]) -> None:
+        self.fn = fn
+
+
+def resolve_args(args: Sequence[Any], block_m: int, block_n: int) -> list[Any]:
+    """``args`` with every :class:`PerTile` resolved for the tile ``block_m x block_n``."""
+    return [a.fn(block_m, block_n) if isinstance(a, PerTile) else a for a in args]
+
+
+KV_TMA_ENV = "VITATTN_KV_TMA"  # "0": K / V tiles through pointers everywhere (the tests run both paths)
+
+
+def tma_strides(t: torch.Tensor) -> list[int] | None:
+    """``t``'s strides for a TMA descriptor, or ``None`` where TMA cannot read it: the last dim
+    contiguous, the base and every other stride 16-byte aligned (a size-1 dim's stride is free: replaced
+    by 16 bytes' worth; a broadcast dim of size > 1, stride 0, is refused)."""
+    elem = t.element_size()
+    if t.stride(-1) != 1 or t.data_ptr() % 16 != 0:
+        return None
+    out = []
+    for size, stride in zip(t.shape[:-1], t.stride()[:-1], strict=True):
+        if size == 1:
+            stride = max(16 // elem, 1)
+        if stride <= 0 or (stride * elem) % 16 != 0:
+            return None
+        out.append(stride)
+    return [*out, 1]
+
+
+def kv_tma(launch: KernelLaunch) -> bool:
+    """Whether the softmax forward loads its K / V tiles by TMA: sm_90 and newer (and in the
+    interpreter, which runs that path) for K and V that :func:`tma_strides` accepts; ``VITATTN_KV_TMA=0``
+    forces pointers."""
+    if os.environ.get(KV_TMA_ENV, "") == "0":
+        return False
+    if not interpret_requested() and device_arch([launch.q]) < 90:
+        return False
+    return tma_strides(launch.k) is not None and tma_strides(launch.v) is not None
+
+
+def kv_descriptors(launch: KernelLaunch) -> list[Any]:
+    """``[KT, VT, KG, VG]`` (:class:`PerTile` tensor descriptors, see the softmax forward): K and V as
+    ``(B, H, Nk, D)`` in blocks of ``BLOCK_N`` keys and, with a Gaussian bias, their patch keys as
+    ``(B, H, gh, gw, D)`` in blocks of ``NR`` grid rows x ``min(GWP, BLOCK_N)`` columns."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    out: list[Any] = []
+    gaussian = launch.den is not None
+    for t, bd in ((launch.k, block_dim(launch.q.shape[3])), (launch.v, block_dim(launch.v.shape[3]))):
+        strides = tma_strides(t)
+        assert strides is not None
+
+        def flat_desc(bm: int, bn: int, t: torch.Tensor = t, s: list[int] = strides, bd: int = bd) -> Any:
+            return TensorDescriptor(t, list(t.shape), s, [1, 1, bn, bd])
+
+        out.append(PerTile(flat_desc))
+    if gaussian:
+        p, gw = launch.num_prefix, launch.grid_w
+        for t, bd in ((launch.k, block_dim(launch.q.shape[3])), (launch.v, block_dim(launch.v.shape[3]))):
+            s_b, s_h, s_n, _ = tma_strides(t)  # type: ignore[misc]
+            shape = [t.shape[0], t.shape[1], (t.shape[2] - p) // gw, gw, t.shape[3]]
+
+            def grid_desc(bm: int, bn: int, t=t, shape=shape, s=(s_b, s_h, gw * s_n, s_n, 1), bd=bd) -> Any:
+                tile_w = min(grid_pad(gw), bn)
+                return TensorDescriptor(t[:, :, p:], shape, list(s), [1, 1, bn // tile_w, tile_w, bd])
+
+            out.append(PerTile(grid_desc))
+    return out
+
+
+def factor_rows(n_q: int, num_prefix: int, grid_w: int) -> tuple[int, int]:
+    """``(n_qp, n_fr)`` of the backward's Gaussian factor buffer ``(B * H, n_fr, n_qp)``: the queries
+    padded to a multiple of 128 (the largest query tile), and ``GWP`` column rows plus the grid rows
+    padded to a multiple of 8 (the most grid rows a key tile covers) and 8 zero rows (prefix keys)."""
+    rows = (n_q - num_prefix) // grid_w
+    return triton.cdiv(n_q, 128) * 128, grid_pad(grid_w) + triton.cdiv(rows, 8) * 8 + 8
+
+
+def even_flags(
+    tile_m: int, tile_n: int, n_q: int, n_k: int, even_d: bool, grid: tuple[int, int] | None = None
+) -> dict[str, bool]:
+    """``EVEN_M`` / ``EVEN_N`` / ``EVEN_D`` of a launch: the queries are whole tiles, the keys are whole
+    tiles, the head dims their padded size (the kernels then leave those bound masks out).
+
+    ``grid = (num_prefix, grid_w)`` for the kernels that visit the keys in grid-aligned tiles (a Gaussian
+    bias, see ``_common``): the keys are whole tiles when there are no prefix keys and the grid rows
+    fill whole tiles of ``BLOCK_N // min(GWP, BLOCK_N)`` rows."""
+    if grid is None:
+        even_n = n_k % tile_n == 0
+    else:
+        num_prefix, grid_w = grid
+        rows = tile_n // min(grid_pad(grid_w), tile_n)
+        even_n = num_prefix == 0 and ((n_k - num_prefix) // grid_w) % rows == 0
+    return dict(EVEN_M=n_q % tile_m == 0, EVEN_N=even_n, EVEN_D=even_d)
 
 
 def _launch(
@@ -262,26 +377,37 @@ def _launch(
     shape: tuple[int, int, int],
     even_d: bool,
     reset: Callable[[], object] | None = None,
+    grid_keys: tuple[int, int] | None = None,
 ) -> None:
     """Launch kernel ``name`` over ``grid(BLOCK_M, BLOCK_N)`` under the arguments' CUDA device.
 
     ``shape`` is ``(B·H, Nq, Nk)`` for the tuning key and the ``EVEN_*`` flags (:func:`even_flags`);
-    ``reset`` restores an accumulated output (the additive mask's gradient) after benchmarking. The
-    interpreter runs ``configs.INTERPRET``.
+    ``reset`` restores an accumulated output (the additive mask's gradient) after benchmarking;
+    ``grid_keys``: ``(num_prefix, grid_w)`` where the kernel visits grid-aligned key tiles. The interpreter
+    runs ``configs.INTERPRET``.
     """
     fn = kernels()[name]
     _, n_q, n_k = shape
+    if _CAPTURE is not None:
+        _CAPTURE.append(Captured(name, fn, list(args), dict(meta), shape, even_d, grid_keys))
+        return
     with device_guard(args):
         if interpret_requested():
             if compile_only():  # nothing to compile in the interpreter
                 return
             c = configs.INTERPRET
-            even = even_flags(c.block_m, c.block_n, n_q, n_k, even_d)
-            fn[grid(c.block_m, c.block_n)](*args, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **meta, **even)
+            even = even_flags(c.block_m, c.block_n, n_q, n_k, even_d, grid_keys)
+            fn[grid(c.block_m, c.block_n)](
+                *resolve_args(args, c.block_m, c.block_n),
+                BLOCK_M=c.block_m,
+                BLOCK_N=c.block_n,
+                **meta,
+                **even,
+            )
             return
 
         def run(tile: configs.TileConfig, warm: bool = False) -> None:
-            even = even_flags(tile.block_m, tile.block_n, n_q, n_k, even_d)
+            even = even_flags(tile.block_m, tile.block_n, n_q, n_k, even_d, grid_keys)
             kw = dict(
                 BLOCK_M=tile.block_m,
                 BLOCK_N=tile.block_n,
@@ -290,10 +416,11 @@ def _launch(
                 **meta,
                 **even,
             )
+            tile_args = resolve_args(args, tile.block_m, tile.block_n)
             if warm:
-                fn.warmup(*args, grid=grid(tile.block_m, tile.block_n), **kw)
+                fn.warmup(*tile_args, grid=grid(tile.block_m, tile.block_n), **kw)
             else:
-                fn[grid(tile.block_m, tile.block_n)](*args, **kw)
+                fn[grid(tile.block_m, tile.block_n)](*tile_args, **kw)
 
         benched: list[configs.TileConfig] = []
 
@@ -322,6 +449,40 @@ def _launch(
         run(tile)
 
 
+@dataclass
+class Captured:
+    """One launch recorded by :func:`capture` instead of run: the kernel, its arguments and constexpr
+    flags (without the tile's), and what its tile-dependent ``EVEN_*`` flags need."""
+
+    name: str
+    fn: Any
+    args: list[Any]
+    meta: dict[str, Any]
+    shape: tuple[int, int, int]
+    even_d: bool
+    grid_keys: tuple[int, int] | None
+
+    def even(self, block_m: int, block_n: int) -> dict[str, bool]:
+        """The ``EVEN_*`` flags of this launch at a tile (:func:`even_flags`)."""
+        _, n_q, n_k = self.shape
+        return even_flags(block_m, block_n, n_q, n_k, self.even_d, self.grid_keys)
+
+
+_CAPTURE: list[Captured] | None = None
+
+
+@contextlib.contextmanager
+def capture() -> Any:
+    """Record every kernel launch inside the block instead of running it (the ahead-of-time builder
+    compiles them with the arguments a real call passes, hence the JIT's own specialization)."""
+    global _CAPTURE
+    previous, _CAPTURE = _CAPTURE, []
+    try:
+        yield _CAPTURE
+    finally:
+        _CAPTURE = previous
+
+
 def block_dim(d: int) -> int:
     """Head dims are padded (with masks) to a power of two >= 16: the smallest ``tl.dot`` operand."""
     return max(16, triton.next_power_of_2(d))
@@ -332,6 +493,10 @@ def _run_or_warm(
 ) -> None:
     """Launch an untuned kernel (one fixed block size) under its tensors' device, or only compile it
     (:func:`compile_only`; nothing to compile in the interpreter)."""
+    if _CAPTURE is not None:
+        name = next(key for key, f in kernels().items() if f is fn)
+        _CAPTURE.append(Captured(name, fn, list(args), dict(meta), (0, 0, 0), True, None))
+        return
     with device_guard(device_of):
         if compile_only():
             if not interpret_requested():
@@ -410,6 +575,29 @@ class KernelLaunch:
         """Both head dims are their padded size (no head-dim masks)."""
         return block_dim(self.q.shape[3]) == self.q.shape[3] and block_dim(self.v.shape[3]) == self.v.shape[3]
 
+    @property
+    def grid_keys(self) -> tuple[int, int] | None:
+        """``(num_prefix, grid_w)`` with a Gaussian bias (the keys are visited in grid-aligned tiles)."""
+        return (self.num_prefix, self.grid_w) if self.den is not None else None
+
+    def key_blocks(self, block_n: int) -> int:
+        """The dK/dV programs per ``(b, h)`` for key blocks of ``block_n``: plain blocks of the keys, or
+        with a Gaussian bias the prefix keys' blocks and the grid-aligned blocks (``NR`` grid rows of
+        one chunk of ``min(GWP, block_n)`` columns)."""
+        n_k = self.k.shape[2]
+        if self.den is None:
+            return triton.cdiv(n_k, block_n)
+        tile_w = min(grid_pad(self.grid_w), block_n)
+        rows = (n_k - self.num_prefix) // self.grid_w
+        chunks = grid_pad(self.grid_w) // tile_w
+        return triton.cdiv(self.num_prefix, block_n) + chunks * triton.cdiv(rows, block_n // tile_w)
+
+    def grid_flags(self) -> dict[str, Any]:
+        """``GWP`` (the padded grid width; 16 without a Gaussian bias) and ``PAD_W`` (it exceeds the
+        grid width) of the kernels with grid-aligned key tiles."""
+        gwp = grid_pad(self.grid_w) if self.den is not None else 16
+        return dict(GWP=gwp, PAD_W=self.den is not None and gwp != self.grid_w)
+
     def flags(self) -> dict[str, Any]:
         q = self.q
         return dict(
@@ -438,9 +626,22 @@ def _forward(launch: KernelLaunch, store_og: bool) -> tuple[torch.Tensor, torch.
     if launch.entmax:
         head.append(og if store_og else dummy)
         meta["STORE_OG"] = store_og
+    else:
+        meta.update(launch.grid_flags())
+        meta["KV_TMA"] = tma = kv_tma(launch)
+        descs = kv_descriptors(launch) if tma else []
+        head += descs + [dummy] * (4 - len(descs))
     args = [*head, *launch.strides(), *launch.scalars()]
     name = "fwd_entmax15" if launch.entmax else "fwd_softmax"
-    _launch(name, lambda bm, bn: (triton.cdiv(n_q, bm), b * h), args, meta, launch.shape, launch.even_d)
+    _launch(
+        name,
+        lambda bm, bn: (triton.cdiv(n_q, bm), b * h),
+        args,
+        meta,
+        launch.shape,
+        launch.even_d,
+        grid_keys=None if launch.entmax else launch.grid_keys,
+    )
     return out, stat, og
 
 
@@ -477,24 +678,34 @@ def _backward(
         BLOCK_DV=block_dim(dv),
     )
 
-    rows_buf = dummy
-    if launch.den is not None:  # the Gaussian row terms, once per query (read by dK/dV)
+    fact, n_qp, n_fr = dummy, 0, 0
+    if launch.den is not None:  # the Gaussian factors of every query, once (read by dK/dV)
         assert launch.alpha is not None
-        rows_buf = torch.empty(b * h, 5, n_q, device=q.device, dtype=torch.float32)
+        n_qp, n_fr = factor_rows(n_q, launch.num_prefix, launch.grid_w)
+        gwp = grid_pad(launch.grid_w)
+        fact = torch.empty(b * h, n_fr, n_qp, device=q.device, dtype=torch.float32)
         block = configs.INTERPRET_DELTA_ROWS if interpret_requested() else configs.ROW_TERMS_ROWS
-        rows_args = (
+        fact_args = (
             launch.den,
             launch.alpha,
-            rows_buf,
+            fact,
             *launch.gauss_strides(),
             h,
             n_q,
+            n_qp,
+            n_fr,
             launch.num_prefix,
             launch.grid_w,
             launch.clamp,
+            launch.scale,
         )
         _run_or_warm(
-            kernels()["bwd_rows"], (triton.cdiv(n_q, block), b * h), rows_args, [launch.den], BLOCK_M=block
+            kernels()["bwd_factors"],
+            (triton.cdiv(n_qp, block), b * h),
+            fact_args,
+            [launch.den],
+            GWP=gwp,
+            BLOCK_M=block,
         )
 
     dq = torch.empty(b, h, n_q, d, device=q.device, dtype=q.dtype)
@@ -516,14 +727,16 @@ def _backward(
 
     meta = launch.flags()
     meta["ENTMAX"] = launch.entmax
+    meta.update(launch.grid_flags())
     strides, scalars, operands = launch.strides(), launch.scalars(), launch.operands(dummy)
     _launch(
         "bwd_dkdv",
-        lambda bm, bn: (triton.cdiv(n_k, bn), b * h),
-        [q, k, v, do, stat, delta, rows_buf, dk, dvv, *operands, *strides, *scalars],
+        lambda bm, bn: (launch.key_blocks(bn), b * h),
+        [q, k, v, do, stat, delta, fact, dk, dvv, *operands, *strides, *scalars, n_qp, n_fr],
         meta,
         launch.shape,
         launch.even_d,
+        grid_keys=launch.grid_keys,
     )
     zero_dadd = dadd.zero_ if add_mode == 2 else None  # atomics accumulate: reset after benchmarking
     _launch(
@@ -555,6 +768,7 @@ def _backward(
         launch.shape,
         launch.even_d,
         reset=zero_dadd,
+        grid_keys=launch.grid_keys,
     )
     return dq, dk, dvv, dadd, dden, dalpha
 
