@@ -173,7 +173,15 @@ def test_one_reader_of_triton_interpret_and_kernels_resolved_once(monkeypatch):
     monkeypatch.setattr(ops.importlib, "import_module", no_import)
     monkeypatch.setattr(ops.importlib, "reload", no_import)
     assert ops.kernels() is first
-    assert set(first) == {"fwd_softmax", "fwd_entmax15", "bwd_delta", "bwd_rows", "bwd_dkdv", "bwd_dq"}
+    assert set(first) == {
+        "fwd_softmax",
+        "fwd_entmax15",
+        "fwd_entmax_alpha",
+        "bwd_delta",
+        "bwd_rows",
+        "bwd_dkdv",
+        "bwd_dq",
+    }
 
 
 # ---- 2. one launch dtype -----------------------------------------------------------------------------

@@ -68,7 +68,9 @@ def test_report_covers_every_pickable_build(report):
                     for pass_ in aot.PASSES:
                         kernel = f"fwd_{normalizer}" if pass_ == "fwd" else pass_
                         masked = bias in ("additive", "bool")
-                        for c in configs.autotune_list(kernel, 16, masked, arch=arch, ragged=ragged):
+                        heavy = configs.heavy_alpha(normalizer, bias)
+                        tiles = configs.autotune_list(kernel, 16, masked, False, arch, ragged, heavy)
+                        for c in tiles:
                             tile = (c.block_m, c.block_n, c.num_warps, c.num_stages)
                             assert (kernel, normalizer, bias, pass_, *tile) in built, (arch, ragged, tile)
 

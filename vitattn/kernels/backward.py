@@ -48,6 +48,9 @@ from ._common import (
     axis_exponent,
     gauss_rows,
 )
+from .entmax_alpha import alpha_powers, alpha_rows
+
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -166,6 +169,10 @@ def _bwd_dkdv_kernel(
     num_prefix,
     grid_w,
     clamp,
+    ENT,
+    s_eb,
+    s_eh,
+    s_em,
     ENTMAX: tl.constexpr,
     GAUSS: tl.constexpr,
     HAS_ADD: tl.constexpr,
@@ -197,7 +204,10 @@ def _bwd_dkdv_kernel(
     v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv, EVEN_N, EVEN_D)
     row = bh.to(tl.int64) * n_q
     do_base = DO + row * head_dv
-    if ENTMAX:
+    if ENTMAX == 2:
+        unit = 1.0
+        stat_unit = 1.0
+    elif ENTMAX:
         unit = 0.5
         stat_unit = 1.0
     else:
@@ -255,7 +265,12 @@ def _bwd_dkdv_kernel(
             EVEN_M,
             EVEN_N,
         )
-        p_t, g_t = _probs(z_t, stat * stat_unit, ENTMAX, True)
+        if ENTMAX == 2:
+            a_q, beta_q = alpha_rows(ENT, b, h, s_eb, s_eh, s_em, offs_m, n_q)
+            u_t = tl.maximum(z_t * a_q[None, :] - stat[None, :], 0.0)
+            p_t, g_t, _l = alpha_powers(u_t, beta_q[None, :])
+        else:
+            p_t, g_t = _probs(z_t, stat * stat_unit, ENTMAX, True)
         do = _load_tile(do_base, offs_m, offs_dv, head_dv, 1, n_q, head_dv, EVEN_M, EVEN_D)
         dv += _dot(p_t.to(do.dtype), do, F32_DOT)
         dp_t = _dot(v, tl.trans(do), F32_DOT)
@@ -363,6 +378,11 @@ def _bwd_dq_kernel(
     num_prefix,
     grid_w,
     clamp,
+    ENT,
+    DENT,
+    s_eb,
+    s_eh,
+    s_em,
     ENTMAX: tl.constexpr,
     GAUSS: tl.constexpr,
     HAS_ADD: tl.constexpr,
@@ -370,6 +390,7 @@ def _bwd_dq_kernel(
     F32_DOT: tl.constexpr,
     ADD_GRAD: tl.constexpr,
     GAUSS_GRAD: tl.constexpr,
+    ENT_GRAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -420,7 +441,12 @@ def _bwd_dq_kernel(
             grid_w,
             clamp,
         )
-    if ENTMAX:
+    a, beta = tl.zeros([BLOCK_M], tl.float32), tl.zeros([BLOCK_M], tl.float32)
+    if ENTMAX == 2:
+        unit = 1.0
+        stat_u = stat
+        a, beta = alpha_rows(ENT, b, h, s_eb, s_eh, s_em, offs_m, n_q)
+    elif ENTMAX:
         unit = 0.5
         stat_u = stat
     else:
@@ -433,6 +459,8 @@ def _bwd_dq_kernel(
     g_alpha = tl.zeros([BLOCK_M], tl.float32)
     g_row = tl.zeros([BLOCK_M], tl.float32)
     g_col = tl.zeros([BLOCK_M], tl.float32)
+    e_s = tl.zeros([BLOCK_M], tl.float32)  # alpha's gradient: sum p, sum dZ u (1 - ln2 log2 u)
+    e_t = tl.zeros([BLOCK_M], tl.float32)
     for start_n in range(0, n_k, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
@@ -468,10 +496,19 @@ def _bwd_dq_kernel(
             EVEN_M,
             EVEN_N,
         )
-        p, g = _probs(z, stat_u, ENTMAX, False)
+        if ENTMAX == 2:
+            u = tl.maximum(z * a[:, None] - stat_u[:, None], 0.0)
+            p, g, l2 = alpha_powers(u, beta[:, None])
+            if ENT_GRAD:  # two tiles (g, w) live across the dot instead of three (g, u, log2 u)
+                e_s += tl.sum(p, 1)
+                w = tl.where(u > 0.0, u - LN2 * (u * l2), 0.0)
+        else:
+            p, g = _probs(z, stat_u, ENTMAX, False)
         v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv, EVEN_N, EVEN_D)
         dp = _dot(do, tl.trans(v), F32_DOT)
         ds = g * (dp - delta[:, None])
+        if ENT_GRAD:
+            e_t += tl.sum(ds * w, 1)
         dq += _dot(ds.to(k.dtype), k, F32_DOT)
         _add_grad(
             dadd_base,
@@ -500,6 +537,13 @@ def _bwd_dq_kernel(
             kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
 
     _store_tile(DQ + row * head_d, dq * scale, offs_m, offs_d, head_d, 1, n_q, head_d, EVEN_M, EVEN_D)
+    if ENT_GRAD:
+        # entmax_alpha's closed form, d alpha = beta^2 (sum dP p - delta) - beta (sum dP p ln p - delta H)
+        # with delta = sum dP g / sum g, H = sum p ln p, ln p = beta ln2 log2 u, written with dZ = g (dP -
+        # delta) and p = g u as beta^2 (sum dZ u (1 - ln2 log2 u) + delta (sum p - 1)): no difference of
+        # two nearly equal sums
+        d_alpha = beta * beta * (e_t + delta * (e_s - 1.0))
+        tl.store(DENT + row + offs_m, d_alpha, mask=offs_m < n_q)
     if GAUSS_GRAD:
         n_p = n_q - num_prefix
         p_idx = offs_m - num_prefix

@@ -19,10 +19,14 @@ class TileConfig:
     max_head_dim_masked: int | None = None  # the same with an additive / boolean mask tile (0: never)
     max_head_dim_fp32: int | None = None  # the same with float32 (TF32) operands: twice the shared memory
     max_head_dim_ragged: int | None = None  # the same with bound masks (ragged lengths or head dim; 0: never)
+    max_head_dim_alpha: int | None = None  # the same for alpha-entmax with a bias or a mask (see heavy_alpha)
 
-    def head_dim_limit(self, masked: bool, fp32: bool = False, ragged: bool = False) -> int:
+    def head_dim_limit(
+        self, masked: bool, fp32: bool = False, ragged: bool = False, alpha: bool = False
+    ) -> int:
         """The largest padded head dim this config serves (0: none) with a mask tile (``masked``), float32
-        operands (``fp32``), bound masks on (``ragged``: see :func:`ragged`)."""
+        operands (``fp32``), bound masks on (``ragged``: see :func:`ragged`), alpha-entmax with a Gaussian
+        bias or a mask (``alpha``: see :func:`heavy_alpha`)."""
         limit = self.max_head_dim
         if masked and self.max_head_dim_masked is not None:
             limit = self.max_head_dim_masked
@@ -30,10 +34,18 @@ class TileConfig:
             limit = min(limit, self.max_head_dim_fp32)
         if ragged and self.max_head_dim_ragged is not None:
             limit = min(limit, self.max_head_dim_ragged)
+        if alpha and self.max_head_dim_alpha is not None:
+            limit = min(limit, self.max_head_dim_alpha)
         return limit
 
     def __str__(self) -> str:
         return f"M{self.block_m}xN{self.block_n} w{self.num_warps} s{self.num_stages}"
+
+
+def heavy_alpha(normalizer: str, bias: str) -> bool:
+    """alpha-entmax with a bias kind that holds registers of its own (``gaussian``, ``additive``,
+    ``bool``): its dQ kernel (the alphas' gradient besides the bias') has smaller tiles."""
+    return normalizer == "entmax_alpha" and bias != "none"
 
 
 # arch (compute capability 80 or 90, see arch_of) -> kernel name -> autotune list, in the style of the
@@ -58,6 +70,13 @@ AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
             TileConfig(128, 32, 8, 3),
             TileConfig(64, 32, 4, 3),
         ),
+        # alpha-entmax: the entmax-1.5 tiles (the same loops, three powers per score instead of one square)
+        "fwd_entmax_alpha": (
+            TileConfig(128, 64, 8, 3, max_head_dim=64),
+            TileConfig(64, 64, 4, 3, max_head_dim=64),
+            TileConfig(128, 32, 8, 3),
+            TileConfig(64, 32, 4, 3),
+        ),
         # 4 warps: with 8, the M = 64 key rows of the wgmma tiles are split over two warpgroups along the
         # queries, and Triton recomputes p in the second dot's operand layout (1.33x the exps)
         "bwd_dkdv": (
@@ -66,11 +85,12 @@ AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
             TileConfig(32, 32, 4, 3),
             TileConfig(64, 32, 4, 4, max_head_dim_fp32=64, max_head_dim_ragged=64),
         ),
-        # a mask's gradient tile (its 64-bit pointers, the atomics) spills the 64-key tiles at any head dim
+        # a mask's gradient tile (its 64-bit pointers, the atomics) spills the 64-key tiles at any head dim;
+        # alpha-entmax with a bias or mask (its alphas' gradient besides) spills them above head dim 64
         "bwd_dq": (
-            TileConfig(64, 64, 4, 3, max_head_dim=64, max_head_dim_masked=0, max_head_dim_ragged=0),
-            TileConfig(64, 32, 4, 3, max_head_dim_ragged=64),
-            TileConfig(128, 32, 8, 3, max_head_dim_fp32=64),
+            TileConfig(64, 64, 4, 3, 64, max_head_dim_masked=0, max_head_dim_ragged=0, max_head_dim_alpha=0),
+            TileConfig(64, 32, 4, 3, max_head_dim_ragged=64, max_head_dim_alpha=64),
+            TileConfig(128, 32, 8, 3, max_head_dim_fp32=64, max_head_dim_alpha=64),
             TileConfig(32, 32, 4, 3),
         ),
     },
@@ -82,6 +102,12 @@ AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
             TileConfig(64, 32, 4, 2),
         ),
         "fwd_entmax15": (
+            TileConfig(128, 64, 8, 2, max_head_dim=64),
+            TileConfig(64, 64, 4, 2, max_head_dim=64),
+            TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
+            TileConfig(64, 32, 4, 2),
+        ),
+        "fwd_entmax_alpha": (
             TileConfig(128, 64, 8, 2, max_head_dim=64),
             TileConfig(64, 64, 4, 2, max_head_dim=64),
             TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
@@ -126,11 +152,13 @@ def autotune_list(
     fp32: bool = False,
     arch: int = DEFAULT_ARCH,
     ragged: bool = False,
+    alpha: bool = False,
 ) -> tuple[TileConfig, ...]:
     """The configs of ``kernel`` on ``arch`` usable at padded head dim ``block_d`` (with a mask tile if
-    ``masked``, with float32 operands if ``fp32``, with bound masks if ``ragged``)."""
+    ``masked``, with float32 operands if ``fp32``, with bound masks if ``ragged``, for alpha-entmax with a
+    bias or a mask if ``alpha``: :func:`heavy_alpha`)."""
     tiles = AUTOTUNE_BY_ARCH[arch_of(arch)][kernel]
-    return tuple(c for c in tiles if block_d <= c.head_dim_limit(masked, fp32, ragged))
+    return tuple(c for c in tiles if block_d <= c.head_dim_limit(masked, fp32, ragged, alpha))
 
 
 # The row-term kernels of the backward (delta, the Gaussian row terms) need no tuning.

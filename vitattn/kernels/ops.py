@@ -34,10 +34,11 @@ from ..cache import cache_dir
 from . import configs
 from .env import dot_mode, interpret_requested
 
-_MODULES = ("_common", "softmax", "entmax15", "backward")
+_MODULES = ("_common", "softmax", "entmax15", "entmax_alpha", "backward")
 _KERNEL_ATTRS = {
     "fwd_softmax": ("softmax", "_fwd_softmax_kernel"),
     "fwd_entmax15": ("entmax15", "_fwd_entmax15_kernel"),
+    "fwd_entmax_alpha": ("entmax_alpha", "_fwd_entmax_alpha_kernel"),
     "bwd_delta": ("backward", "_bwd_delta_kernel"),
     "bwd_rows": ("backward", "_bwd_rows_kernel"),
     "bwd_dkdv": ("backward", "_bwd_dkdv_kernel"),
@@ -239,7 +240,8 @@ def tile_candidates(
     block_d = max(meta["BLOCK_D"], meta["BLOCK_DV"])
     masked = bool(meta["HAS_ADD"] or meta["HAS_KEEP"])
     fp32 = bool(meta["F32_DOT"])  # on a GPU: float32 operands (TF32 or IEEE)
-    tiles = configs.autotune_list(name, block_d, masked, fp32, arch=arch, ragged=ragged)
+    alpha = meta.get("ENTMAX") == 2 and (masked or bool(meta["GAUSS"]))  # configs.heavy_alpha
+    tiles = configs.autotune_list(name, block_d, masked, fp32, arch=arch, ragged=ragged, alpha=alpha)
     if not tiles:
         raise RuntimeError(
             f"no tile config of {name} serves head dim {block_d} (masked={masked}, fp32={fp32}, "
@@ -353,7 +355,9 @@ class KernelLaunch:
     q ``(B, H, Nq, D)``, k ``(B, H, Nk, D)``, v ``(B, H, Nk, Dv)`` in one dtype, any strides; ``add``
     a 4-D additive float mask and ``keep`` a 4-D boolean keep-mask (broadcast dims of size 1);
     ``den`` float32 ``(B, H, Np, 2)`` = ``r * sigma + eps`` and ``alpha`` float32 ``(B, H, Np)``
-    (expanded views); ``tf32``: TF32 dots for float32 operands on a GPU.
+    (expanded views); ``ent`` float32 ``(B, H, Nq)``: the alphas of alpha-entmax (an expanded view; the
+    normalizer is then alpha-entmax whatever ``entmax`` says); ``tf32``: TF32 dots for float32 operands on
+    a GPU.
     """
 
     q: torch.Tensor
@@ -369,6 +373,25 @@ class KernelLaunch:
     clamp: float
     entmax: bool
     tf32: bool
+    ent: torch.Tensor | None = None
+
+    @property
+    def normalizer(self) -> str:
+        """``"softmax"``, ``"entmax15"`` or ``"entmax_alpha"`` (a tensor of alphas)."""
+        if self.ent is not None:
+            return "entmax_alpha"
+        return "entmax15" if self.entmax else "softmax"
+
+    @property
+    def entmax_code(self) -> int:
+        """The backward kernels' ``ENTMAX`` constexpr: 0 softmax, 1 entmax-1.5, 2 alpha-entmax."""
+        return {"softmax": 0, "entmax15": 1, "entmax_alpha": 2}[self.normalizer]
+
+    def ent_args(self, dummy: torch.Tensor) -> list[Any]:
+        """``ENT, s_eb, s_eh, s_em``: the alphas and their strides (a dummy and zeros without them)."""
+        if self.ent is None:
+            return [dummy, 0, 0, 0]
+        return [self.ent, *_bcast_strides(self.ent.unsqueeze(-1))[:3]]
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -431,15 +454,18 @@ def _forward(launch: KernelLaunch, store_og: bool) -> tuple[torch.Tensor, torch.
     dummy = q.new_empty(1, dtype=torch.float32)
     out = torch.empty(b, h, n_q, dv, device=q.device, dtype=v.dtype)
     stat = torch.empty(b, h, n_q, device=q.device, dtype=torch.float32)
-    store_og = store_og and launch.entmax
+    name = f"fwd_{launch.normalizer}"
+    sparse = name != "fwd_softmax"
+    store_og = store_og and sparse
     og = torch.empty(b, h, n_q, dv if store_og else 0, device=q.device, dtype=torch.float32)
     head = [q, launch.k, v, out, stat, *launch.operands(dummy)]
     meta = launch.flags()
-    if launch.entmax:
+    if sparse:
         head.append(og if store_og else dummy)
         meta["STORE_OG"] = store_og
     args = [*head, *launch.strides(), *launch.scalars()]
-    name = "fwd_entmax15" if launch.entmax else "fwd_softmax"
+    if launch.ent is not None:
+        args += launch.ent_args(dummy)
     _launch(name, lambda bm, bn: (triton.cdiv(n_q, bm), b * h), args, meta, launch.shape, launch.even_d)
     return out, stat, og
 
@@ -451,12 +477,14 @@ def _backward(
     stat: torch.Tensor,
     add_grad: bool,
     gauss_grad: bool,
+    ent_grad: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """``(dq, dk, dv, dadd, dden, dalpha)`` in the shapes of q, k, v (their dtypes) and of add, den,
-    alpha (float32); ``dadd`` / ``dden``, ``dalpha`` are empty ``(0,)`` tensors unless asked for."""
+    """``(dq, dk, dv, dadd, dden, dalpha, dent)`` in the shapes of q, k, v (their dtypes) and of add, den,
+    alpha, ent (float32); ``dadd`` / ``dden``, ``dalpha`` / ``dent`` are empty ``(0,)`` tensors unless
+    asked for."""
     q, k, v, add = launch.q, launch.k, launch.v, launch.add
-    if launch.entmax and o_or_og.shape[-1] != v.shape[-1]:
-        raise RuntimeError("attention_bwd: the entmax-1.5 forward ran with store_og=False")
+    if launch.normalizer != "softmax" and o_or_og.shape[-1] != v.shape[-1]:
+        raise RuntimeError(f"attention_bwd: the {launch.normalizer} forward ran with store_og=False")
     b, h, n_q, d = q.shape
     n_k, dv = k.shape[2], v.shape[3]
     do = grad_out.contiguous()
@@ -514,13 +542,17 @@ def _backward(
         dden = torch.empty(launch.den.shape, device=q.device, dtype=torch.float32)
         dalpha = torch.empty(launch.alpha.shape, device=q.device, dtype=torch.float32)
 
+    ent_grad = ent_grad and launch.ent is not None
+    dent = q.new_empty(b, h, n_q, dtype=torch.float32) if ent_grad else empty()
+    ent_args = launch.ent_args(dummy)
+
     meta = launch.flags()
-    meta["ENTMAX"] = launch.entmax
+    meta["ENTMAX"] = launch.entmax_code
     strides, scalars, operands = launch.strides(), launch.scalars(), launch.operands(dummy)
     _launch(
         "bwd_dkdv",
         lambda bm, bn: (triton.cdiv(n_k, bn), b * h),
-        [q, k, v, do, stat, delta, rows_buf, dk, dvv, *operands, *strides, *scalars],
+        [q, k, v, do, stat, delta, rows_buf, dk, dvv, *operands, *strides, *scalars, *ent_args],
         meta,
         launch.shape,
         launch.even_d,
@@ -544,11 +576,15 @@ def _backward(
             *strides,
             *g_strides,
             *scalars,
+            ent_args[0],
+            dent if ent_grad else dummy,
+            *ent_args[1:],
         ],
         {
             **meta,
             "ADD_GRAD": add_mode,
             "GAUSS_GRAD": gauss_grad,
+            "ENT_GRAD": ent_grad,
             "DADD_BCAST_M": bcast_m,
             "DADD_BCAST_N": bcast_n,
         },
@@ -556,17 +592,17 @@ def _backward(
         launch.even_d,
         reset=zero_dadd,
     )
-    return dq, dk, dvv, dadd, dden, dalpha
+    return dq, dk, dvv, dadd, dden, dalpha, dent
 
 
 # ---- the custom ops ------------------------------------------------------------------------------------
 
-_OPERANDS = "Tensor q, Tensor k, Tensor v, Tensor? add, Tensor? keep, Tensor? den, Tensor? alpha"
+_OPERANDS = "Tensor q, Tensor k, Tensor v, Tensor? add, Tensor? keep, Tensor? den, Tensor? alpha, Tensor? ent"
 _SCALARS = "float scale, int num_prefix, int grid_w, float clamp, bool entmax, bool tf32"
 FWD_SCHEMA = f"({_OPERANDS}, {_SCALARS}, bool store_og) -> (Tensor, Tensor, Tensor)"
 BWD_SCHEMA = (
-    f"(Tensor grad_out, Tensor o_or_og, Tensor stat, {_OPERANDS}, {_SCALARS}, bool add_grad, bool gauss_grad)"
-    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    f"(Tensor grad_out, Tensor o_or_og, Tensor stat, {_OPERANDS}, {_SCALARS}, bool add_grad, bool gauss_grad,"
+    " bool ent_grad) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
 
@@ -579,6 +615,7 @@ def attention_fwd(
     keep: torch.Tensor | None,
     den: torch.Tensor | None,
     alpha: torch.Tensor | None,
+    ent: torch.Tensor | None,
     scale: float,
     num_prefix: int,
     grid_w: int,
@@ -589,22 +626,22 @@ def attention_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``normalize(q kᵀ · scale + gaussian + add, masked by keep) v``: ``(out, stat, og)`` (:func:`_forward`).
 
-    Operands as in :class:`KernelLaunch` (one dtype for q, k, v); differentiable in q, k, v, add, den
-    and alpha (through ``attention_bwd``) when ``store_og`` is set for entmax-1.5.
+    Operands as in :class:`KernelLaunch` (one dtype for q, k, v); differentiable in q, k, v, add, den,
+    alpha and ent (through ``attention_bwd``) when ``store_og`` is set for entmax-1.5 / alpha-entmax.
     """
-    launch = KernelLaunch(q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32)
+    launch = KernelLaunch(q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, ent)
     return _forward(launch, store_og)
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(
-    q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, store_og
+    q, k, v, add, keep, den, alpha, ent, scale, num_prefix, grid_w, clamp, entmax, tf32, store_og
 ):  # fmt: skip
     b, h, n_q, _ = q.shape
     dv = v.shape[3]
     out = q.new_empty(b, h, n_q, dv, dtype=v.dtype)
     stat = q.new_empty(b, h, n_q, dtype=torch.float32)
-    og = q.new_empty(b, h, n_q, dv if store_og and entmax else 0, dtype=torch.float32)
+    og = q.new_empty(b, h, n_q, dv if store_og and (entmax or ent is not None) else 0, dtype=torch.float32)
     return out, stat, og
 
 
@@ -620,6 +657,7 @@ def attention_bwd(
     keep: torch.Tensor | None,
     den: torch.Tensor | None,
     alpha: torch.Tensor | None,
+    ent: torch.Tensor | None,
     scale: float,
     num_prefix: int,
     grid_w: int,
@@ -628,11 +666,13 @@ def attention_bwd(
     tf32: bool,
     add_grad: bool,
     gauss_grad: bool,
+    ent_grad: bool,
 ) -> tuple[torch.Tensor, ...]:
-    """``(dq, dk, dv, dadd, dden, dalpha)`` of :func:`_backward` for ``grad_out`` ``(B, H, Nq, Dv)``;
-    ``o_or_og`` is the forward's out (softmax) or og (entmax-1.5), ``stat`` its row statistic."""
-    launch = KernelLaunch(q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32)
-    return _backward(launch, grad_out, o_or_og, stat, add_grad, gauss_grad)
+    """``(dq, dk, dv, dadd, dden, dalpha, dent)`` of :func:`_backward` for ``grad_out`` ``(B, H, Nq, Dv)``;
+    ``o_or_og`` is the forward's out (softmax) or og (entmax-1.5, alpha-entmax), ``stat`` its row
+    statistic."""
+    launch = KernelLaunch(q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, ent)
+    return _backward(launch, grad_out, o_or_og, stat, add_grad, gauss_grad, ent_grad)
 
 
 @attention_bwd.register_fake
@@ -647,6 +687,7 @@ def _attention_bwd_fake(
     keep,
     den,
     alpha,
+    ent,
     scale,
     num_prefix,
     grid_w,
@@ -655,8 +696,10 @@ def _attention_bwd_fake(
     tf32,
     add_grad,
     gauss_grad,
+    ent_grad,
 ):
     gauss = gauss_grad and den is not None
+    b, h, n_q, _ = q.shape
     return (
         q.new_empty(q.shape),
         k.new_empty(k.shape),
@@ -664,28 +707,31 @@ def _attention_bwd_fake(
         q.new_empty(add.shape if add is not None and add_grad else (0,), dtype=torch.float32),
         q.new_empty(den.shape if gauss else (0,), dtype=torch.float32),
         q.new_empty(alpha.shape if gauss else (0,), dtype=torch.float32),
+        q.new_empty((b, h, n_q) if ent_grad and ent is not None else (0,), dtype=torch.float32),
     )
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, _store_og = inputs
+    q, k, v, add, keep, den, alpha, ent, scale, num_prefix, grid_w, clamp, entmax, tf32, _store_og = inputs
     out, stat, og = output
     ctx.scalars = (scale, num_prefix, grid_w, clamp, entmax, tf32)
-    ctx.save_for_backward(og if entmax else out, stat, q, k, v, add, keep, den, alpha)
+    ctx.save_for_backward(og if entmax or ent is not None else out, stat, q, k, v, add, keep, den, alpha, ent)
     ctx.mark_non_differentiable(stat, og)
     ctx.set_materialize_grads(False)
 
 
 def _attention_backward(ctx: Any, grad_out: torch.Tensor | None, *_stat_og: Any) -> tuple[Any, ...]:
-    none = (None,) * 14
+    none = (None,) * 15
     if grad_out is None:
         return none
-    o_or_og, stat, q, k, v, add, keep, den, alpha = ctx.saved_tensors
+    o_or_og, stat, q, k, v, add, keep, den, alpha, ent = ctx.saved_tensors
     need = ctx.needs_input_grad
     add_grad = add is not None and need[3]
     gauss_grad = den is not None and (need[5] or need[6])
-    dq, dk, dv, dadd, dden, dalpha = attention_bwd(
-        grad_out, o_or_og, stat, q, k, v, add, keep, den, alpha, *ctx.scalars, add_grad, gauss_grad
+    ent_grad = ent is not None and need[7]
+    grads = (add_grad, gauss_grad, ent_grad)
+    dq, dk, dv, dadd, dden, dalpha, dent = attention_bwd(
+        grad_out, o_or_og, stat, q, k, v, add, keep, den, alpha, ent, *ctx.scalars, *grads
     )
     return (
         dq,
@@ -695,7 +741,8 @@ def _attention_backward(ctx: Any, grad_out: torch.Tensor | None, *_stat_og: Any)
         None,
         dden if gauss_grad else None,
         dalpha if gauss_grad else None,
-        *none[7:],
+        dent if ent_grad else None,
+        *none[8:],
     )
 
 

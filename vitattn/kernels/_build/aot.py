@@ -5,7 +5,7 @@ Usage: ``python -m vitattn.kernels._build.aot --arch 80 90 [--head-dim 128] [--d
 [--quick] [--ragged [ARCH ...]] [--all-configs] [--variants PATTERN ...] [--report PATH] [--expect-triton 3.6.0]``;
 ``python -m vitattn.kernels._build.aot --markdown REPORT`` prints a report's sm_90 table (docs/kernels.md).
 
-A *variant* is normalizer (softmax, entmax15) x bias kind (none, gaussian, additive, bool) x pass (fwd,
+A *variant* is normalizer (softmax, entmax15, entmax_alpha) x bias kind (none, gaussian, additive, bool) x pass (fwd,
 bwd_dkdv, bwd_dq); each is compiled with every entry of its arch's autotune list
 (``configs.AUTOTUNE_BY_ARCH``), at the largest head dim that entry serves (its worst case for registers
 and shared memory), via ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))``, no GPU
@@ -43,16 +43,16 @@ from typing import Any
 
 from .. import configs
 
-NORMALIZERS = ("softmax", "entmax15")
+NORMALIZERS = ("softmax", "entmax15", "entmax_alpha")
 BIAS_KINDS = ("none", "gaussian", "additive", "bool")
 PASSES = ("fwd", "bwd_dkdv", "bwd_dq")
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 GOAL_ARCH = 90  # the goals hold for every build the autotuner can pick there
 MAX_EX2_PER_SCORE = 2.0  # the Gaussian loops: the bias' exp and softmax's own
-SOURCES = ("_common.py", "softmax.py", "entmax15.py", "backward.py", "configs.py")
+SOURCES = ("_common.py", "softmax.py", "entmax15.py", "entmax_alpha.py", "backward.py", "configs.py")
 ROW_PASSES = ("delta", "rows")  # the backward's row kernels: no tiles, no loop, no tensor cores
 
-_FP32_POINTERS = {"STAT", "DELTA", "ROWS", "OG", "DEN", "ALPHA", "DADD", "DDEN", "DALPHA"}
+_FP32_POINTERS = {"STAT", "DELTA", "ROWS", "OG", "DEN", "ALPHA", "DADD", "DDEN", "DALPHA", "ENT", "DENT"}
 _UNIT_STRIDES = {"s_qd", "s_kd", "s_vd"}  # contiguous head dim, as the JIT specializes them
 _ALIGNED_INTS = {"head_d", "head_dv", "s_qb", "s_qh", "s_qm", "s_kb", "s_kh", "s_kn", "s_vb", "s_vh", "s_vn"}
 
@@ -83,7 +83,7 @@ class Build:
     def dots(self) -> list[int]:
         """Per inner loop (in program order): the ``BLOCK_M x BLOCK_N x D`` dots of one tile."""
         if self.pass_ == "fwd":
-            return [2] if self.normalizer == "softmax" else [1, 1, 3]  # entmax: max, Newton, output (+OG)
+            return [2] if self.normalizer == "softmax" else [1, 1, 3]  # entmax: max, search, output (+OG)
         return {"bwd_dkdv": [4], "bwd_dq": [3]}.get(self.pass_, [1])
 
 
@@ -116,12 +116,13 @@ def _flags(build: Build) -> dict[str, object]:
         return {"BLOCK_M": configs.ROW_TERMS_ROWS}
     flags.update(EVEN_M=build.even, EVEN_N=build.even, EVEN_D=build.even)
     if build.pass_ != "fwd":
-        flags["ENTMAX"] = build.normalizer == "entmax15"
-    if build.pass_ == "fwd" and build.normalizer == "entmax15":
+        flags["ENTMAX"] = {"softmax": 0, "entmax15": 1, "entmax_alpha": 2}[build.normalizer]
+    if build.pass_ == "fwd" and build.normalizer != "softmax":
         flags["STORE_OG"] = True  # training: the heavier form
     if build.pass_ == "bwd_dq":
         flags["ADD_GRAD"] = 2 if build.bias == "additive" else 0  # full-tile atomics: the heavier form
         flags["GAUSS_GRAD"] = build.bias == "gaussian"
+        flags["ENT_GRAD"] = build.normalizer == "entmax_alpha"  # the alphas' gradient: the heavier form
         flags["DADD_BCAST_M"] = flags["DADD_BCAST_N"] = False
     return flags
 
@@ -236,7 +237,8 @@ def plan(
                             tiles += [(cfg, False) for cfg in other[kernel] if cfg not in own[kernel]]
                     for even in (True, False) if arch in ragged else (True,):
                         # a config never used for this variant (a head-dim limit under 16) is not built
-                        limit = [(c, p, c.head_dim_limit(masked, fp32=fp32, ragged=not even)) for c, p in tiles]
+                        alpha = configs.heavy_alpha(normalizer, bias)
+                        limit = [(c, p, c.head_dim_limit(masked, fp32, not even, alpha)) for c, p in tiles]
                         usable = [(c, p, lim) for c, p, lim in limit if lim >= 16]
                         for cfg, pickable, lim in usable[:1] if quick else usable:
                             dim = min(head_dim, lim)
@@ -307,7 +309,7 @@ def goal_failures(rows: list[dict[str, Any]], arch: int = GOAL_ARCH) -> list[str
                 bad.append(f"{name}: loop {i} has {per['ex2']} MUFU.EX2 per score (> {MAX_EX2_PER_SCORE})")
             if row["bias"] == "gaussian" and per["i2f"] > 0:
                 bad.append(f"{name}: loop {i} has {per['i2f']} int-to-float conversions per score")
-            if row["normalizer"] == "entmax15" and loop["counts"].get("async_loads", 0) == 0:
+            if row["normalizer"] != "softmax" and loop["counts"].get("async_loads", 0) == 0:
                 bad.append(f"{name}: loop {i} loads its tiles synchronously")
     return bad
 
