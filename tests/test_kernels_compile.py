@@ -155,12 +155,13 @@ def _op_inputs(normalizer: str):
 def test_opcheck_forward_and_backward_ops(normalizer):
     args = _op_inputs(normalizer)
     torch.library.opcheck(ops.attention_fwd, args)
-    out, stat, og = ops.attention_fwd(*args)
+    out, stat, og, live = ops.attention_fwd(*args)
+    assert live.numel() == (0 if normalizer != "entmax15" else live.numel()) and live.dtype == torch.uint8
     q, k, v, add, keep, den, alpha, ent, *scalars, _store_og = args
     plain = [t.detach() for t in (q, k, v, add)]
     saved = (og if normalizer != "softmax" else out).detach()
     ent = None if ent is None else ent.detach()
-    bwd_args = (torch.randn_like(out).detach(), saved, stat.detach(), *plain, keep, den.detach(),
+    bwd_args = (torch.randn_like(out).detach(), saved, stat.detach(), live, *plain, keep, den.detach(),
                 alpha.detach(), ent, *scalars, True, True, ent is not None)  # fmt: skip
     torch.library.opcheck(ops.attention_bwd, bwd_args)
 

@@ -48,6 +48,7 @@ from ._common import (
     axis_exponent,
     gauss_rows,
 )
+from ._tiles import coords_jump, tile_index, tile_list
 from .entmax_alpha import alpha_powers, alpha_rows
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -173,11 +174,15 @@ def _bwd_dkdv_kernel(
     s_eb,
     s_eh,
     s_em,
+    LIST,
+    CNT,
+    n_list_cols,
     ENTMAX: tl.constexpr,
     GAUSS: tl.constexpr,
     HAS_ADD: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     F32_DOT: tl.constexpr,
+    SPARSE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -220,7 +225,13 @@ def _bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    for start_m in range(0, n_q, BLOCK_M):
+    n_iter, list_row = tile_list(LIST, CNT, n_list_cols, bh, tl.cdiv(n_k, BLOCK_N), n_q, BLOCK_M, SPARSE)
+    qr0, qc0 = qr, qc
+    for it in range(0, n_iter):
+        tile = tile_index(list_row, it, SPARSE)
+        start_m = tile * BLOCK_M
+        if SPARSE and GAUSS:
+            qr, qc = coords_jump(qr0, qc0, tile, BLOCK_M, gw)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _load_tile(q_base, offs_m, offs_d, s_qm, s_qd, n_q, head_d, EVEN_M, EVEN_D)
         stat, delta = _row_stats(STAT, DELTA, row, offs_m, n_q)
@@ -276,7 +287,7 @@ def _bwd_dkdv_kernel(
         dp_t = _dot(v, tl.trans(do), F32_DOT)
         ds_t = g_t * (dp_t - delta[None, :])
         dk += _dot(ds_t.to(q.dtype), q, F32_DOT)
-        if GAUSS:
+        if GAUSS and not SPARSE:
             qr, qc = _coords_advance(qr, qc, step_r, step_c, gw)
 
     out_row = bh.to(tl.int64) * n_k
@@ -383,6 +394,9 @@ def _bwd_dq_kernel(
     s_eb,
     s_eh,
     s_em,
+    LIST,
+    CNT,
+    n_list_cols,
     ENTMAX: tl.constexpr,
     GAUSS: tl.constexpr,
     HAS_ADD: tl.constexpr,
@@ -391,6 +405,7 @@ def _bwd_dq_kernel(
     ADD_GRAD: tl.constexpr,
     GAUSS_GRAD: tl.constexpr,
     ENT_GRAD: tl.constexpr,
+    SPARSE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -461,7 +476,13 @@ def _bwd_dq_kernel(
     g_col = tl.zeros([BLOCK_M], tl.float32)
     e_s = tl.zeros([BLOCK_M], tl.float32)  # alpha's gradient: sum p, sum dZ u (1 - ln2 log2 u)
     e_t = tl.zeros([BLOCK_M], tl.float32)
-    for start_n in range(0, n_k, BLOCK_N):
+    n_iter, list_row = tile_list(LIST, CNT, n_list_cols, bh, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, SPARSE)
+    kr0, kc0 = kr, kc
+    for it in range(0, n_iter):
+        tile = tile_index(list_row, it, SPARSE)
+        start_n = tile * BLOCK_N
+        if SPARSE and GAUSS:
+            kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
         z, e = _score_tile(
@@ -533,7 +554,7 @@ def _bwd_dq_kernel(
             g_alpha += tl.sum(dse, 1)
             g_row += tl.sum(dse * t_r, 1)
             g_col += tl.sum(dse * t_c, 1)
-        if GAUSS:
+        if GAUSS and not SPARSE:
             kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
 
     _store_tile(DQ + row * head_d, dq * scale, offs_m, offs_d, head_d, 1, n_q, head_d, EVEN_M, EVEN_D)

@@ -167,4 +167,9 @@ ROW_TERMS_ROWS = 128
 
 # Under TRITON_INTERPRET=1 (CPU, numpy) small tiles keep the tests fast and every edge ragged.
 INTERPRET = TileConfig(32, 32, 4, 1)
+
+# The cells of the entmax-1.5 forward's live-tile map (what the backward's tile lists are built from): the
+# smallest tile side of the lists above (16 in the interpreter, whose tests use 16-row tiles too).
+LIVE_GRAIN = 32
+INTERPRET_LIVE_GRAIN = 16
 INTERPRET_DELTA_ROWS = 16

@@ -48,6 +48,7 @@ from ._common import (
     _score_tile,
     _store_tile,
 )
+from ._tiles import coords_jump
 
 # The two levels of the first pass, relative to the first key block's row max (units of z / 2).
 LEVEL_LO: tl.constexpr = tl.constexpr(-0.25)
@@ -139,11 +140,17 @@ def _fwd_entmax15_kernel(
     num_prefix,
     grid_w,
     clamp,
+    LIST,
+    LIVE,
+    n_cells_q,
+    n_cells_k,
     GAUSS: tl.constexpr,
     HAS_ADD: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     F32_DOT: tl.constexpr,
     STORE_OG: tl.constexpr,
+    SPARSE: tl.constexpr,
+    GRAIN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -155,6 +162,10 @@ def _fwd_entmax15_kernel(
     """``O[b, h, rows] = entmax15(z) V``, ``STAT = tau`` (and ``OG``) for one block of query rows.
 
     Shapes as in the softmax kernel; OG contiguous float32 ``(B, H, Nq, Dv)`` (written if ``STORE_OG``).
+    ``SPARSE``: the last search pass writes the key tiles with a weight above its threshold into this
+    program's row of ``LIST`` (int32 scratch ``(B * H * cdiv(Nq, BLOCK_M), cdiv(Nk, BLOCK_N))``), the
+    output pass visits those only and marks them in ``LIVE`` (uint8 ``(B * H, n_cells_q, n_cells_k)``,
+    cells of ``GRAIN x GRAIN`` scores, zero-initialized: what the backward's tile lists are built from).
     """
     bh, offs_m, offs_d, offs_dv, q, k_base, v_base, add_base, keep_base, qr, qc, cr, fr, cc, fc, alpha = (
         _fwd_prologue(
@@ -283,11 +294,14 @@ def _fwd_entmax15_kernel(
     inc = tl.zeros([BLOCK_M], tl.float32)
     steps = tl.full([], 0, tl.int32)
     going = steps == 0
+    n_list = tl.full([], 0, tl.int32)
+    list_row = LIST + (bh.to(tl.int64) * tl.cdiv(n_q, BLOCK_M) + tl.program_id(0)) * tl.cdiv(n_k, BLOCK_N)
     while going:
         s0 = tl.zeros([BLOCK_M], tl.float32)
         s1 = tl.zeros([BLOCK_M], tl.float32)
         s2 = tl.zeros([BLOCK_M], tl.float32)
         near = tl.full([BLOCK_M], float("inf"), tl.float32)
+        n_list = tl.full([], 0, tl.int32)
         kr, kc = kr0, kc0
         for start_n in range(0, n_k, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -326,7 +340,15 @@ def _fwd_entmax15_kernel(
             )
             d = (y - m[:, None]) - tau[:, None]
             g = tl.maximum(d, 0.0)
-            s0 += tl.sum(tl.where(g > 0.0, 1.0, 0.0), 1)
+            above = tl.sum(tl.where(g > 0.0, 1.0, 0.0), 1)
+            s0 += above
+            if SPARSE:  # a key above some row's threshold: record the tile (the last pass' list stays)
+                if EVEN_M:
+                    live = tl.max(above, 0) > 0.0
+                else:  # padded query rows (zero scores) keep every key: not theirs to decide
+                    live = tl.max(tl.where(offs_m < n_q, above, 0.0), 0) > 0.0
+                tl.store(list_row + n_list, start_n // BLOCK_N, mask=live)
+                n_list += live.to(tl.int32)
             s1 += tl.sum(g, 1)
             s2 += tl.sum(g * g, 1)
             near = tl.minimum(near, tl.min(tl.abs(d), 1))
@@ -346,7 +368,8 @@ def _fwd_entmax15_kernel(
         # from below (s2 >= 1) Newton's step, or the closed form once it is near; from above the closed form
         closed = (s2 < 1.0) | (valid & (step < NEAR_STEP))
         nxt = tl.minimum(tl.maximum(tl.where(closed, tau + inc, tau + step), -1.0), hi)
-        tau = tl.where(done, tau, nxt)
+        # a done row's later passes (and their list) see its final threshold
+        tau = tl.where(done, tau_fin, nxt)
         going = (tl.max(tl.where(done, 0, 1), 0) > 0) & (steps < NEWTON_MAX_STEPS)
     tau_fin = tl.where(done, tau_fin, tau + inc)  # rows stopped by the pass bound: their last closed form
     tau_fin = tl.where(dead, float("inf"), tau_fin)
@@ -356,7 +379,25 @@ def _fwd_entmax15_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     acc_g = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     kr, kc = kr0, kc0
-    for start_n in range(0, n_k, BLOCK_N):
+    if SPARSE:
+        n_iter = n_list
+        tl.debug_barrier()  # the list's stores are seen by every thread
+        cells_q = tl.program_id(0) * (BLOCK_M // GRAIN) + tl.arange(0, BLOCK_M // GRAIN)
+        live_base = LIVE + bh.to(tl.int64) * n_cells_q * n_cells_k
+    else:
+        n_iter = tl.cdiv(n_k, BLOCK_N)
+    for it in range(0, n_iter):
+        if SPARSE:  # the live key tiles only, in order; the Gaussian coordinates from the tile's start
+            tile = tl.load(list_row + it)
+            start_n = tile * BLOCK_N
+            if GAUSS:
+                kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
+            cells_k = tile * (BLOCK_N // GRAIN) + tl.arange(0, BLOCK_N // GRAIN)
+            inside = (cells_q[:, None] < n_cells_q) & (cells_k[None, :] < n_cells_k)
+            ones = tl.full([BLOCK_M // GRAIN, BLOCK_N // GRAIN], 1, tl.uint8)
+            tl.store(live_base + cells_q[:, None] * n_cells_k + cells_k[None, :], ones, mask=inside)
+        else:
+            start_n = it * BLOCK_N
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
         y, _e = _score_tile(
@@ -397,7 +438,7 @@ def _fwd_entmax15_kernel(
         if STORE_OG:
             acc_g += _dot(g.to(v.dtype), v, F32_DOT)
             g_sum += tl.sum(g, 1)
-        if GAUSS:
+        if GAUSS and not SPARSE:
             kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
 
     row = bh.to(tl.int64) * n_q

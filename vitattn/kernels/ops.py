@@ -34,7 +34,7 @@ from ..cache import cache_dir
 from . import configs
 from .env import dot_mode, interpret_requested
 
-_MODULES = ("_common", "softmax", "entmax15", "entmax_alpha", "backward")
+_MODULES = ("_common", "_tiles", "softmax", "entmax15", "entmax_alpha", "backward")
 _KERNEL_ATTRS = {
     "fwd_softmax": ("softmax", "_fwd_softmax_kernel"),
     "fwd_entmax15": ("entmax15", "_fwd_entmax15_kernel"),
@@ -264,11 +264,14 @@ def _launch(
     shape: tuple[int, int, int],
     even_d: bool,
     reset: Callable[[], object] | None = None,
+    tile_args: Callable[[configs.TileConfig], list[Any]] | None = None,
 ) -> None:
     """Launch kernel ``name`` over ``grid(BLOCK_M, BLOCK_N)`` under the arguments' CUDA device.
 
     ``shape`` is ``(B·H, Nq, Nk)`` for the tuning key and the ``EVEN_*`` flags (:func:`even_flags`);
-    ``reset`` restores an accumulated output (the additive mask's gradient) after benchmarking. The
+    ``reset`` restores an accumulated output (the additive mask's gradient, the live-tile map) after
+    benchmarking; ``tile_args(tile)`` are arguments that depend on the tile (the live-tile lists), after
+    ``args``. The
     interpreter runs ``configs.INTERPRET``.
     """
     fn = kernels()[name]
@@ -279,7 +282,9 @@ def _launch(
                 return
             c = configs.INTERPRET
             even = even_flags(c.block_m, c.block_n, n_q, n_k, even_d)
-            fn[grid(c.block_m, c.block_n)](*args, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **meta, **even)
+            extra = tile_args(c) if tile_args is not None else []
+            tiles = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n)
+            fn[grid(c.block_m, c.block_n)](*args, *extra, **tiles, **meta, **even)
             return
 
         def run(tile: configs.TileConfig, warm: bool = False) -> None:
@@ -292,10 +297,11 @@ def _launch(
                 **meta,
                 **even,
             )
+            extra = tile_args(tile) if tile_args is not None else []
             if warm:
-                fn.warmup(*args, grid=grid(tile.block_m, tile.block_n), **kw)
+                fn.warmup(*args, *extra, grid=grid(tile.block_m, tile.block_n), **kw)
             else:
-                fn[grid(tile.block_m, tile.block_n)](*args, **kw)
+                fn[grid(tile.block_m, tile.block_n)](*args, *extra, **kw)
 
         benched: list[configs.TileConfig] = []
 
@@ -445,9 +451,45 @@ class KernelLaunch:
         )
 
 
-def _forward(launch: KernelLaunch, store_og: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, stat, og)``: out ``(B, H, Nq, Dv)`` in v's dtype, stat float32 ``(B, H, Nq)``, og float32
-    ``(B, H, Nq, Dv)`` for entmax-1.5 with ``store_og`` (else an empty ``(0,)`` tensor)."""
+def live_grain() -> int:
+    """The side of the live-tile map's cells (:func:`_forward`): the smallest tile side of the arch lists
+    (16 in the interpreter, where the tests shrink the tiles to 16)."""
+    return configs.INTERPRET_LIVE_GRAIN if interpret_requested() else configs.LIVE_GRAIN
+
+
+def live_shape(b: int, h: int, n_q: int, n_k: int) -> tuple[int, int, int, int]:
+    """The shape of the live-tile map of an entmax-1.5 forward: uint8 ``(B, H, cells of Nq, cells of Nk)``."""
+    grain = live_grain()
+    return b, h, -(-n_q // grain), -(-n_k // grain)
+
+
+def tile_lists(
+    live: torch.Tensor, block_rows: int, block_cols: int, n_rows: int, n_cols: int, by_cols: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(LIST, CNT)`` of the backward's inner loops from the live-tile map ``live`` (uint8 ``(B, H, cells
+    of the queries, cells of the keys)``): a tile of ``block_rows`` queries x ``block_cols`` keys is live
+    when a cell it covers is. Per program (query tile, or key tile if ``by_cols``: the dK/dV kernel's
+    transposed list), its live inner tiles in order, int32 ``(B * H, programs, inner tiles)``, and their
+    count, int32 ``(B * H, programs)``."""
+    grain = live_grain()
+    b, h, c_r, c_c = live.shape
+    f_r, f_c = block_rows // grain, block_cols // grain
+    t_r, t_c = -(-n_rows // block_rows), -(-n_cols // block_cols)
+    cells = torch.nn.functional.pad(live.reshape(b * h, c_r, c_c), (0, t_c * f_c - c_c, 0, t_r * f_r - c_r))
+    tiles = cells.view(b * h, t_r, f_r, t_c, f_c).amax(dim=(2, 4)) != 0
+    if by_cols:
+        tiles = tiles.transpose(1, 2)
+    order = torch.argsort((~tiles).to(torch.uint8), dim=-1, stable=True)  # live tiles first, in order
+    return order.to(torch.int32).contiguous(), tiles.sum(-1, dtype=torch.int32).contiguous()
+
+
+def _forward(
+    launch: KernelLaunch, store_og: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, stat, og, live)``: out ``(B, H, Nq, Dv)`` in v's dtype, stat float32 ``(B, H, Nq)``, og
+    float32 ``(B, H, Nq, Dv)`` for entmax-1.5 / alpha-entmax with ``store_og`` (else an empty ``(0,)``
+    tensor), live the map of the key tiles the entmax-1.5 output pass visited (uint8 :func:`live_shape`;
+    empty otherwise)."""
     q, v = launch.q, launch.v
     b, h, n_q, _ = q.shape
     dv = v.shape[3]
@@ -466,8 +508,21 @@ def _forward(launch: KernelLaunch, store_og: bool) -> tuple[torch.Tensor, torch.
     args = [*head, *launch.strides(), *launch.scalars()]
     if launch.ent is not None:
         args += launch.ent_args(dummy)
-    _launch(name, lambda bm, bn: (triton.cdiv(n_q, bm), b * h), args, meta, launch.shape, launch.even_d)
-    return out, stat, og
+    live = q.new_empty(0, dtype=torch.uint8)
+    tile_args = None
+    if name == "fwd_entmax15":
+        live = torch.zeros(live_shape(b, h, n_q, launch.k.shape[2]), device=q.device, dtype=torch.uint8)
+        n_k = launch.k.shape[2]
+
+        def tile_args(tile: configs.TileConfig) -> list[Any]:  # the search's list, scratch
+            rows = b * h * triton.cdiv(n_q, tile.block_m)
+            scratch = torch.empty(rows, triton.cdiv(n_k, tile.block_n), device=q.device, dtype=torch.int32)
+            return [scratch, live, live.shape[2], live.shape[3]]
+
+        meta.update(SPARSE=True, GRAIN=live_grain())
+    grid = lambda bm, bn: (triton.cdiv(n_q, bm), b * h)  # noqa: E731
+    _launch(name, grid, args, meta, launch.shape, launch.even_d, reset=live.zero_, tile_args=tile_args)
+    return out, stat, og, live
 
 
 def _backward(
@@ -475,6 +530,7 @@ def _backward(
     grad_out: torch.Tensor,
     o_or_og: torch.Tensor,
     stat: torch.Tensor,
+    live: torch.Tensor,
     add_grad: bool,
     gauss_grad: bool,
     ent_grad: bool = False,
@@ -548,6 +604,17 @@ def _backward(
 
     meta = launch.flags()
     meta["ENTMAX"] = launch.entmax_code
+    meta["SPARSE"] = sparse = live.numel() > 0  # entmax-1.5: the forward's live tiles only
+
+    def lists(by_keys: bool) -> Callable[[configs.TileConfig], list[Any]]:
+        def tile_args(tile: configs.TileConfig) -> list[Any]:
+            if not sparse:
+                return [dummy, dummy, 0]
+            order, count = tile_lists(live, tile.block_m, tile.block_n, n_q, n_k, by_keys)
+            return [order, count, order.shape[-1]]
+
+        return tile_args
+
     strides, scalars, operands = launch.strides(), launch.scalars(), launch.operands(dummy)
     _launch(
         "bwd_dkdv",
@@ -556,6 +623,7 @@ def _backward(
         meta,
         launch.shape,
         launch.even_d,
+        tile_args=lists(by_keys=True),
     )
     zero_dadd = dadd.zero_ if add_mode == 2 else None  # atomics accumulate: reset after benchmarking
     _launch(
@@ -591,6 +659,7 @@ def _backward(
         launch.shape,
         launch.even_d,
         reset=zero_dadd,
+        tile_args=lists(by_keys=False),
     )
     return dq, dk, dvv, dadd, dden, dalpha, dent
 
@@ -599,9 +668,10 @@ def _backward(
 
 _OPERANDS = "Tensor q, Tensor k, Tensor v, Tensor? add, Tensor? keep, Tensor? den, Tensor? alpha, Tensor? ent"
 _SCALARS = "float scale, int num_prefix, int grid_w, float clamp, bool entmax, bool tf32"
-FWD_SCHEMA = f"({_OPERANDS}, {_SCALARS}, bool store_og) -> (Tensor, Tensor, Tensor)"
+FWD_SCHEMA = f"({_OPERANDS}, {_SCALARS}, bool store_og) -> (Tensor, Tensor, Tensor, Tensor)"
 BWD_SCHEMA = (
-    f"(Tensor grad_out, Tensor o_or_og, Tensor stat, {_OPERANDS}, {_SCALARS}, bool add_grad, bool gauss_grad,"
+    f"(Tensor grad_out, Tensor o_or_og, Tensor stat, Tensor live, {_OPERANDS}, {_SCALARS}, bool add_grad,"
+    " bool gauss_grad,"
     " bool ent_grad) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
@@ -623,8 +693,9 @@ def attention_fwd(
     entmax: bool,
     tf32: bool,
     store_og: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``normalize(q kᵀ · scale + gaussian + add, masked by keep) v``: ``(out, stat, og)`` (:func:`_forward`).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``normalize(q kᵀ · scale + gaussian + add, masked by keep) v``: ``(out, stat, og, live)``
+    (:func:`_forward`).
 
     Operands as in :class:`KernelLaunch` (one dtype for q, k, v); differentiable in q, k, v, add, den,
     alpha and ent (through ``attention_bwd``) when ``store_og`` is set for entmax-1.5 / alpha-entmax.
@@ -642,7 +713,9 @@ def _attention_fwd_fake(
     out = q.new_empty(b, h, n_q, dv, dtype=v.dtype)
     stat = q.new_empty(b, h, n_q, dtype=torch.float32)
     og = q.new_empty(b, h, n_q, dv if store_og and (entmax or ent is not None) else 0, dtype=torch.float32)
-    return out, stat, og
+    sparse = entmax and ent is None
+    live = q.new_empty(live_shape(b, h, n_q, k.shape[2]) if sparse else (0,), dtype=torch.uint8)
+    return out, stat, og, live
 
 
 @torch.library.custom_op("vitattn::attention_bwd", mutates_args=(), schema=BWD_SCHEMA)
@@ -650,6 +723,7 @@ def attention_bwd(
     grad_out: torch.Tensor,
     o_or_og: torch.Tensor,
     stat: torch.Tensor,
+    live: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -672,7 +746,7 @@ def attention_bwd(
     ``o_or_og`` is the forward's out (softmax) or og (entmax-1.5, alpha-entmax), ``stat`` its row
     statistic."""
     launch = KernelLaunch(q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, ent)
-    return _backward(launch, grad_out, o_or_og, stat, add_grad, gauss_grad, ent_grad)
+    return _backward(launch, grad_out, o_or_og, stat, live, add_grad, gauss_grad, ent_grad)
 
 
 @attention_bwd.register_fake
@@ -680,6 +754,7 @@ def _attention_bwd_fake(
     grad_out,
     o_or_og,
     stat,
+    live,
     q,
     k,
     v,
@@ -713,25 +788,26 @@ def _attention_bwd_fake(
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
     q, k, v, add, keep, den, alpha, ent, scale, num_prefix, grid_w, clamp, entmax, tf32, _store_og = inputs
-    out, stat, og = output
+    out, stat, og, live = output
     ctx.scalars = (scale, num_prefix, grid_w, clamp, entmax, tf32)
-    ctx.save_for_backward(og if entmax or ent is not None else out, stat, q, k, v, add, keep, den, alpha, ent)
-    ctx.mark_non_differentiable(stat, og)
+    saved = og if entmax or ent is not None else out
+    ctx.save_for_backward(saved, stat, live, q, k, v, add, keep, den, alpha, ent)
+    ctx.mark_non_differentiable(stat, og, live)
     ctx.set_materialize_grads(False)
 
 
-def _attention_backward(ctx: Any, grad_out: torch.Tensor | None, *_stat_og: Any) -> tuple[Any, ...]:
+def _attention_backward(ctx: Any, grad_out: torch.Tensor | None, *_stat_og_live: Any) -> tuple[Any, ...]:
     none = (None,) * 15
     if grad_out is None:
         return none
-    o_or_og, stat, q, k, v, add, keep, den, alpha, ent = ctx.saved_tensors
+    o_or_og, stat, live, q, k, v, add, keep, den, alpha, ent = ctx.saved_tensors
     need = ctx.needs_input_grad
     add_grad = add is not None and need[3]
     gauss_grad = den is not None and (need[5] or need[6])
     ent_grad = ent is not None and need[7]
     grads = (add_grad, gauss_grad, ent_grad)
     dq, dk, dv, dadd, dden, dalpha, dent = attention_bwd(
-        grad_out, o_or_og, stat, q, k, v, add, keep, den, alpha, ent, *ctx.scalars, *grads
+        grad_out, o_or_og, stat, live, q, k, v, add, keep, den, alpha, ent, *ctx.scalars, *grads
     )
     return (
         dq,

@@ -49,10 +49,11 @@ PASSES = ("fwd", "bwd_dkdv", "bwd_dq")
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 GOAL_ARCH = 90  # the goals hold for every build the autotuner can pick there
 MAX_EX2_PER_SCORE = 2.0  # the Gaussian loops: the bias' exp and softmax's own
-SOURCES = ("_common.py", "softmax.py", "entmax15.py", "entmax_alpha.py", "backward.py", "configs.py")
+SOURCES = ("_common.py", "_tiles.py", "softmax.py", "entmax15.py", "entmax_alpha.py", "backward.py", "configs.py")
 ROW_PASSES = ("delta", "rows")  # the backward's row kernels: no tiles, no loop, no tensor cores
 
 _FP32_POINTERS = {"STAT", "DELTA", "ROWS", "OG", "DEN", "ALPHA", "DADD", "DDEN", "DALPHA", "ENT", "DENT"}
+_INT_POINTERS = {"KEEP": "u8", "LIVE": "u8", "LIST": "i32", "CNT": "i32"}
 _UNIT_STRIDES = {"s_qd", "s_kd", "s_vd"}  # contiguous head dim, as the JIT specializes them
 _ALIGNED_INTS = {"head_d", "head_dv", "s_qb", "s_qh", "s_qm", "s_kb", "s_kh", "s_kn", "s_vb", "s_vh", "s_vn"}
 
@@ -117,6 +118,12 @@ def _flags(build: Build) -> dict[str, object]:
     flags.update(EVEN_M=build.even, EVEN_N=build.even, EVEN_D=build.even)
     if build.pass_ != "fwd":
         flags["ENTMAX"] = {"softmax": 0, "entmax15": 1, "entmax_alpha": 2}[build.normalizer]
+    if build.normalizer == "entmax15":  # block sparsity: the live-tile lists (what runs for entmax-1.5)
+        flags["SPARSE"] = True
+        if build.pass_ == "fwd":
+            flags["GRAIN"] = configs.LIVE_GRAIN
+    elif build.pass_ in ("bwd_dkdv", "bwd_dq"):
+        flags["SPARSE"] = False
     if build.pass_ == "fwd" and build.normalizer != "softmax":
         flags["STORE_OG"] = True  # training: the heavier form
     if build.pass_ == "bwd_dq":
@@ -140,7 +147,8 @@ def _source(fn, dtype: str, constexprs: dict[str, object]):
                 constexprs[name] = 1
             continue
         if name.isupper():
-            signature[name] = "*u8" if name == "KEEP" else "*fp32" if name in _FP32_POINTERS else f"*{dtype}"
+            kind = _INT_POINTERS.get(name) or ("fp32" if name in _FP32_POINTERS else dtype)
+            signature[name] = f"*{kind}"
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in ("scale", "clamp"):
             signature[name] = "fp32"
