@@ -78,7 +78,7 @@ def _visits(monkeypatch, q, k, v, **kw):
 
 
 def _check(monkeypatch, q, k, v, **kw) -> float:
-    """Visited == live in every pass, values and gradients equal the reference's; returns the live fraction."""
+    """Visited == live in every pass, values and gradients equal the reference; returns the live fraction."""
     out, grads, fwd_tiles, bwd_tiles = _visits(monkeypatch, q, k, v, **kw)
     ref_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     ref, probs = attention(*ref_leaves, normalizer="entmax15", backend="reference", return_weights=True, **kw)

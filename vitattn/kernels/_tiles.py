@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import _coords_advance
+from ._common import _coords_advance, _kv, _qv
 
 
 @triton.jit
@@ -18,7 +18,7 @@ def tile_list(LIST, CNT, n_list_cols, bh, n_programs, n_inner, BLOCK: tl.constex
     program]`` of them, listed in ``LIST[bh, program, :]``, int32 ``(B * H, n_programs, n_list_cols)``),
     else every tile of ``n_inner`` rows or keys."""
     if SPARSE:
-        slot = bh.to(tl.int64) * n_programs + tl.program_id(0)
+        slot = (n_programs * bh + tl.program_id(0)).to(tl.int64)
         return tl.load(CNT + slot), LIST + slot * n_list_cols
     else:
         return tl.cdiv(n_inner, BLOCK), LIST
@@ -55,3 +55,38 @@ def coords_jump(r0, c0, tile, BLOCK: tl.constexpr, gw):
     start = small_int_to_float(tile) * BLOCK
     step_r = tl.floor((start + 0.5) / gw)
     return _coords_advance(r0, c0, step_r, start - step_r * gw, gw)
+
+
+@triton.jit
+def window_rows(WIN, offs, n):
+    """``(r0, r1, c0, c1)`` of the queries ``offs``: the first and last grid row and column of each query's
+    window (``windows.window_bounds``: float32 ``(4, n)``; padded queries keep everything)."""
+    ok = offs < n
+    r0 = tl.load(WIN + offs, mask=ok, other=float("-inf"))
+    r1 = tl.load(WIN + n + offs, mask=ok, other=float("inf"))
+    c0 = tl.load(WIN + 2 * n + offs, mask=ok, other=float("-inf"))
+    c1 = tl.load(WIN + 3 * n + offs, mask=ok, other=float("inf"))
+    return r0, r1, c0, c1
+
+
+@triton.jit
+def _on_subgrid(offset, dilation):
+    """``offset`` (an integer in float, ``>= 0``) is a multiple of ``dilation``: ``round(offset / d) d``
+    equals it (``offset / d`` within a few ulps of an integer rounds to it; ``inf`` stays ``inf``)."""
+    return tl.floor(offset * (1.0 / dilation) + 0.5) * dilation == offset
+
+
+@triton.jit
+def window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, TRANS: tl.constexpr, DILATED: tl.constexpr):
+    """The window's keep-mask of a tile: key ``(kr, kc)`` (float grid coordinates, a negative row for a
+    prefix key, kept by every query) in the query's row and column ranges (:func:`window_rows`), on its
+    sub-grid when ``DILATED``. Queries along rows (columns if ``TRANS``). No integer, no table: a few
+    compares per score."""
+    kr_t = _kv(kr, TRANS)
+    kc_t = _kv(kc, TRANS)
+    r0_t = _qv(r0, TRANS)
+    c0_t = _qv(c0, TRANS)
+    keep = (kr_t >= r0_t) & (kr_t <= _qv(r1, TRANS)) & (kc_t >= c0_t) & (kc_t <= _qv(c1, TRANS))
+    if DILATED:
+        keep = keep & _on_subgrid(kr_t - r0_t, d_r) & _on_subgrid(kc_t - c0_t, d_c)
+    return keep | (kr_t < 0.0)

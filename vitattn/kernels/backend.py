@@ -56,7 +56,7 @@ class TritonBackend:
     Gaussian / additive / boolean mask."""
 
     name = "triton"
-    features = frozenset({"alpha_tensor"})
+    features = frozenset({"alpha_tensor", "window"})
 
     def unsupported(self, call: AttentionCall, explicit: bool = False) -> str | None:
         q = call.q
@@ -97,6 +97,14 @@ class TritonBackend:
         gauss_n = call.bias.num_tokens if isinstance(call.bias, GaussianBias) else None
         if gauss_n is not None and not n_q == n_k == call.v.shape[2] == gauss_n:
             return f"q/k/v must share N = {gauss_n} with a GaussianBias, got Nq={n_q}, Nk={n_k}"
+        win = call.window
+        if win is not None and isinstance(call.bias, GaussianBias):
+            gb = call.bias
+            if (gb.grid_size, gb.num_prefix_tokens) != (win.grid_size, win.num_prefix_tokens):
+                return (
+                    f"the WindowMask's layout (grid {win.grid_size}, {win.num_prefix_tokens} prefix tokens) "
+                    f"is not the GaussianBias' (grid {gb.grid_size}, {gb.num_prefix_tokens} prefix tokens)"
+                )
         if q.shape[0] * q.shape[1] > MAX_BATCH_HEADS:
             return f"B * H = {q.shape[0] * q.shape[1]} exceeds {MAX_BATCH_HEADS}"
         if min(q.shape[0], q.shape[1], n_q, n_k, d, dv) == 0:
@@ -110,6 +118,7 @@ class TritonBackend:
         if isinstance(call.bias, GaussianBias):
             bias = "Gaussian bias"
         mask = "" if call.mask is None else ", mask"
+        mask += "" if call.window is None else ", window"
         passes = "forward + backward" if call.needs_grad else "forward"
         name = "alpha-entmax" if isinstance(call.normalizer, torch.Tensor) else call.normalizer
         return f"fused {name} kernels ({bias}{mask}), {passes}, custom op vitattn::attention_fwd"
@@ -135,6 +144,10 @@ class TritonBackend:
             num_prefix, grid_w, clamp = gb.num_prefix_tokens, gb.grid_size[1], float(gb.clamp)
         elif call.bias is not None:
             add = call.bias
+        window: list[int] = []
+        if call.window is not None:
+            window = call.window.to_ints()
+            num_prefix, grid_w = call.window.num_prefix_tokens, call.window.grid_size[1]
         if call.mask is not None:
             if call.mask.dtype == torch.bool:
                 keep = call.mask[(None,) * (4 - call.mask.dim())]
@@ -167,6 +180,7 @@ class TritonBackend:
             entmax,
             tf32_allowed(),
             (entmax or ent is not None) and grads,
+            window,
         )
         return out, None
 

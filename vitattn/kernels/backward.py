@@ -48,7 +48,7 @@ from ._common import (
     axis_exponent,
     gauss_rows,
 )
-from ._tiles import coords_jump, tile_index, tile_list
+from ._tiles import coords_jump, tile_index, tile_list, window_keep, window_rows
 from .entmax_alpha import alpha_powers, alpha_rows
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -177,12 +177,18 @@ def _bwd_dkdv_kernel(
     LIST,
     CNT,
     n_list_cols,
+    list_bh,
+    WIN,
+    d_r,
+    d_c,
     ENTMAX: tl.constexpr,
     GAUSS: tl.constexpr,
     HAS_ADD: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     F32_DOT: tl.constexpr,
     SPARSE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DILATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -225,7 +231,9 @@ def _bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    n_iter, list_row = tile_list(LIST, CNT, n_list_cols, bh, tl.cdiv(n_k, BLOCK_N), n_q, BLOCK_M, SPARSE)
+    n_iter, list_row = tile_list(
+        LIST, CNT, n_list_cols, bh * list_bh, tl.cdiv(n_k, BLOCK_N), n_q, BLOCK_M, SPARSE
+    )
     qr0, qc0 = qr, qc
     for it in range(0, n_iter):
         tile = tile_index(list_row, it, SPARSE)
@@ -276,6 +284,11 @@ def _bwd_dkdv_kernel(
             EVEN_M,
             EVEN_N,
         )
+        if WINDOW:
+            wr0, wr1, wc0, wc1 = window_rows(WIN, offs_m, n_q)
+            z_t = tl.where(
+                window_keep(wr0, wr1, wc0, wc1, kr, kc, d_r, d_c, True, DILATED), z_t, float("-inf")
+            )
         if ENTMAX == 2:
             a_q, beta_q = alpha_rows(ENT, b, h, s_eb, s_eh, s_em, offs_m, n_q)
             u_t = tl.maximum(z_t * a_q[None, :] - stat[None, :], 0.0)
@@ -397,6 +410,10 @@ def _bwd_dq_kernel(
     LIST,
     CNT,
     n_list_cols,
+    list_bh,
+    WIN,
+    d_r,
+    d_c,
     ENTMAX: tl.constexpr,
     GAUSS: tl.constexpr,
     HAS_ADD: tl.constexpr,
@@ -406,6 +423,8 @@ def _bwd_dq_kernel(
     GAUSS_GRAD: tl.constexpr,
     ENT_GRAD: tl.constexpr,
     SPARSE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DILATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -476,12 +495,16 @@ def _bwd_dq_kernel(
     g_col = tl.zeros([BLOCK_M], tl.float32)
     e_s = tl.zeros([BLOCK_M], tl.float32)  # alpha's gradient: sum p, sum dZ u (1 - ln2 log2 u)
     e_t = tl.zeros([BLOCK_M], tl.float32)
-    n_iter, list_row = tile_list(LIST, CNT, n_list_cols, bh, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, SPARSE)
+    n_iter, list_row = tile_list(
+        LIST, CNT, n_list_cols, bh * list_bh, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, SPARSE
+    )
+    if WINDOW:
+        r0, r1, c0, c1 = window_rows(WIN, offs_m, n_q)
     kr0, kc0 = kr, kc
     for it in range(0, n_iter):
         tile = tile_index(list_row, it, SPARSE)
         start_n = tile * BLOCK_N
-        if SPARSE and GAUSS:
+        if SPARSE and (GAUSS or WINDOW):
             kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
@@ -517,6 +540,8 @@ def _bwd_dq_kernel(
             EVEN_M,
             EVEN_N,
         )
+        if WINDOW:
+            z = tl.where(window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, False, DILATED), z, float("-inf"))
         if ENTMAX == 2:
             u = tl.maximum(z * a[:, None] - stat_u[:, None], 0.0)
             p, g, l2 = alpha_powers(u, beta[:, None])

@@ -42,10 +42,11 @@ class TileConfig:
         return f"M{self.block_m}xN{self.block_n} w{self.num_warps} s{self.num_stages}"
 
 
-def heavy_alpha(normalizer: str, bias: str) -> bool:
-    """alpha-entmax with a bias kind that holds registers of its own (``gaussian``, ``additive``,
-    ``bool``): its dQ kernel (the alphas' gradient besides the bias') has smaller tiles."""
-    return normalizer == "entmax_alpha" and bias != "none"
+def heavy_alpha(normalizer: str, bias: str, window: bool = False) -> bool:
+    """alpha-entmax, or a neighbourhood window, with a bias kind that holds registers of its own
+    (``gaussian``, ``additive``, ``bool``): its dQ kernel (the alphas' gradient or the window's bounds
+    besides the bias') has smaller tiles."""
+    return (normalizer == "entmax_alpha" or window) and bias != "none"
 
 
 # arch (compute capability 80 or 90, see arch_of) -> kernel name -> autotune list, in the style of the

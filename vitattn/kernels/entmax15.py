@@ -48,7 +48,7 @@ from ._common import (
     _score_tile,
     _store_tile,
 )
-from ._tiles import coords_jump
+from ._tiles import coords_jump, tile_index, tile_list, window_keep, window_rows
 
 # The two levels of the first pass, relative to the first key block's row max (units of z / 2).
 LEVEL_LO: tl.constexpr = tl.constexpr(-0.25)
@@ -144,10 +144,18 @@ def _fwd_entmax15_kernel(
     LIVE,
     n_cells_q,
     n_cells_k,
+    WLIST,
+    WCNT,
+    n_wcols,
+    WIN,
+    d_r,
+    d_c,
     GAUSS: tl.constexpr,
     HAS_ADD: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     F32_DOT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DILATED: tl.constexpr,
     STORE_OG: tl.constexpr,
     SPARSE: tl.constexpr,
     GRAIN: tl.constexpr,
@@ -213,7 +221,11 @@ def _fwd_entmax15_kernel(
     alpha_y = alpha * 0.5
     kr0, kc0 = _coords_start(tl.arange(0, BLOCK_N), num_prefix, grid_w)
     step_r, step_c, gw = _coords_step(BLOCK_N, grid_w)
-    masked = HAS_ADD or HAS_KEEP
+    r0, r1, c0, c1 = 0.0, 0.0, 0.0, 0.0
+    if WINDOW:  # the window's key tiles (every tile without one) and its bounds per query
+        r0, r1, c0, c1 = window_rows(WIN, offs_m, n_q)
+    n_wit, wrow = tile_list(WLIST, WCNT, n_wcols, 0, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, WINDOW)
+    masked = HAS_ADD or HAS_KEEP or WINDOW
 
     # 1. row max m of y, the finite keys, and exact sums at two levels fixed by the first block's max
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -226,7 +238,11 @@ def _fwd_entmax15_kernel(
     s2_hi = tl.zeros([BLOCK_M], tl.float32)
     count = tl.zeros([BLOCK_M], tl.float32)
     kr, kc = kr0, kc0
-    for start_n in range(0, n_k, BLOCK_N):
+    for it in range(0, n_wit):
+        tile = tile_index(wrow, it, WINDOW)
+        start_n = tile * BLOCK_N
+        if WINDOW:
+            kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
         y, _e = _score_tile(
@@ -261,8 +277,11 @@ def _fwd_entmax15_kernel(
             EVEN_M,
             EVEN_N,
         )
+        if WINDOW:
+            keep_w = window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, False, DILATED)
+            y = tl.where(keep_w, y, float("-inf"))
         m = tl.maximum(m, tl.max(y, 1))
-        ref = tl.where(start_n == 0, tl.where(m == float("-inf"), 0.0, m), ref)
+        ref = tl.where(it == 0, tl.where(m == float("-inf"), 0.0, m), ref)
         a = tl.maximum(y - (ref + LEVEL_LO)[:, None], 0.0)
         k_lo += tl.sum(tl.where(a > 0.0, 1.0, 0.0), 1)
         s1_lo += tl.sum(a, 1)
@@ -273,7 +292,7 @@ def _fwd_entmax15_kernel(
         s2_hi += tl.sum(a * a, 1)
         if masked:
             count += tl.sum(tl.where(y > float("-inf"), 1.0, 0.0), 1)
-        if GAUSS:
+        if GAUSS and not WINDOW:
             kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
     if masked:
         dead = m == float("-inf")
@@ -303,7 +322,11 @@ def _fwd_entmax15_kernel(
         near = tl.full([BLOCK_M], float("inf"), tl.float32)
         n_list = tl.full([], 0, tl.int32)
         kr, kc = kr0, kc0
-        for start_n in range(0, n_k, BLOCK_N):
+        for it in range(0, n_wit):
+            tile = tile_index(wrow, it, WINDOW)
+            start_n = tile * BLOCK_N
+            if WINDOW:
+                kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
             y, _e = _score_tile(
@@ -338,6 +361,9 @@ def _fwd_entmax15_kernel(
                 EVEN_M,
                 EVEN_N,
             )
+            if WINDOW:
+                keep_w = window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, False, DILATED)
+                y = tl.where(keep_w, y, float("-inf"))
             d = (y - m[:, None]) - tau[:, None]
             g = tl.maximum(d, 0.0)
             above = tl.sum(tl.where(g > 0.0, 1.0, 0.0), 1)
@@ -352,7 +378,7 @@ def _fwd_entmax15_kernel(
             s1 += tl.sum(g, 1)
             s2 += tl.sum(g * g, 1)
             near = tl.minimum(near, tl.min(tl.abs(d), 1))
-            if GAUSS:
+            if GAUSS and not WINDOW:
                 kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
         steps += 1
         live = ~done
@@ -385,19 +411,22 @@ def _fwd_entmax15_kernel(
         cells_q = tl.program_id(0) * (BLOCK_M // GRAIN) + tl.arange(0, BLOCK_M // GRAIN)
         live_base = LIVE + bh.to(tl.int64) * n_cells_q * n_cells_k
     else:
-        n_iter = tl.cdiv(n_k, BLOCK_N)
+        n_iter = n_wit
     for it in range(0, n_iter):
         if SPARSE:  # the live key tiles only, in order; the Gaussian coordinates from the tile's start
             tile = tl.load(list_row + it)
             start_n = tile * BLOCK_N
-            if GAUSS:
+            if GAUSS or WINDOW:
                 kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
             cells_k = tile * (BLOCK_N // GRAIN) + tl.arange(0, BLOCK_N // GRAIN)
             inside = (cells_q[:, None] < n_cells_q) & (cells_k[None, :] < n_cells_k)
             ones = tl.full([BLOCK_M // GRAIN, BLOCK_N // GRAIN], 1, tl.uint8)
             tl.store(live_base + cells_q[:, None] * n_cells_k + cells_k[None, :], ones, mask=inside)
         else:
-            start_n = it * BLOCK_N
+            tile = tile_index(wrow, it, WINDOW)
+            start_n = tile * BLOCK_N
+            if WINDOW:
+                kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
         y, _e = _score_tile(
@@ -432,13 +461,16 @@ def _fwd_entmax15_kernel(
             EVEN_M,
             EVEN_N,
         )
+        if WINDOW:
+            keep_w = window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, False, DILATED)
+            y = tl.where(keep_w, y, float("-inf"))
         g = tl.maximum((y - m[:, None]) - tau_fin[:, None], 0.0)
         v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv, EVEN_N, EVEN_D)
         acc += _dot((g * g).to(v.dtype), v, F32_DOT)
         if STORE_OG:
             acc_g += _dot(g.to(v.dtype), v, F32_DOT)
             g_sum += tl.sum(g, 1)
-        if GAUSS and not SPARSE:
+        if GAUSS and not SPARSE and not WINDOW:
             kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
 
     row = bh.to(tl.int64) * n_q

@@ -44,6 +44,7 @@ from ._common import (
     _score_tile,
     _store_tile,
 )
+from ._tiles import coords_jump, tile_index, tile_list, window_keep, window_rows
 from .env import interpret_requested
 
 # A Newton step below this (2^-21, in units of the row's scale 1) ends the row's search.
@@ -140,10 +141,18 @@ def _fwd_entmax_alpha_kernel(
     s_eb,
     s_eh,
     s_em,
+    WLIST,
+    WCNT,
+    n_wcols,
+    WIN,
+    d_r,
+    d_c,
     GAUSS: tl.constexpr,
     HAS_ADD: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     F32_DOT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DILATED: tl.constexpr,
     STORE_OG: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -204,13 +213,21 @@ def _fwd_entmax_alpha_kernel(
     a, beta = alpha_rows(ENT, b, h, s_eb, s_eh, s_em, offs_m, n_q)
     kr0, kc0 = _coords_start(tl.arange(0, BLOCK_N), num_prefix, grid_w)
     step_r, step_c, gw = _coords_step(BLOCK_N, grid_w)
-    masked = HAS_ADD or HAS_KEEP
+    r0, r1, c0, c1 = 0.0, 0.0, 0.0, 0.0
+    if WINDOW:  # the window's key tiles (every tile without one) and its bounds per query
+        r0, r1, c0, c1 = window_rows(WIN, offs_m, n_q)
+    n_wit, wrow = tile_list(WLIST, WCNT, n_wcols, 0, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, WINDOW)
+    masked = HAS_ADD or HAS_KEEP or WINDOW
 
     # 1. the row max m (natural units) and the finite keys
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     count = tl.zeros([BLOCK_M], tl.float32)
     kr, kc = kr0, kc0
-    for start_n in range(0, n_k, BLOCK_N):
+    for it in range(0, n_wit):
+        tile = tile_index(wrow, it, WINDOW)
+        start_n = tile * BLOCK_N
+        if WINDOW:
+            kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
         z, _e = _score_tile(
@@ -245,10 +262,13 @@ def _fwd_entmax_alpha_kernel(
             EVEN_M,
             EVEN_N,
         )
+        if WINDOW:
+            keep_w = window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, False, DILATED)
+            z = tl.where(keep_w, z, float("-inf"))
         m = tl.maximum(m, tl.max(z, 1))
         if masked:
             count += tl.sum(tl.where(z > float("-inf"), 1.0, 0.0), 1)
-        if GAUSS:
+        if GAUSS and not WINDOW:
             kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
     if masked:
         dead = m == float("-inf")
@@ -273,7 +293,11 @@ def _fwd_entmax_alpha_kernel(
         s_p = tl.zeros([BLOCK_M], tl.float32)
         s_g = tl.zeros([BLOCK_M], tl.float32)
         kr, kc = kr0, kc0
-        for start_n in range(0, n_k, BLOCK_N):
+        for it in range(0, n_wit):
+            tile = tile_index(wrow, it, WINDOW)
+            start_n = tile * BLOCK_N
+            if WINDOW:
+                kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
             z, _e = _score_tile(
@@ -308,11 +332,14 @@ def _fwd_entmax_alpha_kernel(
                 EVEN_M,
                 EVEN_N,
             )
+            if WINDOW:
+                keep_w = window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, False, DILATED)
+                z = tl.where(keep_w, z, float("-inf"))
             u = tl.maximum((z - m[:, None]) * a[:, None] - tau[:, None], 0.0)
             p, g, _l = alpha_powers(u, beta[:, None])
             s_p += tl.sum(p, 1)
             s_g += tl.sum(g, 1)
-            if GAUSS:
+            if GAUSS and not WINDOW:
                 kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
         steps += 1
         below = s_p >= 1.0  # tau is at or below the root
@@ -337,7 +364,11 @@ def _fwd_entmax_alpha_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     acc_g = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     kr, kc = kr0, kc0
-    for start_n in range(0, n_k, BLOCK_N):
+    for it in range(0, n_wit):
+        tile = tile_index(wrow, it, WINDOW)
+        start_n = tile * BLOCK_N
+        if WINDOW:
+            kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
         z, _e = _score_tile(
@@ -372,6 +403,9 @@ def _fwd_entmax_alpha_kernel(
             EVEN_M,
             EVEN_N,
         )
+        if WINDOW:
+            keep_w = window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, False, DILATED)
+            z = tl.where(keep_w, z, float("-inf"))
         u = tl.maximum((z - m[:, None]) * a[:, None] - tau[:, None], 0.0)
         p, g, _l = alpha_powers(u, beta[:, None])
         v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv, EVEN_N, EVEN_D)
@@ -380,7 +414,7 @@ def _fwd_entmax_alpha_kernel(
         if STORE_OG:
             acc_g += _dot(g.to(v.dtype), v, F32_DOT)
             g_sum += tl.sum(g, 1)
-        if GAUSS:
+        if GAUSS and not WINDOW:
             kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
 
     row = bh.to(tl.int64) * n_q

@@ -31,7 +31,8 @@ import torch
 import triton
 
 from ..cache import cache_dir
-from . import configs
+from ..functional.window import WindowMask
+from . import configs, windows
 from .env import dot_mode, interpret_requested
 
 _MODULES = ("_common", "_tiles", "softmax", "entmax15", "entmax_alpha", "backward")
@@ -240,7 +241,8 @@ def tile_candidates(
     block_d = max(meta["BLOCK_D"], meta["BLOCK_DV"])
     masked = bool(meta["HAS_ADD"] or meta["HAS_KEEP"])
     fp32 = bool(meta["F32_DOT"])  # on a GPU: float32 operands (TF32 or IEEE)
-    alpha = meta.get("ENTMAX") == 2 and (masked or bool(meta["GAUSS"]))  # configs.heavy_alpha
+    # configs.heavy_alpha: alpha-entmax or a window, with a bias or a mask
+    alpha = (meta.get("ENTMAX") == 2 or bool(meta.get("WINDOW"))) and (masked or bool(meta["GAUSS"]))
     tiles = configs.autotune_list(name, block_d, masked, fp32, arch=arch, ragged=ragged, alpha=alpha)
     if not tiles:
         raise RuntimeError(
@@ -360,6 +362,7 @@ class KernelLaunch:
 
     q ``(B, H, Nq, D)``, k ``(B, H, Nk, D)``, v ``(B, H, Nk, Dv)`` in one dtype, any strides; ``add``
     a 4-D additive float mask and ``keep`` a 4-D boolean keep-mask (broadcast dims of size 1);
+    ``window`` a neighbourhood window (on the layout ``num_prefix``, ``grid_w``);
     ``den`` float32 ``(B, H, Np, 2)`` = ``r * sigma + eps`` and ``alpha`` float32 ``(B, H, Np)``
     (expanded views); ``ent`` float32 ``(B, H, Nq)``: the alphas of alpha-entmax (an expanded view; the
     normalizer is then alpha-entmax whatever ``entmax`` says); ``tf32``: TF32 dots for float32 operands on
@@ -380,6 +383,7 @@ class KernelLaunch:
     entmax: bool
     tf32: bool
     ent: torch.Tensor | None = None
+    window: WindowMask | None = None
 
     @property
     def normalizer(self) -> str:
@@ -448,7 +452,37 @@ class KernelLaunch:
             F32_DOT=dot_mode(q.dtype, q.device.type, self.tf32, interpret_requested()),
             BLOCK_D=block_dim(q.shape[3]),
             BLOCK_DV=block_dim(self.v.shape[3]),
+            WINDOW=self.window is not None,
+            DILATED=self.window is not None and self.window.dilation != (1, 1),
         )
+
+    def window_args(self, block_m: int, block_n: int, by_keys: bool, dummy: torch.Tensor) -> list[Any]:
+        """``WLIST, WCNT, n_wcols, WIN, d_r, d_c``: the window's tile lists for tiles of ``block_m`` queries x
+        ``block_n`` keys (per query tile its key tiles, or per key tile its query tiles if ``by_keys``),
+        shared by every (b, h), and its bounds per query (:mod:`~vitattn.kernels.windows`)."""
+        if self.window is None:
+            return [dummy, dummy, 0, dummy, 1.0, 1.0]
+        order, count = _window_lists(self.window, block_m, block_n, by_keys, self.q.device)
+        d_r, d_c = self.window.dilation
+        bounds = windows.window_bounds(self.window, self.q.device)
+        return [order, count, order.shape[-1], bounds, float(d_r), float(d_c)]
+
+
+_WINDOW_LISTS: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _window_lists(
+    window: WindowMask, block_m: int, block_n: int, by_keys: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`windows.compact` of :func:`windows.window_tiles` (transposed if ``by_keys``), on ``device``,
+    cached (no host copy after the first call of a window and tile)."""
+    key = (window, block_m, block_n, by_keys, device)
+    found = _WINDOW_LISTS.get(key)
+    if found is None:
+        tiles = windows.window_tiles(window, block_m, block_n)
+        found = windows.compact((tiles.T if by_keys else tiles)[None].to(device))
+        _WINDOW_LISTS[key] = found
+    return found
 
 
 def live_grain() -> int:
@@ -477,10 +511,7 @@ def tile_lists(
     t_r, t_c = -(-n_rows // block_rows), -(-n_cols // block_cols)
     cells = torch.nn.functional.pad(live.reshape(b * h, c_r, c_c), (0, t_c * f_c - c_c, 0, t_r * f_r - c_r))
     tiles = cells.view(b * h, t_r, f_r, t_c, f_c).amax(dim=(2, 4)) != 0
-    if by_cols:
-        tiles = tiles.transpose(1, 2)
-    order = torch.argsort((~tiles).to(torch.uint8), dim=-1, stable=True)  # live tiles first, in order
-    return order.to(torch.int32).contiguous(), tiles.sum(-1, dtype=torch.int32).contiguous()
+    return windows.compact(tiles.transpose(1, 2) if by_cols else tiles)
 
 
 def _forward(
@@ -509,17 +540,19 @@ def _forward(
     if launch.ent is not None:
         args += launch.ent_args(dummy)
     live = q.new_empty(0, dtype=torch.uint8)
-    tile_args = None
+    n_k = launch.k.shape[2]
     if name == "fwd_entmax15":
-        live = torch.zeros(live_shape(b, h, n_q, launch.k.shape[2]), device=q.device, dtype=torch.uint8)
-        n_k = launch.k.shape[2]
+        live = torch.zeros(live_shape(b, h, n_q, n_k), device=q.device, dtype=torch.uint8)
+        meta.update(SPARSE=True, GRAIN=live_grain())
 
-        def tile_args(tile: configs.TileConfig) -> list[Any]:  # the search's list, scratch
+    def tile_args(tile: configs.TileConfig) -> list[Any]:
+        extra = []
+        if name == "fwd_entmax15":  # the search's list (scratch) and the live map
             rows = b * h * triton.cdiv(n_q, tile.block_m)
             scratch = torch.empty(rows, triton.cdiv(n_k, tile.block_n), device=q.device, dtype=torch.int32)
-            return [scratch, live, live.shape[2], live.shape[3]]
+            extra = [scratch, live, live.shape[2], live.shape[3]]
+        return extra + launch.window_args(tile.block_m, tile.block_n, False, dummy)
 
-        meta.update(SPARSE=True, GRAIN=live_grain())
     grid = lambda bm, bn: (triton.cdiv(n_q, bm), b * h)  # noqa: E731
     _launch(name, grid, args, meta, launch.shape, launch.even_d, reset=live.zero_, tile_args=tile_args)
     return out, stat, og, live
@@ -604,14 +637,16 @@ def _backward(
 
     meta = launch.flags()
     meta["ENTMAX"] = launch.entmax_code
-    meta["SPARSE"] = sparse = live.numel() > 0  # entmax-1.5: the forward's live tiles only
+    # the inner loops iterate lists: entmax-1.5's live tiles (per (b, h)), else a window's (shared)
+    meta["SPARSE"] = live.numel() > 0 or launch.window is not None
 
     def lists(by_keys: bool) -> Callable[[configs.TileConfig], list[Any]]:
         def tile_args(tile: configs.TileConfig) -> list[Any]:
-            if not sparse:
-                return [dummy, dummy, 0]
+            win = launch.window_args(tile.block_m, tile.block_n, by_keys, dummy)
+            if live.numel() == 0:
+                return [*win[:3], 0, *win[3:]]
             order, count = tile_lists(live, tile.block_m, tile.block_n, n_q, n_k, by_keys)
-            return [order, count, order.shape[-1]]
+            return [order, count, order.shape[-1], 1, *win[3:]]
 
         return tile_args
 
@@ -668,11 +703,11 @@ def _backward(
 
 _OPERANDS = "Tensor q, Tensor k, Tensor v, Tensor? add, Tensor? keep, Tensor? den, Tensor? alpha, Tensor? ent"
 _SCALARS = "float scale, int num_prefix, int grid_w, float clamp, bool entmax, bool tf32"
-FWD_SCHEMA = f"({_OPERANDS}, {_SCALARS}, bool store_og) -> (Tensor, Tensor, Tensor, Tensor)"
+FWD_SCHEMA = f"({_OPERANDS}, {_SCALARS}, bool store_og, int[] window=[]) -> (Tensor, Tensor, Tensor, Tensor)"
 BWD_SCHEMA = (
     f"(Tensor grad_out, Tensor o_or_og, Tensor stat, Tensor live, {_OPERANDS}, {_SCALARS}, bool add_grad,"
     " bool gauss_grad,"
-    " bool ent_grad) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    " bool ent_grad, int[] window=[]) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
 
@@ -693,6 +728,7 @@ def attention_fwd(
     entmax: bool,
     tf32: bool,
     store_og: bool,
+    window: Sequence[int] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``normalize(q kᵀ · scale + gaussian + add, masked by keep) v``: ``(out, stat, og, live)``
     (:func:`_forward`).
@@ -700,13 +736,16 @@ def attention_fwd(
     Operands as in :class:`KernelLaunch` (one dtype for q, k, v); differentiable in q, k, v, add, den,
     alpha and ent (through ``attention_bwd``) when ``store_og`` is set for entmax-1.5 / alpha-entmax.
     """
-    launch = KernelLaunch(q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, ent)
+    win = WindowMask.from_ints(list(window)) if window else None
+    launch = KernelLaunch(
+        q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, ent, win
+    )
     return _forward(launch, store_og)
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(
-    q, k, v, add, keep, den, alpha, ent, scale, num_prefix, grid_w, clamp, entmax, tf32, store_og
+    q, k, v, add, keep, den, alpha, ent, scale, num_prefix, grid_w, clamp, entmax, tf32, store_og, window=()
 ):  # fmt: skip
     b, h, n_q, _ = q.shape
     dv = v.shape[3]
@@ -741,11 +780,15 @@ def attention_bwd(
     add_grad: bool,
     gauss_grad: bool,
     ent_grad: bool,
+    window: Sequence[int] = (),
 ) -> tuple[torch.Tensor, ...]:
     """``(dq, dk, dv, dadd, dden, dalpha, dent)`` of :func:`_backward` for ``grad_out`` ``(B, H, Nq, Dv)``;
     ``o_or_og`` is the forward's out (softmax) or og (entmax-1.5, alpha-entmax), ``stat`` its row
     statistic."""
-    launch = KernelLaunch(q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, ent)
+    win = WindowMask.from_ints(list(window)) if window else None
+    launch = KernelLaunch(
+        q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, ent, win
+    )
     return _backward(launch, grad_out, o_or_og, stat, live, add_grad, gauss_grad, ent_grad)
 
 
@@ -772,6 +815,7 @@ def _attention_bwd_fake(
     add_grad,
     gauss_grad,
     ent_grad,
+    window=(),
 ):
     gauss = gauss_grad and den is not None
     b, h, n_q, _ = q.shape
@@ -787,9 +831,27 @@ def _attention_bwd_fake(
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    q, k, v, add, keep, den, alpha, ent, scale, num_prefix, grid_w, clamp, entmax, tf32, _store_og = inputs
+    (
+        q,
+        k,
+        v,
+        add,
+        keep,
+        den,
+        alpha,
+        ent,
+        scale,
+        num_prefix,
+        grid_w,
+        clamp,
+        entmax,
+        tf32,
+        _store_og,
+        *window,
+    ) = inputs
     out, stat, og, live = output
     ctx.scalars = (scale, num_prefix, grid_w, clamp, entmax, tf32)
+    ctx.window = list(window[0]) if window else []
     saved = og if entmax or ent is not None else out
     ctx.save_for_backward(saved, stat, live, q, k, v, add, keep, den, alpha, ent)
     ctx.mark_non_differentiable(stat, og, live)
@@ -797,7 +859,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
 
 
 def _attention_backward(ctx: Any, grad_out: torch.Tensor | None, *_stat_og_live: Any) -> tuple[Any, ...]:
-    none = (None,) * 15
+    none = (None,) * 16
     if grad_out is None:
         return none
     o_or_og, stat, live, q, k, v, add, keep, den, alpha, ent = ctx.saved_tensors
@@ -807,7 +869,7 @@ def _attention_backward(ctx: Any, grad_out: torch.Tensor | None, *_stat_og_live:
     ent_grad = ent is not None and need[7]
     grads = (add_grad, gauss_grad, ent_grad)
     dq, dk, dv, dadd, dden, dalpha, dent = attention_bwd(
-        grad_out, o_or_og, stat, live, q, k, v, add, keep, den, alpha, ent, *ctx.scalars, *grads
+        grad_out, o_or_og, stat, live, q, k, v, add, keep, den, alpha, ent, *ctx.scalars, *grads, ctx.window
     )
     return (
         dq,

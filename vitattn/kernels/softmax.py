@@ -29,6 +29,7 @@ from ._common import (
     _store_tile,
     exp2_fma,
 )
+from ._tiles import coords_jump, tile_index, tile_list, window_keep, window_rows
 
 
 @triton.jit
@@ -78,10 +79,18 @@ def _fwd_softmax_kernel(
     num_prefix,
     grid_w,
     clamp,
+    WLIST,
+    WCNT,
+    n_wcols,
+    WIN,
+    d_r,
+    d_c,
     GAUSS: tl.constexpr,
     HAS_ADD: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     F32_DOT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DILATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -93,7 +102,10 @@ def _fwd_softmax_kernel(
     """``O[b, h, rows] = softmax(z) V`` and ``STAT = lse`` for one block of query rows.
 
     Shapes: Q ``(B, H, Nq, D)``, K ``(B, H, Nk, D)``, V ``(B, H, Nk, Dv)`` (any strides); O contiguous
-    ``(B, H, Nq, Dv)``; STAT contiguous float32 ``(B, H, Nq)``.
+    ``(B, H, Nq, Dv)``; STAT contiguous float32 ``(B, H, Nq)``. ``WINDOW``: a neighbourhood window, whose
+    key tiles per query tile are listed in ``WLIST`` / ``WCNT`` (``windows.window_tiles``, shared by every
+    (b, h)) and whose per-query bounds ``WIN`` (``windows.window_bounds``; dilations ``d_r``, ``d_c``) mask
+    the scores inside a kept tile (:func:`~vitattn.kernels._tiles.window_keep`).
     """
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -144,7 +156,15 @@ def _fwd_softmax_kernel(
     alpha2 = alpha * LOG2E
     kr, kc = _coords_start(tl.arange(0, BLOCK_N), num_prefix, grid_w)
     step_r, step_c, gw = _coords_step(BLOCK_N, grid_w)
-    for start_n in range(0, n_k, BLOCK_N):
+    kr0, kc0 = kr, kc
+    if WINDOW:
+        r0, r1, c0, c1 = window_rows(WIN, offs_m, n_q)
+    n_iter, wrow = tile_list(WLIST, WCNT, n_wcols, 0, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, WINDOW)
+    for it in range(0, n_iter):
+        tile = tile_index(wrow, it, WINDOW)
+        start_n = tile * BLOCK_N
+        if WINDOW:
+            kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
         z, _e = _score_tile(
@@ -179,6 +199,8 @@ def _fwd_softmax_kernel(
             EVEN_M,
             EVEN_N,
         )
+        if WINDOW:
+            z = tl.where(window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, False, DILATED), z, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(z, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
         p = tl.exp2(z - m_safe[:, None])
@@ -187,7 +209,7 @@ def _fwd_softmax_kernel(
         v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv, EVEN_N, EVEN_D)
         acc = acc * corr[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
         m_i = m_new
-        if GAUSS:
+        if GAUSS and not WINDOW:
             kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
 
     dead = l_i == 0.0

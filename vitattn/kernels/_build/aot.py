@@ -52,8 +52,8 @@ MAX_EX2_PER_SCORE = 2.0  # the Gaussian loops: the bias' exp and softmax's own
 SOURCES = ("_common.py", "_tiles.py", "softmax.py", "entmax15.py", "entmax_alpha.py", "backward.py", "configs.py")
 ROW_PASSES = ("delta", "rows")  # the backward's row kernels: no tiles, no loop, no tensor cores
 
-_FP32_POINTERS = {"STAT", "DELTA", "ROWS", "OG", "DEN", "ALPHA", "DADD", "DDEN", "DALPHA", "ENT", "DENT"}
-_INT_POINTERS = {"KEEP": "u8", "LIVE": "u8", "LIST": "i32", "CNT": "i32"}
+_FP32_POINTERS = {"STAT", "DELTA", "ROWS", "OG", "DEN", "ALPHA", "DADD", "DDEN", "DALPHA", "ENT", "DENT", "WIN"}
+_INT_POINTERS = {"KEEP": "u8", "LIVE": "u8", "LIST": "i32", "CNT": "i32", "WLIST": "i32", "WCNT": "i32"}
 _UNIT_STRIDES = {"s_qd", "s_kd", "s_vd"}  # contiguous head dim, as the JIT specializes them
 _ALIGNED_INTS = {"head_d", "head_dv", "s_qb", "s_qh", "s_qm", "s_kb", "s_kh", "s_kn", "s_vb", "s_vh", "s_vn"}
 
@@ -69,6 +69,7 @@ class Build:
     dtype: str
     even: bool = True  # whole tiles (EVEN_M, EVEN_N, EVEN_D), else every bound mask on
     pickable: bool = True  # the config is in the arch's autotune list at this head dim
+    window: bool = False  # a neighbourhood window (its tile lists and in-tile mask), no dilation
 
     @property
     def variant(self) -> str:
@@ -110,6 +111,7 @@ def _flags(build: Build) -> dict[str, object]:
         F32_DOT=2 if build.dtype == "fp32" else 0,  # fp32: TF32 dots, the only float32 path "auto" takes
         BLOCK_M=build.config.block_m, BLOCK_N=build.config.block_n,
         BLOCK_D=build.head_dim, BLOCK_DV=build.head_dim,
+        WINDOW=build.window, DILATED=build.window,  # --window: every build with a (dilated) window
     )
     if build.pass_ == "delta":
         return {"BLOCK_M": configs.DELTA_ROWS, "BLOCK_DV": build.head_dim}
@@ -123,7 +125,7 @@ def _flags(build: Build) -> dict[str, object]:
         if build.pass_ == "fwd":
             flags["GRAIN"] = configs.LIVE_GRAIN
     elif build.pass_ in ("bwd_dkdv", "bwd_dq"):
-        flags["SPARSE"] = False
+        flags["SPARSE"] = build.window  # a window's lists
     if build.pass_ == "fwd" and build.normalizer != "softmax":
         flags["STORE_OG"] = True  # training: the heavier form
     if build.pass_ == "bwd_dq":
@@ -150,7 +152,7 @@ def _source(fn, dtype: str, constexprs: dict[str, object]):
             kind = _INT_POINTERS.get(name) or ("fp32" if name in _FP32_POINTERS else dtype)
             signature[name] = f"*{kind}"
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("scale", "clamp"):
+        elif name in ("scale", "clamp", "d_r", "d_c"):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
@@ -216,7 +218,7 @@ def compile_one(build: Build) -> Result:
 
 def plan(
     archs: Iterable[int], head_dim: int, dtype: str, quick: bool = False, ragged: Iterable[int] = (),
-    all_configs: bool = False, variants: Iterable[str] = (),
+    all_configs: bool = False, variants: Iterable[str] = (), window: bool = False,
 ) -> list[Build]:
     """Every (arch, variant, config) at ``min(head_dim, config's limit)``: the arch's own autotune list
     (``pickable``), and with ``all_configs`` the other archs' entries too (not pickable there); ``quick``
@@ -245,12 +247,14 @@ def plan(
                             tiles += [(cfg, False) for cfg in other[kernel] if cfg not in own[kernel]]
                     for even in (True, False) if arch in ragged else (True,):
                         # a config never used for this variant (a head-dim limit under 16) is not built
-                        alpha = configs.heavy_alpha(normalizer, bias)
+                        alpha = configs.heavy_alpha(normalizer, bias, window)
                         limit = [(c, p, c.head_dim_limit(masked, fp32, not even, alpha)) for c, p in tiles]
                         usable = [(c, p, lim) for c, p, lim in limit if lim >= 16]
                         for cfg, pickable, lim in usable[:1] if quick else usable:
                             dim = min(head_dim, lim)
-                            builds.append(Build(arch, normalizer, bias, pass_, cfg, dim, dtype, even, pickable))
+                            builds.append(
+                                Build(arch, normalizer, bias, pass_, cfg, dim, dtype, even, pickable, window)
+                            )
         delta_cfg = configs.TileConfig(configs.DELTA_ROWS, 16, 4, 1)
         builds.append(Build(arch, "-", "-", "delta", delta_cfg, head_dim, dtype))
         rows_cfg = configs.TileConfig(configs.ROW_TERMS_ROWS, 16, 4, 1)
@@ -273,7 +277,7 @@ def report_row(r: Result) -> dict[str, Any]:
     loops = r.loops
     return {
         "kernel": b.kernel, "normalizer": b.normalizer, "bias": b.bias, "pass": b.pass_, "arch": b.arch,
-        "dtype": b.dtype, "head_dim": b.head_dim, "even": b.even,
+        "dtype": b.dtype, "head_dim": b.head_dim, "even": b.even, "window": b.window,
         "block_m": cfg.block_m, "block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
         "pickable": b.pickable, "ok": r.ok, "error": r.error or None, "notes": r.notes,
         "registers": r.registers, "spill_bytes": r.spill_bytes, "local_bytes": r.local_bytes,
@@ -411,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also the other archs' configs on each arch (not pickable there)")
     parser.add_argument("--variants", nargs="+", default=[], metavar="PATTERN",
                         help="only these normalizer/bias/pass variants (fnmatch patterns, e.g. 'entmax15/*/fwd')")
+    parser.add_argument("--window", action="store_true",
+                        help="compile every build with a neighbourhood window (not in the default report)")
     parser.add_argument("--report", metavar="PATH", help="write the static machine-code report (JSON)")
     parser.add_argument("--markdown", metavar="REPORT",
                         help="print the pickable sm_90 builds of a report as a markdown table (no compile)")
@@ -438,7 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.fresh:
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="vitattn-aot-")
     ragged = [] if args.ragged is None else (args.ragged or args.arch)
-    builds = plan(args.arch, args.head_dim, args.dtype, args.quick, ragged, args.all_configs, args.variants)
+    builds = plan(
+        args.arch, args.head_dim, args.dtype, args.quick, ragged, args.all_configs, args.variants, args.window
+    )
     print(_fmt(_HEADER))
     results = []
     if args.jobs > 1:
