@@ -59,6 +59,29 @@ NEAR_STEP: tl.constexpr = tl.constexpr(0.05)
 SETTLED: tl.constexpr = tl.constexpr(4.76837158203125e-07)
 
 
+# 2^126: a normal float32 times it is >= 1
+POSITIVE_SCALE: tl.constexpr = tl.constexpr(8.507059173023462e37)
+
+
+if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 8):
+
+    @triton.jit
+    def _positive(a):
+        """``1.0`` where ``a > 0`` (a normal float32), ``0.0`` where ``a = 0``, as ``min(a 2^126, 1)``:
+        summed by ``tl.sum``, ``where(a > 0, 1.0, 0.0)`` compiles under Triton 3.6 to packed integer
+        counters (a select, a shift, a logic op and an add per score besides the compare: the first pass
+        at 26.0 instructions per score against 19.1 under 3.8; this form: 20.2)."""
+        return tl.minimum(a * POSITIVE_SCALE, 1.0)
+
+else:
+
+    @triton.jit
+    def _positive(a):
+        """``1.0`` where ``a > 0``, ``0.0`` where ``a = 0``: one ``FSET`` per score under Triton 3.8 (the
+        ``min(a 2^126, 1)`` form of older Triton costs it two)."""
+        return tl.where(a > 0.0, 1.0, 0.0)
+
+
 @triton.jit
 def _newton_step(s1, s2):
     """Newton's step on ``h = sqrt(s2) - 1`` from the left: ``(sqrt(s2) - 1) sqrt(s2) / s1``, >= 0
@@ -283,11 +306,11 @@ def _fwd_entmax15_kernel(
         m = tl.maximum(m, tl.max(y, 1))
         ref = tl.where(it == 0, tl.where(m == float("-inf"), 0.0, m), ref)
         a = tl.maximum(y - (ref + LEVEL_LO)[:, None], 0.0)
-        k_lo += tl.sum(tl.where(a > 0.0, 1.0, 0.0), 1)
+        k_lo += tl.sum(_positive(a), 1)
         s1_lo += tl.sum(a, 1)
         s2_lo += tl.sum(a * a, 1)
         a = tl.maximum(y - (ref + LEVEL_HI)[:, None], 0.0)
-        k_hi += tl.sum(tl.where(a > 0.0, 1.0, 0.0), 1)
+        k_hi += tl.sum(_positive(a), 1)
         s1_hi += tl.sum(a, 1)
         s2_hi += tl.sum(a * a, 1)
         if masked:
@@ -366,7 +389,7 @@ def _fwd_entmax15_kernel(
                 y = tl.where(keep_w, y, float("-inf"))
             d = (y - m[:, None]) - tau[:, None]
             g = tl.maximum(d, 0.0)
-            above = tl.sum(tl.where(g > 0.0, 1.0, 0.0), 1)
+            above = tl.sum(_positive(g), 1)
             s0 += above
             if SPARSE:  # a key above some row's threshold: record the tile (the last pass' list stays)
                 if EVEN_M:
