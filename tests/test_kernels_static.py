@@ -66,12 +66,14 @@ def test_report_covers_every_pickable_build(report):
             for normalizer in aot.NORMALIZERS:
                 for bias in aot.BIAS_KINDS:
                     for pass_ in aot.PASSES:
-                        kernel = f"fwd_{normalizer}" if pass_ == "fwd" else pass_
+                        kernel = aot.kernel_name(normalizer, pass_)
                         masked = bias in ("additive", "bool")
                         gauss = bias == "gaussian"
-                        for c in configs.autotune_list(
-                            kernel, 16, masked, arch=arch, ragged=ragged, gauss=gauss
-                        ):
+                        heavy = configs.heavy_alpha(normalizer, bias)
+                        tiles = configs.autotune_list(
+                            kernel, 16, masked, arch=arch, ragged=ragged, gauss=gauss, alpha=heavy
+                        )
+                        for c in tiles:
                             tile = (c.block_m, c.block_n, c.num_warps, c.num_stages)
                             assert (kernel, normalizer, bias, pass_, *tile) in built, (arch, ragged, tile)
 

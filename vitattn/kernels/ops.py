@@ -31,17 +31,33 @@ import torch
 import triton
 
 from ..cache import cache_dir
-from . import configs
+from ..functional.window import WindowMask
+from . import configs, windows
 from .env import dot_mode, interpret_requested
 
-_MODULES = ("_common", "softmax", "entmax15", "backward")
+_MODULES = (
+    "_common",
+    "_tiles",
+    "softmax",
+    "softmax_lists",
+    "entmax15",
+    "entmax_alpha",
+    "backward",
+    "backward_lists",
+)
 _KERNEL_ATTRS = {
     "fwd_softmax": ("softmax", "_fwd_softmax_kernel"),
     "fwd_entmax15": ("entmax15", "_fwd_entmax15_kernel"),
+    "fwd_entmax_alpha": ("entmax_alpha", "_fwd_entmax_alpha_kernel"),
     "bwd_delta": ("backward", "_bwd_delta_kernel"),
     "bwd_factors": ("backward", "_bwd_factors_kernel"),
     "bwd_dkdv": ("backward", "_bwd_dkdv_kernel"),
     "bwd_dq": ("backward", "_bwd_dq_kernel"),
+    # the list kernels: a window (softmax), entmax-1.5's live tiles, alpha-entmax (see KernelLaunch.lists)
+    "fwd_softmax_lists": ("softmax_lists", "_fwd_softmax_kernel"),
+    "bwd_rows": ("backward_lists", "_bwd_rows_kernel"),
+    "bwd_dkdv_lists": ("backward_lists", "_bwd_dkdv_kernel"),
+    "bwd_dq_lists": ("backward_lists", "_bwd_dq_kernel"),
 }
 _KERNELS: dict[bool, dict[str, Any]] = {}  # interpreter setting -> kernels, resolved once each
 
@@ -255,7 +271,11 @@ def tile_candidates(
     masked = bool(meta["HAS_ADD"] or meta["HAS_KEEP"])
     fp32 = bool(meta["F32_DOT"])  # on a GPU: float32 operands (TF32 or IEEE)
     gauss = bool(meta.get("GAUSS", False))
-    tiles = configs.autotune_list(name, block_d, masked, fp32, arch=arch, ragged=ragged, gauss=gauss)
+    # configs.heavy_alpha: alpha-entmax or a window, with a bias or a mask
+    alpha = (meta.get("ENTMAX") == 2 or bool(meta.get("WINDOW"))) and (masked or gauss)
+    tiles = configs.autotune_list(
+        name, block_d, masked, fp32, arch=arch, ragged=ragged, gauss=gauss, alpha=alpha
+    )
     if not tiles:
         raise RuntimeError(
             f"no tile config of {name} serves head dim {block_d} (masked={masked}, fp32={fp32}, "
@@ -280,6 +300,15 @@ class PerTile:
 def resolve_args(args: Sequence[Any], block_m: int, block_n: int) -> list[Any]:
     """``args`` with every :class:`PerTile` resolved for the tile ``block_m x block_n``."""
     return [a.fn(block_m, block_n) if isinstance(a, PerTile) else a for a in args]
+
+
+def args_at(
+    args: Sequence[Any], tile_args: Callable[[configs.TileConfig], list[Any]] | None, tile: configs.TileConfig
+) -> list[Any]:
+    """A launch's arguments at ``tile``: ``args`` resolved (:func:`resolve_args`), then
+    ``tile_args(tile)``."""
+    extra = tile_args(tile) if tile_args is not None else []
+    return [*resolve_args(args, tile.block_m, tile.block_n), *extra]
 
 
 KV_TMA_ENV = "VITATTN_KV_TMA"  # "0": K / V tiles through pointers everywhere (the tests run both paths)
@@ -378,18 +407,20 @@ def _launch(
     even_d: bool,
     reset: Callable[[], object] | None = None,
     grid_keys: tuple[int, int] | None = None,
+    tile_args: Callable[[configs.TileConfig], list[Any]] | None = None,
 ) -> None:
     """Launch kernel ``name`` over ``grid(BLOCK_M, BLOCK_N)`` under the arguments' CUDA device.
 
     ``shape`` is ``(B·H, Nq, Nk)`` for the tuning key and the ``EVEN_*`` flags (:func:`even_flags`);
-    ``reset`` restores an accumulated output (the additive mask's gradient) after benchmarking;
-    ``grid_keys``: ``(num_prefix, grid_w)`` where the kernel visits grid-aligned key tiles. The interpreter
-    runs ``configs.INTERPRET``.
+    ``reset`` restores an accumulated output (the additive mask's gradient, the live-tile map) after
+    benchmarking; ``grid_keys``: ``(num_prefix, grid_w)`` where the kernel visits grid-aligned key tiles;
+    ``tile_args(tile)`` are arguments that depend on the tile (the live-tile lists), after ``args``. The
+    interpreter runs ``configs.INTERPRET``.
     """
     fn = kernels()[name]
     _, n_q, n_k = shape
     if _CAPTURE is not None:
-        _CAPTURE.append(Captured(name, fn, list(args), dict(meta), shape, even_d, grid_keys))
+        _CAPTURE.append(Captured(name, fn, list(args), dict(meta), shape, even_d, grid_keys, tile_args))
         return
     with device_guard(args):
         if interpret_requested():
@@ -398,11 +429,7 @@ def _launch(
             c = configs.INTERPRET
             even = even_flags(c.block_m, c.block_n, n_q, n_k, even_d, grid_keys)
             fn[grid(c.block_m, c.block_n)](
-                *resolve_args(args, c.block_m, c.block_n),
-                BLOCK_M=c.block_m,
-                BLOCK_N=c.block_n,
-                **meta,
-                **even,
+                *args_at(args, tile_args, c), BLOCK_M=c.block_m, BLOCK_N=c.block_n, **meta, **even
             )
             return
 
@@ -416,11 +443,11 @@ def _launch(
                 **meta,
                 **even,
             )
-            tile_args = resolve_args(args, tile.block_m, tile.block_n)
+            tile_args_ = args_at(args, tile_args, tile)
             if warm:
-                fn.warmup(*tile_args, grid=grid(tile.block_m, tile.block_n), **kw)
+                fn.warmup(*tile_args_, grid=grid(tile.block_m, tile.block_n), **kw)
             else:
-                fn[grid(tile.block_m, tile.block_n)](*tile_args, **kw)
+                fn[grid(tile.block_m, tile.block_n)](*tile_args_, **kw)
 
         benched: list[configs.TileConfig] = []
 
@@ -461,11 +488,16 @@ class Captured:
     shape: tuple[int, int, int]
     even_d: bool
     grid_keys: tuple[int, int] | None
+    tile_args: Callable[[configs.TileConfig], list[Any]] | None = None
 
     def even(self, block_m: int, block_n: int) -> dict[str, bool]:
         """The ``EVEN_*`` flags of this launch at a tile (:func:`even_flags`)."""
         _, n_q, n_k = self.shape
         return even_flags(block_m, block_n, n_q, n_k, self.even_d, self.grid_keys)
+
+    def args_at(self, block_m: int, block_n: int) -> list[Any]:
+        """The arguments at a tile of ``block_m x block_n`` (:func:`args_at`)."""
+        return args_at(self.args, self.tile_args, configs.TileConfig(block_m, block_n, 4, 1))
 
 
 _CAPTURE: list[Captured] | None = None
@@ -517,8 +549,11 @@ class KernelLaunch:
 
     q ``(B, H, Nq, D)``, k ``(B, H, Nk, D)``, v ``(B, H, Nk, Dv)`` in one dtype, any strides; ``add``
     a 4-D additive float mask and ``keep`` a 4-D boolean keep-mask (broadcast dims of size 1);
+    ``window`` a neighbourhood window (on the layout ``num_prefix``, ``grid_w``);
     ``den`` float32 ``(B, H, Np, 2)`` = ``r * sigma + eps`` and ``alpha`` float32 ``(B, H, Np)``
-    (expanded views); ``tf32``: TF32 dots for float32 operands on a GPU.
+    (expanded views); ``ent`` float32 ``(B, H, Nq)``: the alphas of alpha-entmax (an expanded view; the
+    normalizer is then alpha-entmax whatever ``entmax`` says); ``tf32``: TF32 dots for float32 operands on
+    a GPU.
     """
 
     q: torch.Tensor
@@ -534,6 +569,32 @@ class KernelLaunch:
     clamp: float
     entmax: bool
     tf32: bool
+    ent: torch.Tensor | None = None
+    window: WindowMask | None = None
+
+    @property
+    def lists(self) -> bool:
+        """Whether the kernels iterate tile lists (``*_lists`` kernels, the Gaussian bias per score): a
+        window, entmax-1.5 (its live tiles) or alpha-entmax; plain softmax runs the grid-aligned kernels."""
+        return self.normalizer != "softmax" or self.window is not None
+
+    @property
+    def normalizer(self) -> str:
+        """``"softmax"``, ``"entmax15"`` or ``"entmax_alpha"`` (a tensor of alphas)."""
+        if self.ent is not None:
+            return "entmax_alpha"
+        return "entmax15" if self.entmax else "softmax"
+
+    @property
+    def entmax_code(self) -> int:
+        """The backward kernels' ``ENTMAX`` constexpr: 0 softmax, 1 entmax-1.5, 2 alpha-entmax."""
+        return {"softmax": 0, "entmax15": 1, "entmax_alpha": 2}[self.normalizer]
+
+    def ent_args(self, dummy: torch.Tensor) -> list[Any]:
+        """``ENT, s_eb, s_eh, s_em``: the alphas and their strides (a dummy and zeros without them)."""
+        if self.ent is None:
+            return [dummy, 0, 0, 0]
+        return [self.ent, *_bcast_strides(self.ent.unsqueeze(-1))[:3]]
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -607,42 +668,130 @@ class KernelLaunch:
             F32_DOT=dot_mode(q.dtype, q.device.type, self.tf32, interpret_requested()),
             BLOCK_D=block_dim(q.shape[3]),
             BLOCK_DV=block_dim(self.v.shape[3]),
+            WINDOW=self.window is not None,
+            DILATED=self.window is not None and self.window.dilation != (1, 1),
         )
 
+    def window_args(self, block_m: int, block_n: int, by_keys: bool, dummy: torch.Tensor) -> list[Any]:
+        """``WLIST, WCNT, n_wcols, WIN, d_r, d_c``: the window's tile lists for tiles of ``block_m`` queries x
+        ``block_n`` keys (per query tile its key tiles, or per key tile its query tiles if ``by_keys``),
+        shared by every (b, h), and its bounds per query (:mod:`~vitattn.kernels.windows`)."""
+        if self.window is None:
+            return [dummy, dummy, 0, dummy, 1.0, 1.0]
+        order, count = _window_lists(self.window, block_m, block_n, by_keys, self.q.device)
+        d_r, d_c = self.window.dilation
+        bounds = windows.window_bounds(self.window, self.q.device)
+        return [order, count, order.shape[-1], bounds, float(d_r), float(d_c)]
 
-def _forward(launch: KernelLaunch, store_og: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, stat, og)``: out ``(B, H, Nq, Dv)`` in v's dtype, stat float32 ``(B, H, Nq)``, og float32
-    ``(B, H, Nq, Dv)`` for entmax-1.5 with ``store_og`` (else an empty ``(0,)`` tensor)."""
+
+_WINDOW_LISTS: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _window_lists(
+    window: WindowMask, block_m: int, block_n: int, by_keys: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`windows.compact` of :func:`windows.window_tiles` (transposed if ``by_keys``), on ``device``,
+    cached (no host copy after the first call of a window and tile)."""
+    key = (window, block_m, block_n, by_keys, device)
+    found = _WINDOW_LISTS.get(key)
+    if found is None:
+        tiles = windows.window_tiles(window, block_m, block_n)
+        found = windows.compact((tiles.T if by_keys else tiles)[None].to(device))
+        _WINDOW_LISTS[key] = found
+    return found
+
+
+def live_grain() -> int:
+    """The side of the live-tile map's cells (:func:`_forward`): the smallest tile side of the arch lists
+    (16 in the interpreter, where the tests shrink the tiles to 16)."""
+    return configs.INTERPRET_LIVE_GRAIN if interpret_requested() else configs.LIVE_GRAIN
+
+
+def live_shape(b: int, h: int, n_q: int, n_k: int) -> tuple[int, int, int, int]:
+    """The shape of the live-tile map of an entmax-1.5 forward: uint8 ``(B, H, cells of Nq, cells of Nk)``."""
+    grain = live_grain()
+    return b, h, -(-n_q // grain), -(-n_k // grain)
+
+
+def tile_lists(
+    live: torch.Tensor, block_rows: int, block_cols: int, n_rows: int, n_cols: int, by_cols: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(LIST, CNT)`` of the backward's inner loops from the live-tile map ``live`` (uint8 ``(B, H, cells
+    of the queries, cells of the keys)``): a tile of ``block_rows`` queries x ``block_cols`` keys is live
+    when a cell it covers is. Per program (query tile, or key tile if ``by_cols``: the dK/dV kernel's
+    transposed list), its live inner tiles in order, int32 ``(B * H, programs, inner tiles)``, and their
+    count, int32 ``(B * H, programs)``."""
+    grain = live_grain()
+    b, h, c_r, c_c = live.shape
+    f_r, f_c = block_rows // grain, block_cols // grain
+    t_r, t_c = -(-n_rows // block_rows), -(-n_cols // block_cols)
+    cells = torch.nn.functional.pad(live.reshape(b * h, c_r, c_c), (0, t_c * f_c - c_c, 0, t_r * f_r - c_r))
+    tiles = cells.view(b * h, t_r, f_r, t_c, f_c).amax(dim=(2, 4)) != 0
+    return windows.compact(tiles.transpose(1, 2) if by_cols else tiles)
+
+
+def _forward(
+    launch: KernelLaunch, store_og: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, stat, og, live)``: out ``(B, H, Nq, Dv)`` in v's dtype, stat float32 ``(B, H, Nq)``, og
+    float32 ``(B, H, Nq, Dv)`` for entmax-1.5 / alpha-entmax with ``store_og`` (else an empty ``(0,)``
+    tensor), live the map of the key tiles the entmax-1.5 output pass visited (uint8 :func:`live_shape`;
+    empty otherwise)."""
     q, v = launch.q, launch.v
     b, h, n_q, _ = q.shape
     dv = v.shape[3]
     dummy = q.new_empty(1, dtype=torch.float32)
     out = torch.empty(b, h, n_q, dv, device=q.device, dtype=v.dtype)
     stat = torch.empty(b, h, n_q, device=q.device, dtype=torch.float32)
-    store_og = store_og and launch.entmax
+    name = f"fwd_{launch.normalizer}"
+    sparse = name != "fwd_softmax"
+    if launch.window is not None and not sparse:
+        name = "fwd_softmax_lists"
+    store_og = store_og and sparse
     og = torch.empty(b, h, n_q, dv if store_og else 0, device=q.device, dtype=torch.float32)
     head = [q, launch.k, v, out, stat, *launch.operands(dummy)]
     meta = launch.flags()
-    if launch.entmax:
+    if sparse:
         head.append(og if store_og else dummy)
         meta["STORE_OG"] = store_og
-    else:
+    elif name == "fwd_softmax":
+        del meta["WINDOW"], meta["DILATED"]
         meta.update(launch.grid_flags())
         meta["KV_TMA"] = tma = kv_tma(launch)
         descs = kv_descriptors(launch) if tma else []
         head += descs + [dummy] * (4 - len(descs))
     args = [*head, *launch.strides(), *launch.scalars()]
-    name = "fwd_entmax15" if launch.entmax else "fwd_softmax"
+    if launch.ent is not None:
+        args += launch.ent_args(dummy)
+    live = q.new_empty(0, dtype=torch.uint8)
+    n_k = launch.k.shape[2]
+    if name == "fwd_entmax15":
+        live = torch.zeros(live_shape(b, h, n_q, n_k), device=q.device, dtype=torch.uint8)
+        meta.update(SPARSE=True, GRAIN=live_grain())
+
+    def tile_args(tile: configs.TileConfig) -> list[Any]:
+        extra = []
+        if name == "fwd_entmax15":  # the search's list (scratch) and the live map
+            rows = b * h * triton.cdiv(n_q, tile.block_m)
+            scratch = torch.empty(rows, triton.cdiv(n_k, tile.block_n), device=q.device, dtype=torch.int32)
+            extra = [scratch, live, live.shape[2], live.shape[3]]
+        if name == "fwd_softmax":  # the grid-aligned kernel: no window
+            return extra
+        return extra + launch.window_args(tile.block_m, tile.block_n, False, dummy)
+
+    grid = lambda bm, bn: (triton.cdiv(n_q, bm), b * h)  # noqa: E731
     _launch(
         name,
-        lambda bm, bn: (triton.cdiv(n_q, bm), b * h),
+        grid,
         args,
         meta,
         launch.shape,
         launch.even_d,
-        grid_keys=None if launch.entmax else launch.grid_keys,
+        reset=live.zero_,
+        grid_keys=launch.grid_keys if name == "fwd_softmax" else None,
+        tile_args=tile_args,
     )
-    return out, stat, og
+    return out, stat, og, live
 
 
 def _backward(
@@ -650,14 +799,17 @@ def _backward(
     grad_out: torch.Tensor,
     o_or_og: torch.Tensor,
     stat: torch.Tensor,
+    live: torch.Tensor,
     add_grad: bool,
     gauss_grad: bool,
+    ent_grad: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """``(dq, dk, dv, dadd, dden, dalpha)`` in the shapes of q, k, v (their dtypes) and of add, den,
-    alpha (float32); ``dadd`` / ``dden``, ``dalpha`` are empty ``(0,)`` tensors unless asked for."""
+    """``(dq, dk, dv, dadd, dden, dalpha, dent)`` in the shapes of q, k, v (their dtypes) and of add, den,
+    alpha, ent (float32); ``dadd`` / ``dden``, ``dalpha`` / ``dent`` are empty ``(0,)`` tensors unless
+    asked for."""
     q, k, v, add = launch.q, launch.k, launch.v, launch.add
-    if launch.entmax and o_or_og.shape[-1] != v.shape[-1]:
-        raise RuntimeError("attention_bwd: the entmax-1.5 forward ran with store_og=False")
+    if launch.normalizer != "softmax" and o_or_og.shape[-1] != v.shape[-1]:
+        raise RuntimeError(f"attention_bwd: the {launch.normalizer} forward ran with store_og=False")
     b, h, n_q, d = q.shape
     n_k, dv = k.shape[2], v.shape[3]
     do = grad_out.contiguous()
@@ -678,8 +830,27 @@ def _backward(
         BLOCK_DV=block_dim(dv),
     )
 
+    lists = launch.lists
     fact, n_qp, n_fr = dummy, 0, 0
-    if launch.den is not None:  # the Gaussian factors of every query, once (read by dK/dV)
+    if launch.den is not None and lists:  # the Gaussian row terms, once per query (read by dK/dV)
+        assert launch.alpha is not None
+        fact = torch.empty(b * h, 5, n_q, device=q.device, dtype=torch.float32)
+        block = configs.INTERPRET_DELTA_ROWS if interpret_requested() else configs.ROW_TERMS_ROWS
+        rows_args = (
+            launch.den,
+            launch.alpha,
+            fact,
+            *launch.gauss_strides(),
+            h,
+            n_q,
+            launch.num_prefix,
+            launch.grid_w,
+            launch.clamp,
+        )
+        _run_or_warm(
+            kernels()["bwd_rows"], (triton.cdiv(n_q, block), b * h), rows_args, [launch.den], BLOCK_M=block
+        )
+    elif launch.den is not None:  # the Gaussian factors of every query, once (read by dK/dV)
         assert launch.alpha is not None
         n_qp, n_fr = factor_rows(n_q, launch.num_prefix, launch.grid_w)
         gwp = grid_pad(launch.grid_w)
@@ -725,22 +896,53 @@ def _backward(
         dden = torch.empty(launch.den.shape, device=q.device, dtype=torch.float32)
         dalpha = torch.empty(launch.alpha.shape, device=q.device, dtype=torch.float32)
 
+    ent_grad = ent_grad and launch.ent is not None
+    dent = q.new_empty(b, h, n_q, dtype=torch.float32) if ent_grad else empty()
+    ent_args = launch.ent_args(dummy)
+
     meta = launch.flags()
-    meta["ENTMAX"] = launch.entmax
-    meta.update(launch.grid_flags())
+    meta["ENTMAX"] = launch.entmax_code
     strides, scalars, operands = launch.strides(), launch.scalars(), launch.operands(dummy)
+    if lists:
+        # the inner loops iterate lists: entmax-1.5's live tiles (per (b, h)), else a window's (shared)
+        meta["SPARSE"] = live.numel() > 0 or launch.window is not None
+
+        def list_args(by_keys: bool) -> Callable[[configs.TileConfig], list[Any]]:
+            def tile_args(tile: configs.TileConfig) -> list[Any]:
+                win = launch.window_args(tile.block_m, tile.block_n, by_keys, dummy)
+                if live.numel() == 0:
+                    return [*win[:3], 0, *win[3:]]
+                order, count = tile_lists(live, tile.block_m, tile.block_n, n_q, n_k, by_keys)
+                return [order, count, order.shape[-1], 1, *win[3:]]
+
+            return tile_args
+
+        dkdv_args = [q, k, v, do, stat, delta, fact, dk, dvv, *operands, *strides, *scalars, *ent_args]
+        dkdv_blocks = lambda bm, bn: (triton.cdiv(n_k, bn), b * h)  # noqa: E731
+        dkdv_extra: dict[str, Any] = dict(tile_args=list_args(by_keys=True))
+        dq_tail = [ent_args[0], dent if ent_grad else dummy, *ent_args[1:]]
+        dq_meta: dict[str, Any] = dict(ENT_GRAD=ent_grad)
+        dq_extra: dict[str, Any] = dict(tile_args=list_args(by_keys=False))
+    else:  # plain softmax: grid-aligned Gaussian tiles, no lists
+        del meta["WINDOW"], meta["DILATED"]
+        meta.update(launch.grid_flags())
+        dkdv_args = [q, k, v, do, stat, delta, fact, dk, dvv, *operands, *strides, *scalars, n_qp, n_fr]
+        dkdv_blocks = lambda bm, bn: (launch.key_blocks(bn), b * h)  # noqa: E731
+        dkdv_extra = dict(grid_keys=launch.grid_keys)
+        dq_tail, dq_meta, dq_extra = [], {}, dict(grid_keys=launch.grid_keys)
+    suffix = "_lists" if lists else ""
     _launch(
-        "bwd_dkdv",
-        lambda bm, bn: (launch.key_blocks(bn), b * h),
-        [q, k, v, do, stat, delta, fact, dk, dvv, *operands, *strides, *scalars, n_qp, n_fr],
+        "bwd_dkdv" + suffix,
+        dkdv_blocks,
+        dkdv_args,
         meta,
         launch.shape,
         launch.even_d,
-        grid_keys=launch.grid_keys,
+        **dkdv_extra,
     )
     zero_dadd = dadd.zero_ if add_mode == 2 else None  # atomics accumulate: reset after benchmarking
     _launch(
-        "bwd_dq",
+        "bwd_dq" + suffix,
         lambda bm, bn: (triton.cdiv(n_q, bm), b * h),
         [
             q,
@@ -757,9 +959,11 @@ def _backward(
             *strides,
             *g_strides,
             *scalars,
+            *dq_tail,
         ],
         {
             **meta,
+            **dq_meta,
             "ADD_GRAD": add_mode,
             "GAUSS_GRAD": gauss_grad,
             "DADD_BCAST_M": bcast_m,
@@ -768,19 +972,20 @@ def _backward(
         launch.shape,
         launch.even_d,
         reset=zero_dadd,
-        grid_keys=launch.grid_keys,
+        **dq_extra,
     )
-    return dq, dk, dvv, dadd, dden, dalpha
+    return dq, dk, dvv, dadd, dden, dalpha, dent
 
 
 # ---- the custom ops ------------------------------------------------------------------------------------
 
-_OPERANDS = "Tensor q, Tensor k, Tensor v, Tensor? add, Tensor? keep, Tensor? den, Tensor? alpha"
+_OPERANDS = "Tensor q, Tensor k, Tensor v, Tensor? add, Tensor? keep, Tensor? den, Tensor? alpha, Tensor? ent"
 _SCALARS = "float scale, int num_prefix, int grid_w, float clamp, bool entmax, bool tf32"
-FWD_SCHEMA = f"({_OPERANDS}, {_SCALARS}, bool store_og) -> (Tensor, Tensor, Tensor)"
+FWD_SCHEMA = f"({_OPERANDS}, {_SCALARS}, bool store_og, int[] window=[]) -> (Tensor, Tensor, Tensor, Tensor)"
 BWD_SCHEMA = (
-    f"(Tensor grad_out, Tensor o_or_og, Tensor stat, {_OPERANDS}, {_SCALARS}, bool add_grad, bool gauss_grad)"
-    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    f"(Tensor grad_out, Tensor o_or_og, Tensor stat, Tensor live, {_OPERANDS}, {_SCALARS}, bool add_grad,"
+    " bool gauss_grad,"
+    " bool ent_grad, int[] window=[]) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
 
@@ -793,6 +998,7 @@ def attention_fwd(
     keep: torch.Tensor | None,
     den: torch.Tensor | None,
     alpha: torch.Tensor | None,
+    ent: torch.Tensor | None,
     scale: float,
     num_prefix: int,
     grid_w: int,
@@ -800,26 +1006,33 @@ def attention_fwd(
     entmax: bool,
     tf32: bool,
     store_og: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``normalize(q kᵀ · scale + gaussian + add, masked by keep) v``: ``(out, stat, og)`` (:func:`_forward`).
+    window: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``normalize(q kᵀ · scale + gaussian + add, masked by keep) v``: ``(out, stat, og, live)``
+    (:func:`_forward`).
 
-    Operands as in :class:`KernelLaunch` (one dtype for q, k, v); differentiable in q, k, v, add, den
-    and alpha (through ``attention_bwd``) when ``store_og`` is set for entmax-1.5.
+    Operands as in :class:`KernelLaunch` (one dtype for q, k, v); differentiable in q, k, v, add, den,
+    alpha and ent (through ``attention_bwd``) when ``store_og`` is set for entmax-1.5 / alpha-entmax.
     """
-    launch = KernelLaunch(q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32)
+    win = WindowMask.from_ints(list(window)) if window else None
+    launch = KernelLaunch(
+        q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, ent, win
+    )
     return _forward(launch, store_og)
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(
-    q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, store_og
+    q, k, v, add, keep, den, alpha, ent, scale, num_prefix, grid_w, clamp, entmax, tf32, store_og, window=()
 ):  # fmt: skip
     b, h, n_q, _ = q.shape
     dv = v.shape[3]
     out = q.new_empty(b, h, n_q, dv, dtype=v.dtype)
     stat = q.new_empty(b, h, n_q, dtype=torch.float32)
-    og = q.new_empty(b, h, n_q, dv if store_og and entmax else 0, dtype=torch.float32)
-    return out, stat, og
+    og = q.new_empty(b, h, n_q, dv if store_og and (entmax or ent is not None) else 0, dtype=torch.float32)
+    sparse = entmax and ent is None
+    live = q.new_empty(live_shape(b, h, n_q, k.shape[2]) if sparse else (0,), dtype=torch.uint8)
+    return out, stat, og, live
 
 
 @torch.library.custom_op("vitattn::attention_bwd", mutates_args=(), schema=BWD_SCHEMA)
@@ -827,6 +1040,7 @@ def attention_bwd(
     grad_out: torch.Tensor,
     o_or_og: torch.Tensor,
     stat: torch.Tensor,
+    live: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -834,6 +1048,7 @@ def attention_bwd(
     keep: torch.Tensor | None,
     den: torch.Tensor | None,
     alpha: torch.Tensor | None,
+    ent: torch.Tensor | None,
     scale: float,
     num_prefix: int,
     grid_w: int,
@@ -842,11 +1057,17 @@ def attention_bwd(
     tf32: bool,
     add_grad: bool,
     gauss_grad: bool,
+    ent_grad: bool,
+    window: Sequence[int] = (),
 ) -> tuple[torch.Tensor, ...]:
-    """``(dq, dk, dv, dadd, dden, dalpha)`` of :func:`_backward` for ``grad_out`` ``(B, H, Nq, Dv)``;
-    ``o_or_og`` is the forward's out (softmax) or og (entmax-1.5), ``stat`` its row statistic."""
-    launch = KernelLaunch(q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32)
-    return _backward(launch, grad_out, o_or_og, stat, add_grad, gauss_grad)
+    """``(dq, dk, dv, dadd, dden, dalpha, dent)`` of :func:`_backward` for ``grad_out`` ``(B, H, Nq, Dv)``;
+    ``o_or_og`` is the forward's out (softmax) or og (entmax-1.5, alpha-entmax), ``stat`` its row
+    statistic."""
+    win = WindowMask.from_ints(list(window)) if window else None
+    launch = KernelLaunch(
+        q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, ent, win
+    )
+    return _backward(launch, grad_out, o_or_og, stat, live, add_grad, gauss_grad, ent_grad)
 
 
 @attention_bwd.register_fake
@@ -854,6 +1075,7 @@ def _attention_bwd_fake(
     grad_out,
     o_or_og,
     stat,
+    live,
     q,
     k,
     v,
@@ -861,6 +1083,7 @@ def _attention_bwd_fake(
     keep,
     den,
     alpha,
+    ent,
     scale,
     num_prefix,
     grid_w,
@@ -869,8 +1092,11 @@ def _attention_bwd_fake(
     tf32,
     add_grad,
     gauss_grad,
+    ent_grad,
+    window=(),
 ):
     gauss = gauss_grad and den is not None
+    b, h, n_q, _ = q.shape
     return (
         q.new_empty(q.shape),
         k.new_empty(k.shape),
@@ -878,28 +1104,50 @@ def _attention_bwd_fake(
         q.new_empty(add.shape if add is not None and add_grad else (0,), dtype=torch.float32),
         q.new_empty(den.shape if gauss else (0,), dtype=torch.float32),
         q.new_empty(alpha.shape if gauss else (0,), dtype=torch.float32),
+        q.new_empty((b, h, n_q) if ent_grad and ent is not None else (0,), dtype=torch.float32),
     )
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, _store_og = inputs
-    out, stat, og = output
+    (
+        q,
+        k,
+        v,
+        add,
+        keep,
+        den,
+        alpha,
+        ent,
+        scale,
+        num_prefix,
+        grid_w,
+        clamp,
+        entmax,
+        tf32,
+        _store_og,
+        *window,
+    ) = inputs
+    out, stat, og, live = output
     ctx.scalars = (scale, num_prefix, grid_w, clamp, entmax, tf32)
-    ctx.save_for_backward(og if entmax else out, stat, q, k, v, add, keep, den, alpha)
-    ctx.mark_non_differentiable(stat, og)
+    ctx.window = list(window[0]) if window else []
+    saved = og if entmax or ent is not None else out
+    ctx.save_for_backward(saved, stat, live, q, k, v, add, keep, den, alpha, ent)
+    ctx.mark_non_differentiable(stat, og, live)
     ctx.set_materialize_grads(False)
 
 
-def _attention_backward(ctx: Any, grad_out: torch.Tensor | None, *_stat_og: Any) -> tuple[Any, ...]:
-    none = (None,) * 14
+def _attention_backward(ctx: Any, grad_out: torch.Tensor | None, *_stat_og_live: Any) -> tuple[Any, ...]:
+    none = (None,) * 16
     if grad_out is None:
         return none
-    o_or_og, stat, q, k, v, add, keep, den, alpha = ctx.saved_tensors
+    o_or_og, stat, live, q, k, v, add, keep, den, alpha, ent = ctx.saved_tensors
     need = ctx.needs_input_grad
     add_grad = add is not None and need[3]
     gauss_grad = den is not None and (need[5] or need[6])
-    dq, dk, dv, dadd, dden, dalpha = attention_bwd(
-        grad_out, o_or_og, stat, q, k, v, add, keep, den, alpha, *ctx.scalars, add_grad, gauss_grad
+    ent_grad = ent is not None and need[7]
+    grads = (add_grad, gauss_grad, ent_grad)
+    dq, dk, dv, dadd, dden, dalpha, dent = attention_bwd(
+        grad_out, o_or_og, stat, live, q, k, v, add, keep, den, alpha, ent, *ctx.scalars, *grads, ctx.window
     )
     return (
         dq,
@@ -909,7 +1157,8 @@ def _attention_backward(ctx: Any, grad_out: torch.Tensor | None, *_stat_og: Any)
         None,
         dden if gauss_grad else None,
         dalpha if gauss_grad else None,
-        *none[7:],
+        dent if ent_grad else None,
+        *none[8:],
     )
 
 

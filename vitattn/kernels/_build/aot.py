@@ -5,7 +5,7 @@ Usage: ``python -m vitattn.kernels._build.aot --arch 80 90 [--head-dim 128] [--d
 [--quick] [--ragged [ARCH ...]] [--all-configs] [--variants PATTERN ...] [--report PATH] [--expect-triton 3.6.0]``;
 ``python -m vitattn.kernels._build.aot --markdown REPORT`` prints a report's sm_90 table (docs/kernels.md).
 
-A *variant* is normalizer (softmax, entmax15) x bias kind (none, gaussian, additive, bool) x pass (fwd,
+A *variant* is normalizer (softmax, entmax15, entmax_alpha) x bias kind (none, gaussian, additive, bool) x pass (fwd,
 bwd_dkdv, bwd_dq); each is compiled with every entry of its arch's autotune list
 (``configs.AUTOTUNE_BY_ARCH``), at the largest head dim that entry serves (its worst case for registers
 and shared memory), via ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))``, no GPU
@@ -46,24 +46,48 @@ from .. import configs
 from . import compare
 from .jit import jit_source
 
-NORMALIZERS = ("softmax", "entmax15")
+NORMALIZERS = ("softmax", "entmax15", "entmax_alpha")
 BIAS_KINDS = ("none", "gaussian", "additive", "bool")
 PASSES = ("fwd", "bwd_dkdv", "bwd_dq")
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 GOAL_ARCH = 90  # the goals hold for every build the autotuner can pick there
 COMPARE_HEAD_DIM = 64  # the head dim of the comparisons with the flash tutorial (compare.py)
 MAX_EX2_PER_SCORE = 2.0  # the Gaussian loops: the bias' exp and softmax's own
-SOURCES = ("_common.py", "softmax.py", "entmax15.py", "backward.py", "configs.py")
-ROW_PASSES = ("delta", "factors")  # the backward's row kernels: no tiles, no loop, no tensor cores
-ROW_KERNELS = {"delta": "bwd_delta", "factors": "bwd_factors"}
+SOURCES = (
+    "_common.py",
+    "_tiles.py",
+    "softmax.py",
+    "softmax_lists.py",
+    "entmax15.py",
+    "entmax_alpha.py",
+    "backward.py",
+    "backward_lists.py",
+    "configs.py",
+)
+# the backward's row kernels: no tiles, no loop, no tensor cores (factors: the grid-aligned kernels' Gaussian
+# factors; rows: the list kernels' Gaussian row terms)
+ROW_PASSES = ("delta", "factors", "rows")
+ROW_KERNELS = {"delta": "bwd_delta", "factors": "bwd_factors", "rows": "bwd_rows"}
 
 # The calls whose launches are compiled (their arguments, hence the JIT's specialization: integers
 # divisible by 16 and 16-byte aligned pointers marked, unit strides constant): whole tiles are a
 # 64 x 64 patch grid (N = 4096, no prefix token), every bound mask on is ViT's 224 px input (one class
-# token and 14 x 14 patches, N = 197) at 3/4 of the padded head dim.
+# token and 14 x 14 patches, N = 197) at 3/4 of the padded head dim. --window: a 7 x 7 window, dilation 2.
 EVEN_CALL: dict[str, Any] = dict(n=4096, grid=(64, 64), prefix=0)
 RAGGED_CALL: dict[str, Any] = dict(n=197, grid=(14, 14), prefix=1)
 CALL_BATCH, CALL_HEADS = 2, 4
+CALL_WINDOW, CALL_DILATION = (7, 7), (2, 2)
+
+
+def kernel_name(normalizer: str, pass_: str, window: bool = False) -> str:
+    """The kernel (``ops``' name, its autotune list's key) of a variant: the ``*_lists`` kernels for a
+    window, entmax-1.5's live tiles and alpha-entmax (the row kernels keep their own names)."""
+    lists = normalizer != "softmax" or window
+    if pass_ == "fwd":
+        return "fwd_softmax_lists" if normalizer == "softmax" and window else f"fwd_{normalizer}"
+    if pass_ in ("bwd_dkdv", "bwd_dq") and lists:
+        return f"{pass_}_lists"
+    return pass_
 
 
 @dataclass(frozen=True)
@@ -77,27 +101,31 @@ class Build:
     dtype: str
     even: bool = True  # whole tiles (EVEN_M, EVEN_N, EVEN_D), else every bound mask on
     pickable: bool = True  # the config is in the arch's autotune list at this head dim
+    window: bool = False  # a neighbourhood window (its tile lists and in-tile mask), dilated
 
     @property
     def variant(self) -> str:
         return f"{self.normalizer}/{self.bias}/{self.pass_}"
 
     @property
+    def lists(self) -> bool:
+        """Whether the build is one of the list kernels (a window, entmax-1.5, alpha-entmax; ops.KernelLaunch)."""
+        return self.normalizer != "softmax" or self.window
+
+    @property
     def kernel(self) -> str:
-        if self.pass_ == "fwd":
-            return f"fwd_{self.normalizer}"
-        return self.pass_
+        return kernel_name(self.normalizer, self.pass_, self.window)
 
     @property
     def dots(self) -> list[int]:
         """Per inner loop (in program order): the ``BLOCK_M x BLOCK_N x D`` dots of one tile. With a
         Gaussian bias the softmax forward and dQ visit the prefix keys in a loop of their own (where there
         is more than one) and then one loop per chunk of grid columns (see ``_common``)."""
-        if self.pass_ == "fwd" and self.normalizer == "entmax15":
-            return [1, 1, 3]  # entmax: max, Newton, output (+OG)
+        if self.pass_ == "fwd" and self.normalizer != "softmax":
+            return [1, 1, 3]  # entmax-1.5, alpha-entmax: max, search, output (+OG)
         per = {"fwd": 2, "bwd_dkdv": 4, "bwd_dq": 3}.get(self.pass_, 1)
         loops = 1
-        if self.bias == "gaussian" and self.pass_ in ("fwd", "bwd_dq"):
+        if self.bias == "gaussian" and self.pass_ in ("fwd", "bwd_dq") and not self.lists:
             call = EVEN_CALL if self.even else RAGGED_CALL
             gwp = max(16, 1 << (int(call["grid"][1]) - 1).bit_length())
             # a single prefix token is specialized to a constant by the JIT: its "loop" is straight code
@@ -127,15 +155,16 @@ class Result:
 
 @functools.lru_cache(maxsize=None)
 def launches(
-    normalizer: str, bias: str, even: bool, head_dim: int, dtype: str, arch: int = 90
+    normalizer: str, bias: str, even: bool, head_dim: int, dtype: str, arch: int = 90, window: bool = False
 ) -> dict[str, Any]:
     """The kernel launches of one forward + backward call (:data:`EVEN_CALL` or :data:`RAGGED_CALL`) on
     ``arch``, recorded by :func:`vitattn.kernels.ops.capture` on meta tensors: kernel name ->
     ``ops.Captured`` (the arguments a real call passes, its constexpr flags). ``head_dim`` is the
-    call's own."""
+    call's own; ``window``: with a neighbourhood window (:data:`CALL_WINDOW`, dilated)."""
     import torch
 
     from ...functional.gaussian import gaussian_clamp
+    from ...functional.window import WindowMask
     from .. import ops
 
     call = EVEN_CALL if even else RAGGED_CALL
@@ -147,7 +176,7 @@ def launches(
         return torch.empty(*shape, device="meta", dtype=dt)
 
     q, k, v = (meta(b, h, n, head_dim) for _ in range(3))
-    add = keep = den = alpha = None
+    add = keep = den = alpha = ent = None
     num_prefix, grid_w, clamp = 0, 1, 0.0
     if bias == "gaussian":
         n_p = gh * gw
@@ -158,14 +187,42 @@ def launches(
         add = meta(1, h, n, n)  # broadcast over the batch: its gradient by atomics (the heavier form)
     elif bias == "bool":
         keep = meta(b, 1, n, n, dt=torch.bool)
+    if normalizer == "entmax_alpha":
+        ent = meta(1, h, 1, dt=torch.float32).expand(b, h, n)  # one alpha per head, with its gradient
+    win = None
+    if window:
+        win = WindowMask((gh, gw), CALL_WINDOW, prefix, CALL_DILATION)
+        num_prefix, grid_w = prefix, gw
     entmax = normalizer == "entmax15"
     launch = ops.KernelLaunch(
-        q, k, v, add, keep, den, alpha, head_dim**-0.5, num_prefix, grid_w, clamp, entmax, dtype == "fp32"
+        q,
+        k,
+        v,
+        add,
+        keep,
+        den,
+        alpha,
+        head_dim**-0.5,
+        num_prefix,
+        grid_w,
+        clamp,
+        entmax,
+        dtype == "fp32",
+        ent,
+        win,
     )
+    sparse = normalizer != "softmax"  # the training form: with OG
     with ops.capture() as recorded, ops.assume_arch(arch):
-        out, stat, og = ops._forward(launch, store_og=entmax)  # entmax: the training form (with OG)
+        out, stat, og, live = ops._forward(launch, store_og=sparse)
         ops._backward(
-            launch, torch.empty_like(out), og if entmax else out, stat, add is not None, den is not None
+            launch,
+            torch.empty_like(out),
+            og if sparse else out,
+            stat,
+            live,
+            add is not None,
+            den is not None,
+            ent is not None,
         )
     found = {}
     for rec in recorded:
@@ -180,15 +237,17 @@ def build_source(build: Build) -> Any:
     from .. import ops
 
     if build.pass_ in ROW_PASSES:
-        rec = launches("softmax", "gaussian", True, build.head_dim, build.dtype, build.arch)[
+        normalizer = "entmax15" if build.pass_ == "rows" else "softmax"  # rows: the list kernels' row terms
+        rec = launches(normalizer, "gaussian", True, build.head_dim, build.dtype, build.arch)[
             ROW_KERNELS[build.pass_]
         ]
         return jit_source(rec.fn, rec.args, dict(rec.meta), build.arch)
-    rec = launches(build.normalizer, build.bias, build.even, build.call_head_dim, build.dtype, build.arch)
-    rec = rec[build.kernel]
+    rec = launches(
+        build.normalizer, build.bias, build.even, build.call_head_dim, build.dtype, build.arch, build.window
+    )[build.kernel]
     bm, bn = build.config.block_m, build.config.block_n
     kwargs = dict(rec.meta, BLOCK_M=bm, BLOCK_N=bn, **rec.even(bm, bn))
-    return jit_source(rec.fn, ops.resolve_args(rec.args, bm, bn), kwargs, build.arch)
+    return jit_source(rec.fn, rec.args_at(bm, bn), kwargs, build.arch)
 
 
 def compile_one(build: Build) -> Result:
@@ -255,6 +314,7 @@ def plan(
     all_configs: bool = False,
     variants: Iterable[str] = (),
     compare: bool = False,
+    window: bool = False,
 ) -> list[Build]:
     """Every (arch, variant, config) at ``min(head_dim, config's limit)``: the arch's own autotune list
     (``pickable``), and with ``all_configs`` the other archs' entries too (not pickable there); ``quick``
@@ -278,7 +338,7 @@ def plan(
                     name = f"{normalizer}/{bias}/{pass_}"
                     if patterns and not any(fnmatch.fnmatch(name, p) for p in patterns):
                         continue
-                    kernel = f"fwd_{normalizer}" if pass_ == "fwd" else pass_
+                    kernel = kernel_name(normalizer, pass_, window)
                     tiles = [(cfg, True) for cfg in own[kernel]]
                     if all_configs:
                         for other in configs.AUTOTUNE_BY_ARCH.values():
@@ -286,14 +346,17 @@ def plan(
                     for even in (True, False) if arch in ragged else (True,):
                         # a config never used for this variant (a head-dim limit under 16) is not built
                         gauss = bias == "gaussian"
-                        limit = [(c, p, c.head_dim_limit(masked, fp32, not even, gauss)) for c, p in tiles]
+                        alpha = configs.heavy_alpha(normalizer, bias, window)
+                        limit = [
+                            (c, p, c.head_dim_limit(masked, fp32, not even, gauss, alpha)) for c, p in tiles
+                        ]
                         usable = [(c, p, lim) for c, p, lim in limit if lim >= 16]
                         for cfg, pickable, lim in usable[:1] if quick else usable:
                             dim = min(head_dim, lim)
                             builds.append(
-                                Build(arch, normalizer, bias, pass_, cfg, dim, dtype, even, pickable)
+                                Build(arch, normalizer, bias, pass_, cfg, dim, dtype, even, pickable, window)
                             )
-        if compare and configs.arch_of(arch) == GOAL_ARCH and dtype == "bf16" and not quick:
+        if compare and not window and configs.arch_of(arch) == GOAL_ARCH and dtype == "bf16" and not quick:
             # the comparisons at head dim 64 (compare.py): plain and Gaussian softmax at every tile there
             have = {(b.bias, b.pass_, b.config, b.head_dim) for b in builds if b.arch == arch and b.even}
             for pass_ in PASSES:
@@ -310,6 +373,7 @@ def plan(
         builds.append(Build(arch, "-", "-", "delta", delta_cfg, head_dim, dtype))
         rows_cfg = configs.TileConfig(configs.ROW_TERMS_ROWS, 16, 4, 1)
         builds.append(Build(arch, "-", "-", "factors", rows_cfg, head_dim, dtype))
+        builds.append(Build(arch, "-", "-", "rows", rows_cfg, head_dim, dtype))
     return builds
 
 
@@ -335,6 +399,7 @@ def report_row(r: Result) -> dict[str, Any]:
         "dtype": b.dtype,
         "head_dim": b.head_dim,
         "even": b.even,
+        "window": b.window,
         "block_m": cfg.block_m,
         "block_n": cfg.block_n,
         "num_warps": cfg.num_warps,
@@ -394,7 +459,7 @@ def goal_failures(rows: list[dict[str, Any]], arch: int = GOAL_ARCH) -> list[str
                 bad.append(f"{name}: loop {i} has {per['ex2']} MUFU.EX2 per score (> {MAX_EX2_PER_SCORE})")
             if row["bias"] == "gaussian" and per["i2f"] > 0:
                 bad.append(f"{name}: loop {i} has {per['i2f']} int-to-float conversions per score")
-            if row["normalizer"] == "entmax15" and loop["counts"].get("async_loads", 0) == 0:
+            if row["normalizer"] != "softmax" and loop["counts"].get("async_loads", 0) == 0:
                 bad.append(f"{name}: loop {i} loads its tiles synchronously")
     return bad
 
@@ -606,6 +671,28 @@ def against_text(rows: list[dict[str, Any]], other: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# What a rebuild must reproduce of a committed report's row (the same Triton, sources and build).
+REPRODUCED = ("ok", "registers", "spill_bytes", "shared_bytes", "ex2_per_score", "cvt_per_score",
+              "instructions_per_score", "hgmma", "hmma", "async_loads")  # fmt: skip
+
+
+def reproduce_failures(rows: list[dict[str, Any]], other: dict[str, Any]) -> list[str]:
+    """The builds of ``rows`` whose machine-code figures (:data:`REPRODUCED`) differ from, or are absent in,
+    the report ``other`` (CI rebuilds a subset and holds the committed full report to it)."""
+    theirs = {_key(r): r for r in other["rows"]}
+    bad = []
+    for r in rows:
+        o = theirs.get(_key(r))
+        name = f"sm_{r['arch']} {r['normalizer']}/{r['bias']}/{r['pass']} M{r['block_m']}xN{r['block_n']} D{r['head_dim']}"
+        if o is None:
+            bad.append(f"{name}{'' if r['even'] else ' ragged'}: not in the report")
+            continue
+        diff = [f"{k} {r[k]} vs {o[k]}" for k in REPRODUCED if r[k] != o[k]]
+        if diff:
+            bad.append(f"{name}{'' if r['even'] else ' ragged'}: " + ", ".join(diff))
+    return bad
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities")
@@ -636,6 +723,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PATTERN",
         help="only these normalizer/bias/pass variants (fnmatch patterns, e.g. 'entmax15/*/fwd')",
     )
+    parser.add_argument(
+        "--window",
+        action="store_true",
+        help="compile every build with a neighbourhood window (not in the default report)",
+    )
     parser.add_argument("--report", metavar="PATH", help="write the static machine-code report (JSON)")
     parser.add_argument(
         "--markdown",
@@ -649,6 +741,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="REPORT",
         help="print each build's instructions per score beside the same build in REPORT (CI: "
         "Triton 3.6's report against 3.8's)",
+    )
+    parser.add_argument(
+        "--reproduce",
+        metavar="REPORT",
+        help="fail unless every build's machine-code figures equal the same build's in REPORT "
+        "(CI: a subset rebuilt against the committed full report)",
     )
     parser.add_argument(
         "--goals-report-only",
@@ -681,8 +779,17 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="vitattn-aot-")
     ragged = [] if args.ragged is None else (args.ragged or args.arch)
     comparing = bool(args.report) and GOAL_ARCH in args.arch and not args.quick and args.dtype == "bf16"
+    comparing = comparing and not args.window
     builds = plan(
-        args.arch, args.head_dim, args.dtype, args.quick, ragged, args.all_configs, args.variants, comparing
+        args.arch,
+        args.head_dim,
+        args.dtype,
+        args.quick,
+        ragged,
+        args.all_configs,
+        args.variants,
+        comparing,
+        args.window,
     )
     flash_builds = compare.flash_plan(GOAL_ARCH, _compare_tiles()) if comparing else []
     print(_fmt(_HEADER))
@@ -715,11 +822,9 @@ def main(argv: list[str] | None = None) -> int:
         flash = None
         if comparing:
             skipped = {row["error"] for row in flash_rows if not row["ok"] and "absent" in str(row["error"])}
-            flash = {
-                "source": str(compare.flash_path()),
-                "status": next(iter(skipped), "ok"),
-                "rows": flash_rows,
-            }
+            # the source relative to the repository (no machine path in the committed report)
+            source = os.path.relpath(compare.flash_path(), Path(__file__).resolve().parents[3])
+            flash = {"source": source, "status": next(iter(skipped), "ok"), "rows": flash_rows}
         payload = write_report(Path(args.report), results, args, flash)
         print(f"wrote {args.report} ({len(rows_json)} builds)")
         if "comparison" in payload:
@@ -734,6 +839,14 @@ def main(argv: list[str] | None = None) -> int:
         status = 1
     if args.against:
         print(against_text(rows_json, json.loads(Path(args.against).read_text())))
+    if args.reproduce:
+        other = json.loads(Path(args.reproduce).read_text())
+        differ = reproduce_failures(rows_json, other)
+        for line in differ:
+            print(f"not reproduced: {line}", file=sys.stderr)
+        print(f"{len(rows_json) - len(differ)} of {len(rows_json)} builds reproduce {args.reproduce}")
+        if differ:
+            status = 1
     goals = goal_failures(rows_json) if args.report and GOAL_ARCH in args.arch else []
     goals += ratio_failures(payload)
     for line in goals:
