@@ -468,8 +468,12 @@ def goal_failures(rows: list[dict[str, Any]], arch: int = GOAL_ARCH) -> list[str
 # bound they stay under (a goal not met; docs/kernels.md says how far it is and why).
 RATIO_LIMITS: dict[str, float] = {
     **compare.RATIO_GOALS,
-    "gaussian_vs_plain_bwd": 1.5,  # goal 1.3, not met: dQ's Gaussian gradients cost ~4 instructions per score
-    "gaussian_best_vs_flash_best_fwd": 1.35,  # goal 1.3, not met: the column factors' registers rule out 128 x 64 w4
+    # goal 1.3, NOT met: measured 1.452 (dK/dV 32x64 + dQ 64x64, 28.9 vs 20.0 instructions per score); dQ's
+    # Gaussian gradients (the W, W2 accumulators) cost ~5 instructions per score over the plain dQ
+    "gaussian_vs_plain_bwd": 1.46,
+    # goal 1.3, NOT met: measured 1.333 (10.75 at 64x64 w4 vs the tutorial's 8.06 at 128x64 w4): the column
+    # factors' registers spill the 128 x 64 4-warp tile, so the Gaussian forward cannot use it
+    "gaussian_best_vs_flash_best_fwd": 1.34,
 }
 
 
