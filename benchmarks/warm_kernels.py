@@ -7,7 +7,11 @@ The GPU check's steps (``tests/test_kernels_gpu.py``, ``benchmarks/memcheck_kern
 this script runs every one of them in a pool of worker processes with ``VITATTN_TRITON_COMPILE_ONLY=1``:
 each launch compiles, with the very arguments the step will pass, the tiles it would run (every
 candidate where the autotuner would time them) into ``TRITON_CACHE_DIR``, and launches nothing. The
-steps then find every kernel in the cache. A job's own error (its outputs are uninitialized, so a
+steps then find every kernel in the cache. The peers that compile on first use are warmed the same way
+(``peer_warm_specs``: FlexAttention's ``torch.compile`` into the shared ``TORCHINDUCTOR_CACHE_DIR``,
+AdaSplash's Triton JIT into ``TRITON_CACHE_DIR``, run once at each benchmark shape); a peer that cannot
+run here (not installed, CUDA-only in the dry run) is recorded as ``skipped`` with its reason. They are
+listed first: the longest compiles start first. A job's own error (its outputs are uninitialized, so a
 comparison may fail) is recorded and ignored; a compile error is reported (``compile_errors``).
 ``--dry-run`` lists the same jobs and runs the CPU ones (interpreter: nothing to compile).
 The JSON (rewritten as jobs finish): each job's name, seconds, status and error; the kernels in the
@@ -33,9 +37,12 @@ COMPILE_ERRORS = ("CompilationError", "PTXASError", "OutOfResources", "CompileTi
 
 def jobs(dry: bool) -> list[dict[str, Any]]:
     """Every launch of the GPU check as a job: ``{"name", "kind", "args", "env"}`` (picklable)."""
-    from vitattn.bench.kernels import warm_specs
+    from vitattn.bench.kernels import peer_warm_specs, warm_specs
 
-    out: list[dict[str, Any]] = []
+    out: list[dict[str, Any]] = [
+        {"name": "peer " + " ".join(spec), "kind": "peer", "args": [*spec, dry], "env": {}}
+        for spec in peer_warm_specs()
+    ]
     if not dry:
         sys.path.insert(0, str(ROOT))
         from tests.test_kernels_gpu import warm_calls
@@ -84,6 +91,12 @@ def run_job(job: dict[str, Any], dry: bool) -> dict[str, Any]:
                 run_case(normalizer, kind, d, dev, dt, n=17, b=1, h=1)
             else:
                 run_case(normalizer, kind, d, dev, dt)
+        elif job["kind"] == "peer":
+            from vitattn.bench.kernels import warm_peer
+
+            reason = warm_peer(*job["args"])
+            if reason is not None:
+                record.update(status="skipped", error=reason)
         else:
             from vitattn.bench.kernels import warm_one
 

@@ -51,7 +51,8 @@ TOL = {  # dtype -> (forward, gradients): max-abs error relative to the referenc
 @dataclass
 class Case:
     normalizer: str
-    kind: str  # none | gaussian | gaussian_keep | add | add_full | keep | key_padding | bias_and_mask
+    kind: str  # none | gaussian | gaussian_keep | gaussian_add | gaussian_add_full | add | add_full | keep |
+    # key_padding | bias_and_mask
     n: int = 37
     d: int = 16
     dtype: torch.dtype = torch.float32
@@ -73,7 +74,7 @@ def _make(case: Case):
     ours = {name: t.to(case.dtype).requires_grad_() for name, t in zip("qkv", base, strict=True)}
     mask = None
     extra: dict[str, torch.Tensor] = {}
-    if case.kind in ("gaussian", "gaussian_keep"):
+    if case.kind.startswith("gaussian"):
         n_p = case.grid[0] * case.grid[1]
         assert n == case.prefix + n_p
         gb = 1 if case.prefix == 1 else b  # broadcast over the batch (stride 0) or not
@@ -81,10 +82,10 @@ def _make(case: Case):
         extra["alpha"] = torch.rand(gb, h, n_p, 1, generator=g) * 3
         if case.signed:
             extra["alpha"] = extra["alpha"] * 2 - 3  # in [-3, 3]
-    if case.kind in ("add", "bias_and_mask"):
+    if case.kind in ("add", "bias_and_mask", "gaussian_add"):
         extra["add"] = (torch.randn(1, h, n, n, generator=g) * 2).to(case.dtype)
         extra["add"][..., 3] = float("-inf")
-    if case.kind == "add_full":
+    if case.kind in ("add_full", "gaussian_add_full"):
         extra["add"] = (torch.randn(b, h, n, n, generator=g) * 2).to(case.dtype)
     if case.kind in ("keep", "gaussian_keep"):
         mask = torch.rand(b, 1, n, n, generator=g) < 0.6
@@ -158,6 +159,17 @@ F32_CASES = [
     Case("entmax15", "none", n=37, d=16, mag=0.2),
     Case("softmax", "gaussian", n=37, d=16, prefix=1, grid=(6, 6), signed=True),
     Case("entmax15", "gaussian", n=77, d=32, prefix=0, grid=(7, 11), signed=True),
+    # the grid-aligned key tiles of the Gaussian bias (interpreter tiles: 32 keys): whole tiles (no prefix,
+    # the grid width a power of two, whole rows per tile), grid rows wider than a tile (two chunks of
+    # columns), prefix keys filling tiles of their own, a padded grid width with an additive mask whose
+    # gradient is stored (per (b, h)) or added atomically (broadcast over the batch)
+    Case("softmax", "gaussian", n=64, d=16, prefix=0, grid=(4, 16), b=1),
+    Case("softmax", "gaussian", n=122, d=16, prefix=2, grid=(3, 40), b=1),
+    Case("softmax", "gaussian", n=60, d=16, prefix=40, grid=(4, 5), b=1),
+    Case("softmax", "gaussian_add_full", n=37, d=16, prefix=1, grid=(6, 6)),
+    Case("softmax", "gaussian_add", n=77, d=32, prefix=0, grid=(7, 11)),
+    Case("entmax15", "gaussian_add_full", n=122, d=16, prefix=2, grid=(3, 40), b=1),
+    Case("entmax15", "gaussian", n=64, d=16, prefix=0, grid=(4, 16), b=1),
 ]
 
 HALF_CASES = [
@@ -185,6 +197,23 @@ def test_float32_matches_reference(case):
 @interpreted
 @pytest.mark.parametrize("case", HALF_CASES, ids=_id)
 def test_half_precision_matches_reference(case):
+    check(case)
+
+
+POINTER_CASES = [
+    Case("softmax", "gaussian", n=130, d=64, prefix=2, grid=(8, 16), b=1),
+    Case("softmax", "gaussian_add", n=122, d=16, prefix=2, grid=(3, 40), b=1),
+    Case("softmax", "none", n=77, d=24, prefix=0),
+    Case("softmax", "gaussian", n=37, d=32, dtype=torch.float16),
+]
+
+
+@interpreted
+@pytest.mark.parametrize("case", POINTER_CASES, ids=_id)
+def test_pointer_loads_match_reference(case, monkeypatch):
+    """The K / V tiles through pointers (sm_80, and where TMA cannot read the tensors) instead of the
+    tensor descriptors the interpreter runs by default (sm_90's path)."""
+    monkeypatch.setenv("VITATTN_KV_TMA", "0")
     check(case)
 
 

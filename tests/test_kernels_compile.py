@@ -130,9 +130,9 @@ def test_compiled_forward_and_backward_match_eager_in_the_interpreter(name):
         torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-5)
 
 
-def _op_inputs(entmax: bool):
-    """Every operand at once: q, k, v ``(1, 2, 17, 16)``, a broadcast additive mask, a keep-mask and
-    the Gaussian factors of a 4x4 grid with one prefix token."""
+def _op_inputs(normalizer: str):
+    """Every operand at once: q, k, v ``(1, 2, 17, 16)``, a broadcast additive mask, a keep-mask, the
+    Gaussian factors of a 4x4 grid with one prefix token, and for alpha-entmax one alpha per head."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 17, 16, generator=g).requires_grad_() for _ in range(3))
     sigma = torch.exp(torch.randn(1, 2, 16, 2, generator=g) * 0.5)
@@ -142,20 +142,27 @@ def _op_inputs(entmax: bool):
     add = torch.randn(1, 1, 17, 17, generator=g).requires_grad_()
     keep = torch.rand(1, 1, 17, 17, generator=g) < 0.8
     keep[..., 0] = True
-    return (q, k, v, add, keep, den, alpha, 0.25, 1, 4, float(gb.clamp), entmax, False, entmax)
+    ent = None
+    if normalizer == "entmax_alpha":
+        ent = torch.tensor([1.3, 1.8])[None, :, None].expand(1, 2, 17).clone().requires_grad_()
+    sparse = normalizer != "softmax"
+    entmax = normalizer == "entmax15"
+    return (q, k, v, add, keep, den, alpha, ent, 0.25, 1, 4, float(gb.clamp), entmax, False, sparse)
 
 
 @interpreted
-@pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
+@pytest.mark.parametrize("normalizer", ["softmax", "entmax15", "entmax_alpha"])
 def test_opcheck_forward_and_backward_ops(normalizer):
-    args = _op_inputs(normalizer == "entmax15")
+    args = _op_inputs(normalizer)
     torch.library.opcheck(ops.attention_fwd, args)
-    out, stat, og = ops.attention_fwd(*args)
-    q, k, v, add, keep, den, alpha, *scalars, _store_og = args
+    out, stat, og, live = ops.attention_fwd(*args)
+    assert live.numel() == (0 if normalizer != "entmax15" else live.numel()) and live.dtype == torch.uint8
+    q, k, v, add, keep, den, alpha, ent, *scalars, _store_og = args
     plain = [t.detach() for t in (q, k, v, add)]
-    saved = (og if args[11] else out).detach()
-    bwd_args = (torch.randn_like(out).detach(), saved, stat.detach(), *plain, keep, den.detach(),
-                alpha.detach(), *scalars, True, True)  # fmt: skip
+    saved = (og if normalizer != "softmax" else out).detach()
+    ent = None if ent is None else ent.detach()
+    bwd_args = (torch.randn_like(out).detach(), saved, stat.detach(), live, *plain, keep, den.detach(),
+                alpha.detach(), ent, *scalars, True, True, ent is not None)  # fmt: skip
     torch.library.opcheck(ops.attention_bwd, bwd_args)
 
 

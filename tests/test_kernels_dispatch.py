@@ -151,7 +151,8 @@ def test_every_launch_of_forward_and_backward_is_guarded(monkeypatch, normalizer
     out = attention(q, k, v, normalizer=normalizer, scale=0.25, backend="triton")
     out.sum().backward()
     fwd = "fwd_softmax" if normalizer == "softmax" else "fwd_entmax15"
-    assert seen == [(fwd, 1), ("bwd_delta", 1), ("bwd_dkdv", 1), ("bwd_dq", 1)]
+    lists = "" if normalizer == "softmax" else "_lists"  # entmax-1.5's backward: the list kernels
+    assert seen == [(fwd, 1), ("bwd_delta", 1), (f"bwd_dkdv{lists}", 1), (f"bwd_dq{lists}", 1)]
     ref = attention(
         q.detach(), k.detach(), v.detach(), normalizer=normalizer, scale=0.25, backend="reference"
     )
@@ -173,7 +174,19 @@ def test_one_reader_of_triton_interpret_and_kernels_resolved_once(monkeypatch):
     monkeypatch.setattr(ops.importlib, "import_module", no_import)
     monkeypatch.setattr(ops.importlib, "reload", no_import)
     assert ops.kernels() is first
-    assert set(first) == {"fwd_softmax", "fwd_entmax15", "bwd_delta", "bwd_rows", "bwd_dkdv", "bwd_dq"}
+    assert set(first) == {
+        "fwd_softmax",
+        "fwd_entmax15",
+        "fwd_entmax_alpha",
+        "bwd_delta",
+        "bwd_factors",
+        "bwd_dkdv",
+        "bwd_dq",
+        "fwd_softmax_lists",
+        "bwd_rows",
+        "bwd_dkdv_lists",
+        "bwd_dq_lists",
+    }
 
 
 # ---- 2. one launch dtype -----------------------------------------------------------------------------
@@ -321,16 +334,16 @@ _TF32_PTX = textwrap.dedent(
     """
     import triton
     from triton.backends.compiler import GPUTarget
-    from vitattn.kernels import configs
+    from vitattn.kernels import configs, ops
     from vitattn.kernels._build import aot
-    from vitattn.kernels.ops import kernels
 
-    fns = kernels()
+    recs = aot.launches("entmax15", "gaussian", True, 32, "fp32")
     for pass_ in ("fwd", "bwd_dkdv", "bwd_dq"):
         build = aot.Build(80, "entmax15", "gaussian", pass_, configs.TileConfig(32, 32, 4, 1), 32, "fp32")
+        rec = recs[build.kernel]
         for mode in (1, 2):
-            consts = {**aot._flags(build), "F32_DOT": mode}
-            src = aot._source(fns[build.kernel], "fp32", consts)
+            consts = {**rec.meta, "F32_DOT": mode, "BLOCK_M": 32, "BLOCK_N": 32, **rec.even(32, 32)}
+            src = aot.jit_source(rec.fn, rec.args_at(32, 32), consts, 80)
             ptx = triton.compile(src, target=GPUTarget("cuda", 80, 32), options={"num_warps": 4}).asm["ptx"]
             kind = "tf32-mma" if ".tf32.tf32" in ptx else "mma" if "mma.sync" in ptx else "no-mma"
             print(pass_, mode, kind)
@@ -356,30 +369,36 @@ def test_float32_dots_are_tf32_or_ieee_as_asked():
 _NO_I32_MULTIPLY = textwrap.dedent(
     """
     import re
+    import torch
     import triton
     from triton.backends.compiler import GPUTarget
-    from vitattn.kernels import configs
+    from vitattn.kernels import ops
     from vitattn.kernels._build import aot
-    from vitattn.kernels.ops import kernels
 
-    fns = kernels()
+    def meta(*shape, dt=torch.bfloat16):
+        return torch.empty(*shape, device="meta", dtype=dt)
+
     bad = []
-    for pass_, normalizer in [("fwd", "softmax"), ("fwd", "entmax15"), ("bwd_dkdv", "entmax15"),
-                              ("bwd_dq", "softmax"), ("delta", "-"), ("rows", "-")]:
-        if pass_ == "delta":
-            fn, consts = fns["bwd_delta"], {"BLOCK_M": configs.DELTA_ROWS, "BLOCK_DV": 64}
-        elif pass_ == "rows":
-            fn, consts = fns["bwd_rows"], {"BLOCK_M": configs.ROW_TERMS_ROWS}
-        else:
-            build = aot.Build(80, normalizer, "additive", pass_, configs.TileConfig(32, 32, 4, 1), 64, "bf16")
-            fn, consts = fns[build.kernel], aot._flags(build)
-            consts.update(GAUSS=True, HAS_KEEP=True)  # every operand at once
-            if pass_ == "bwd_dq":
-                consts["GAUSS_GRAD"] = True
-        src = aot._source(fn, "bf16", consts)
-        ttir = triton.compile(src, target=GPUTarget("cuda", 80, 32), options={"num_warps": 4}).asm["ttir"]
-        bad += [f"{pass_}/{normalizer}: {line.strip()[:120]}" for line in ttir.splitlines()
-                if re.search(r"arith\\.muli .*: tensor<[0-9x]+xi32>", line)]
+    for entmax in (False, True):
+        # every operand at once: a Gaussian bias on a 14 x 14 grid after one prefix token, an additive
+        # mask (broadcast: its gradient by atomics) and a boolean mask
+        n, d = 197, 48
+        q, k, v = (meta(2, 2, n, d) for _ in range(3))
+        den = meta(1, 2, 196, 2, dt=torch.float32).expand(2, 2, 196, 2)
+        alpha = meta(1, 2, 196, dt=torch.float32).expand(2, 2, 196)
+        launch = ops.KernelLaunch(q, k, v, meta(1, 2, n, n), meta(2, 1, n, n, dt=torch.bool), den, alpha,
+                                  0.125, 1, 14, -84.5, entmax, False)
+        with ops.capture() as recorded:
+            out, stat, og, live = ops._forward(launch, store_og=True)
+            ops._backward(launch, torch.empty_like(out), og if entmax else out, stat, live, True, True)
+        for rec in recorded:
+            kw = dict(rec.meta)
+            if "BLOCK_N" not in kw and rec.shape[1]:
+                kw.update(BLOCK_M=32, BLOCK_N=32, **rec.even(32, 32))
+            src = aot.jit_source(rec.fn, rec.args_at(32, 32) if rec.shape[1] else rec.args, kw, 80)
+            ttir = triton.compile(src, target=GPUTarget("cuda", 80, 32), options={"num_warps": 4}).asm["ttir"]
+            bad += [f"{rec.name}/{entmax}: {line.strip()[:120]}" for line in ttir.splitlines()
+                    if re.search(r"arith\\.muli .*: tensor<[0-9x]+xi32>", line)]
     print("\\n".join(bad) if bad else "ok")
     """
 )

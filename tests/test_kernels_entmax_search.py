@@ -180,8 +180,8 @@ def test_emulation_is_the_kernel(monkeypatch):
 
             monkeypatch.setattr(module, "_score_tile", counted)
             scale = 0.125
-            _, stat, _ = torch.ops.vitattn.attention_fwd(
-                q, k, v, None, None, None, None, scale, 0, 1, 0.0, True, False, False
+            _, stat, *_ = torch.ops.vitattn.attention_fwd(
+                q, k, v, None, None, None, None, None, scale, 0, 1, 0.0, True, False, False
             )
             monkeypatch.undo()
             blocks = -(-n // tile.block_n)

@@ -85,3 +85,50 @@ def test_carried_coordinates_are_the_grid_position(prefix, grid_w, block):
     assert torch.equal(row[prefix:], (patch[prefix:] // grid_w).float())
     assert torch.equal(col[prefix:], (patch[prefix:] % grid_w).float())
     assert (row[:prefix] < 0).all()
+
+
+@triton.jit
+def _outer_kernel(QR, QC, DEN, OUT, clamp, a0, b0, BM: tl.constexpr, NR: tl.constexpr, TW: tl.constexpr,
+                  TRANS: tl.constexpr):  # fmt: skip
+    """The bias ``R ⊗ C`` of one grid-aligned tile as the kernels add it: row factors of grid rows
+    ``a0 .. a0 + NR - 1``, column factors of columns ``b0 .. b0 + TW - 1``, for ``BM`` queries."""
+    i = tl.arange(0, BM)
+    qr = tl.load(QR + i)
+    qc = tl.load(QC + i)
+    cr, fr = _common.axis_coefs(tl.load(DEN + 2 * i), clamp)
+    cc, fc = _common.axis_coefs(tl.load(DEN + 2 * i + 1), clamp)
+    r, _tr = _common.row_factors(qr, cr, fr, a0, NR)
+    slot = tl.arange(0, NR * TW)
+    if TRANS:
+        c, _tc = _common.col_factors(qc, cc, fc, b0, TW, True)
+        tile = _common.add_outer(tl.zeros([NR * TW, BM], tl.float32), tl.trans(r), c, BM, NR, TW, True)
+        tl.store(OUT + slot[:, None] * BM + i[None, :], tile)
+    else:
+        c, _tc = _common.col_factors(qc, cc, fc, b0, TW, False)
+        tile = _common.add_outer(tl.zeros([BM, NR * TW], tl.float32), r, c, BM, NR, TW, False)
+        tl.store(OUT + i[:, None] * (NR * TW) + slot[None, :], tile)
+
+
+@interpreted
+@pytest.mark.parametrize("trans", [False, True], ids=["queries-rows", "keys-rows"])
+@pytest.mark.parametrize(("rows", "width"), [(1, 32), (2, 16), (4, 16)])
+def test_tile_factors_are_the_gaussian_bias(rows, width, trans):
+    """``add_outer`` of ``row_factors`` and ``col_factors`` is ``exp(E_row + E_col)`` of every slot of a
+    tile, slot ``(j, b)`` at grid row ``a0 + j`` and column ``b0 + b`` (the library's exponent, clamp and
+    -40 floor included), in both orientations of the kernels' tiles."""
+    g = torch.Generator().manual_seed(rows * width)
+    bm, clamp, a0, b0 = 16, gaussian_clamp((14, 14)), 3.0, 16.0
+    qr = torch.randint(0, 20, (bm,), generator=g).float()
+    qc = torch.randint(0, 40, (bm,), generator=g).float()
+    den = torch.exp(torch.empty(bm, 2).uniform_(math.log(0.05), math.log(60.0), generator=g))
+    out = torch.empty(bm * rows * width)
+    _outer_kernel[(1,)](qr, qc, den, out, clamp, a0, b0, BM=bm, NR=rows, TW=width, TRANS=trans)
+    a = a0 + torch.arange(rows, dtype=torch.float64)
+    b = b0 + torch.arange(width, dtype=torch.float64)
+    e_row = gaussian_exponent(qr.double()[:, None] - a[None, :], den.double()[:, :1], clamp)  # (bm, rows)
+    e_col = gaussian_exponent(qc.double()[:, None] - b[None, :], den.double()[:, 1:], clamp)  # (bm, width)
+    want = torch.exp(e_row[:, :, None] + e_col[:, None, :]).reshape(bm, rows * width)
+    got = out.double().reshape(rows * width, bm).T if trans else out.double().reshape(bm, rows * width)
+    # float32: the exponents reach ~60 in log2 units, so a few ulps of them are ~4e-6 of the factor
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    assert want.min() < 1e-8 < want.max()  # far and near slots both present

@@ -150,6 +150,20 @@ def _store_tile(
 
 
 @triton.jit
+def _load_kv(k_ptrs, v_ptrs, ok, d_ok, dv_ok, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """The K and V tiles through pointers: ``ok`` masks the keys (``MASKED``), ``d_ok`` / ``dv_ok`` the
+    head dims (unless ``EVEN_D``); masked elements are 0."""
+    if MASKED:
+        if EVEN_D:
+            return tl.load(k_ptrs, mask=ok[:, None], other=0.0), tl.load(v_ptrs, mask=ok[:, None], other=0.0)
+        k = tl.load(k_ptrs, mask=ok[:, None] & d_ok[None, :], other=0.0)
+        return k, tl.load(v_ptrs, mask=ok[:, None] & dv_ok[None, :], other=0.0)
+    if EVEN_D:
+        return tl.load(k_ptrs), tl.load(v_ptrs)
+    return tl.load(k_ptrs, mask=d_ok[None, :], other=0.0), tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
+
+
+@triton.jit
 def _block_offsets(BLOCK: tl.constexpr):
     """``program_id(0) * BLOCK + arange(BLOCK)`` in 64 bits (the product passes 2^31 on long grids)."""
     return tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -175,8 +189,10 @@ def _bases(Q, K, V, ADD, KEEP, b, h, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ab, s
 
 
 @triton.jit
-def _row_stats(STAT, DELTA, row, offs_m, n_q):
+def _row_stats(STAT, DELTA, row, offs_m, n_q, EVEN_M: tl.constexpr):
     """The saved row statistic (``+inf`` on padded rows) and the row term of ``offs_m``."""
+    if EVEN_M:
+        return tl.load(STAT + row + offs_m), tl.load(DELTA + row + offs_m)
     stat = tl.load(STAT + row + offs_m, mask=offs_m < n_q, other=float("inf"))
     delta = tl.load(DELTA + row + offs_m, mask=offs_m < n_q, other=0.0)
     return stat, delta
@@ -235,7 +251,8 @@ def _coords_start(offs, num_prefix, grid_w):
 @triton.jit
 def _coords_step(BLOCK: tl.constexpr, grid_w):
     """The float row / column step of :func:`_coords_advance` for tiles of ``BLOCK`` tokens."""
-    return (BLOCK // grid_w).to(tl.float32), (BLOCK % grid_w).to(tl.float32), grid_w.to(tl.float32)
+    # "* 1.0", not ".to(float32)": the JIT passes a grid width of 1 (no Gaussian bias) as a constant int
+    return (BLOCK // grid_w) * 1.0, (BLOCK % grid_w) * 1.0, grid_w * 1.0
 
 
 @triton.jit
@@ -519,3 +536,72 @@ def _fwd_prologue(
             clamp,
         )
     return bh, offs_m, offs_d, offs_dv, q, k_base, v_base, add_base, keep_base, qr, qc, cr, fr, cc, fc, alpha
+
+
+# ---- grid-aligned key tiles: the Gaussian bias as per-tile factors -------------------------------------
+#
+# With a Gaussian bias, the patch keys are visited in tiles that cover whole rows of a grid whose width is
+# padded to ``GWP`` (a power of two >= the grid width): a tile is ``NR = BLOCK_N // TILE_W`` grid rows of
+# ``TILE_W = min(GWP, BLOCK_N)`` slots each, slot ``(j, b)`` of the tile at rows ``a0 + j`` and column
+# ``c * TILE_W + b`` (chunk ``c`` of ``CH = GWP // TILE_W``), i.e. token
+# ``P + (a0 + j) * gw + c * TILE_W + b``;
+# slots past the grid width are masked. The bias of a score factorises per axis,
+# ``alpha e = alpha 2^(t_row) 2^(t_col)``: the column factors ``C`` of a query block depend on the chunk only
+# (computed once per chunk, outside the key loop), the row factors ``R`` on the tile's rows (one ``exp2``
+# per query row and tile row), and the bias adds ``R ⊗ C`` to the ``q kᵀ`` accumulator: one multiply-add
+# per score. Prefix keys (class / register tokens) are a tile of their own without bias. Without a
+# Gaussian bias the same loop visits plain tiles of ``BLOCK_N`` tokens (one "row" of width ``BLOCK_N``).
+
+
+@triton.jit
+def col_factors(qc, cc, fc, b0, TILE_W: tl.constexpr, TRANS: tl.constexpr):
+    """``(C, t)``, the column factors ``C = 2^t``, ``t = max(cc (qc - b)^2, fc)`` of grid columns
+    ``b = b0 + arange(TILE_W)`` (``b0`` a float) for the queries of ``qc, cc, fc``: ``(BLOCK_M, TILE_W)``,
+    ``(TILE_W, BLOCK_M)`` if ``TRANS``."""
+    b = b0 + tl.arange(0, TILE_W).to(tl.float32)
+    if TRANS:
+        t = axis_exponent(qc[None, :] - b[:, None], cc[None, :], fc[None, :])
+    else:
+        t = axis_exponent(qc[:, None] - b[None, :], cc[:, None], fc[:, None])
+    return tl.exp2(t), t
+
+
+@triton.jit
+def row_factors(qr, cr, fr, a0, NR: tl.constexpr):
+    """``(R, t)``, the row factors ``R = 2^t``, ``t = max(cr (qr - a)^2, fr)`` of grid rows
+    ``a = a0 + arange(NR)`` (``a0`` a float): ``(BLOCK_M, NR)``."""
+    a = a0 + tl.arange(0, NR).to(tl.float32)
+    t = axis_exponent(qr[:, None] - a[None, :], cr[:, None], fr[:, None])
+    return tl.exp2(t), t
+
+
+@triton.jit
+def add_outer(s, r, c, BLOCK_M: tl.constexpr, NR: tl.constexpr, TILE_W: tl.constexpr, TRANS: tl.constexpr):
+    """``s + r ⊗ c`` on a grid-aligned tile: ``s`` ``(BLOCK_M, NR * TILE_W)`` with ``r`` ``(BLOCK_M, NR)``,
+    ``c`` ``(BLOCK_M, TILE_W)``; with ``TRANS`` ``s`` is ``(NR * TILE_W, BLOCK_M)``, ``r`` ``(NR, BLOCK_M)``
+    and ``c`` ``(TILE_W, BLOCK_M)``. Seen as ``(.., NR, TILE_W, ..)`` the product broadcasts, so every
+    thread multiplies only the factors of its own scores (one multiply-add per score)."""
+    if TRANS:
+        s3 = tl.reshape(s, (NR, TILE_W, BLOCK_M))
+        s3 = s3 + r[:, None, :] * c[None, :, :]
+        return tl.reshape(s3, (NR * TILE_W, BLOCK_M))
+    else:
+        s3 = tl.reshape(s, (BLOCK_M, NR, TILE_W))
+        s3 = s3 + r[:, :, None] * c[:, None, :]
+        return tl.reshape(s3, (BLOCK_M, NR * TILE_W))
+
+
+@triton.jit
+def sum_rows_of_tile(x, BLOCK_M: tl.constexpr, NR: tl.constexpr, TILE_W: tl.constexpr):
+    """``(BLOCK_M, TILE_W)``: a ``(BLOCK_M, NR * TILE_W)`` tile summed over its ``NR`` grid rows."""
+    return tl.sum(tl.reshape(x, (BLOCK_M, NR, TILE_W)), 1)
+
+
+@triton.jit
+def key_slots(BLOCK_N: tl.constexpr, TILE_W: tl.constexpr, row_w):
+    """``(offset, col)`` of the slots of a tile: token offset from the tile's first token
+    (``j * row_w + b``) and the column ``b`` within the tile's chunk."""
+    slot = tl.arange(0, BLOCK_N)
+    col = slot % TILE_W
+    row = ((slot // TILE_W).to(tl.int64) * row_w).to(tl.int32)  # < BLOCK_N * grid_w: no overflow
+    return row + col, col

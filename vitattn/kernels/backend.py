@@ -12,6 +12,7 @@ import importlib.util
 import torch
 
 from ..functional.dispatch import AttentionCall, autocast_dtype
+from ..functional.entmax_alpha import _check_alpha
 from ..functional.gaussian import GaussianBias
 from .env import (  # noqa: F401  (re-exported: the environment helpers' former home)
     DOT_IEEE,
@@ -51,9 +52,11 @@ def _tensors(call: AttentionCall) -> list[tuple[str, torch.Tensor]]:
 
 
 class TritonBackend:
-    """Fused flash-style kernels: softmax / entmax-1.5 x no bias / Gaussian / additive / boolean mask."""
+    """Fused flash-style kernels: softmax / entmax-1.5 / alpha-entmax with a tensor of alphas x no bias /
+    Gaussian / additive / boolean mask."""
 
     name = "triton"
+    features = frozenset({"alpha_tensor", "window"})
 
     def unsupported(self, call: AttentionCall, explicit: bool = False) -> str | None:
         q = call.q
@@ -85,12 +88,23 @@ class TritonBackend:
             return "return_weights=True (the kernels never materialize the (B, H, Nq, Nk) weights)"
         if call.dropout_p > 0.0:
             return f"dropout_p={call.dropout_p} > 0 (the kernels have no dropout)"
-        if call.normalizer not in NORMALIZERS:
-            return f"normalizer {call.normalizer!r} is not softmax or entmax15"
+        if isinstance(call.normalizer, torch.Tensor):
+            if call.normalizer.device != q.device:
+                return f"normalizer (alpha) is on {call.normalizer.device} but q is on {q.device}"
+        elif call.normalizer not in NORMALIZERS:
+            return f"normalizer {call.normalizer!r} is not softmax or entmax15 (nor a tensor of alphas)"
         n_q, n_k = q.shape[2], call.k.shape[2]
         gauss_n = call.bias.num_tokens if isinstance(call.bias, GaussianBias) else None
         if gauss_n is not None and not n_q == n_k == call.v.shape[2] == gauss_n:
             return f"q/k/v must share N = {gauss_n} with a GaussianBias, got Nq={n_q}, Nk={n_k}"
+        win = call.window
+        if win is not None and isinstance(call.bias, GaussianBias):
+            gb = call.bias
+            if (gb.grid_size, gb.num_prefix_tokens) != (win.grid_size, win.num_prefix_tokens):
+                return (
+                    f"the WindowMask's layout (grid {win.grid_size}, {win.num_prefix_tokens} prefix tokens) "
+                    f"is not the GaussianBias' (grid {gb.grid_size}, {gb.num_prefix_tokens} prefix tokens)"
+                )
         if q.shape[0] * q.shape[1] > MAX_BATCH_HEADS:
             return f"B * H = {q.shape[0] * q.shape[1]} exceeds {MAX_BATCH_HEADS}"
         if min(q.shape[0], q.shape[1], n_q, n_k, d, dv) == 0:
@@ -104,8 +118,10 @@ class TritonBackend:
         if isinstance(call.bias, GaussianBias):
             bias = "Gaussian bias"
         mask = "" if call.mask is None else ", mask"
+        mask += "" if call.window is None else ", window"
         passes = "forward + backward" if call.needs_grad else "forward"
-        return f"fused {call.normalizer} kernels ({bias}{mask}), {passes}, custom op vitattn::attention_fwd"
+        name = "alpha-entmax" if isinstance(call.normalizer, torch.Tensor) else call.normalizer
+        return f"fused {name} kernels ({bias}{mask}), {passes}, custom op vitattn::attention_fwd"
 
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(out, None)``: q, k, v cast to the launch dtype (differentiable), the call's mask and bias
@@ -128,6 +144,10 @@ class TritonBackend:
             num_prefix, grid_w, clamp = gb.num_prefix_tokens, gb.grid_size[1], float(gb.clamp)
         elif call.bias is not None:
             add = call.bias
+        window: list[int] = []
+        if call.window is not None:
+            window = call.window.to_ints()
+            num_prefix, grid_w = call.window.num_prefix_tokens, call.window.grid_size[1]
         if call.mask is not None:
             if call.mask.dtype == torch.bool:
                 keep = call.mask[(None,) * (4 - call.mask.dim())]
@@ -137,11 +157,14 @@ class TritonBackend:
             add = add[(None,) * (4 - add.dim())]
             if add.dtype not in DTYPES:
                 add = add.float()
-        entmax = call.normalizer == "entmax15"
+        ent = None
+        if isinstance(call.normalizer, torch.Tensor):
+            ent = _alphas(call, q.shape[2])
+        entmax = call.normalizer == "entmax15" if ent is None else False
         grads = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k, v, add, den, alpha)
+            t is not None and t.requires_grad for t in (q, k, v, add, den, alpha, ent)
         )
-        out, _, _ = ops.attention_fwd(
+        out, *_ = ops.attention_fwd(
             q,
             k,
             v,
@@ -149,12 +172,26 @@ class TritonBackend:
             keep,
             den,
             alpha,
+            ent,
             float(call.scale),
             int(num_prefix),
             int(grid_w),
             clamp,
             entmax,
             tf32_allowed(),
-            entmax and grads,
+            (entmax or ent is not None) and grads,
+            window,
         )
         return out, None
+
+
+def _alphas(call: AttentionCall, n_q: int) -> torch.Tensor:
+    """The call's tensor of alphas as the kernels' float32 ``(B, H, Nq)`` operand (an expanded view,
+    differentiable), its values checked (> 1, finite) outside ``torch.compile`` as
+    :func:`~vitattn.functional.entmax` checks them."""
+    alpha = call.normalizer
+    assert isinstance(alpha, torch.Tensor)
+    b, h = call.q.shape[:2]
+    scores = alpha.new_empty(()).expand(b, h, n_q, call.k.shape[2])  # shape only: no memory
+    _check_alpha(alpha, scores, -1, call.compiling)
+    return alpha.float()[..., 0].expand(b, h, n_q)

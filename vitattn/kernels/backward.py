@@ -7,19 +7,23 @@ gradient of both normalizers has one form::
                              entmax-1.5: g = sqrt(p),    delta = rowsum(dO * OG),  OG = g V / sum g
 
 Then ``dV = Pᵀ dO``, ``dK = scale dZᵀ Q``, ``dQ = scale dZ K``; the additive mask's gradient is ``dZ``
-(reduced over its broadcast dims); the Gaussian bias ``S = alpha e``, ``e = exp(a_row + a_col)``, gives
-per query row ``d alpha = sum_t dZ e`` and ``d den_m = -alpha / den_m * sum_t dZ e a_m`` (``a_m`` the
+(reduced over its broadcast dims); the Gaussian bias ``S = alpha e``, ``e = R C`` (the row and column
+factors ``R = 2^(t_row)``, ``C = 2^(t_col)``, see ``_common``'s grid-aligned key tiles), gives per query
+``d alpha = sum_t dZ e`` and ``d den_m = -alpha / den_m * sum_t dZ e a_m`` (``a_m = t_m / log2(e)`` the
 floored per-axis exponent; where the floor binds its derivative is 0 and the kept term is below
 ``40 e^-40`` of a score's).
 
-Four kernels: ``_bwd_delta_kernel`` (the row term), ``_bwd_rows_kernel`` (the Gaussian row terms, once
-per query), ``_bwd_dkdv_kernel`` (one program per key block, looping over the queries) and
-``_bwd_dq_kernel`` (one program per query block, looping over the keys; it also writes the mask and
-Gaussian gradients). The Gaussian bias is built once per tile in each of the two (one ``exp2`` per
-score, plus softmax's own), from the row terms (dK/dV loads the saved ones, dQ computes its tile's
-once); dQ reuses the tile's ``e`` for the bias gradients and recomputes only the cheap exponents. No loop
-branches on data: every tile's loads are unconditional. Atomics only for a broadcast additive mask,
-after reducing the tile over the broadcast rows or columns.
+Five kernels: ``_bwd_delta_kernel`` (the row term), ``_bwd_factors_kernel`` (with a Gaussian bias: the
+column factors ``C`` of every query and grid column and its row factors ``R alpha / scale`` of every
+grid row, ``O(N (gh + gw))`` floats per head), ``_bwd_dkdv_kernel`` (one program per key block,
+looping over the queries: it loads the factors of each query tile and adds ``R ⊗ C`` to ``k qᵀ``, one
+multiply-add per score) and ``_bwd_dq_kernel`` (one program per query block, looping over the keys in
+grid-aligned tiles like the forward: its column factors once per chunk of grid columns, its row factors
+once per tile; it also writes the mask and Gaussian gradients, from two accumulators per query and
+grid column, ``W = sum_rows R dZ`` and ``W2 = sum_rows t_row R dZ``: two multiply-adds per score, the
+reductions over the columns once per chunk). No loop branches on data: every tile's loads are
+unconditional. Atomics only for a broadcast additive mask, after reducing the tile over the broadcast
+rows or columns.
 """
 
 from __future__ import annotations
@@ -31,22 +35,24 @@ from ._common import (
     LOG2E,
     _bases,
     _block_offsets,
-    _coords_advance,
     _coords_start,
-    _coords_step,
     _dot,
-    _kv,
+    _dot_acc,
+    _load_kv,
     _load_tile,
+    _mask_tile,
     _offset,
     _probs,
     _program,
-    _qv,
     _row_stats,
-    _score_tile,
     _store_tile,
     _tile_ptrs,
+    add_outer,
     axis_exponent,
+    col_factors,
     gauss_rows,
+    key_slots,
+    row_factors,
 )
 
 
@@ -64,10 +70,10 @@ def _bwd_delta_kernel(O, DO, DELTA, n_rows, head_dv, BLOCK_M: tl.constexpr, BLOC
 
 
 @triton.jit
-def _bwd_rows_kernel(
+def _bwd_factors_kernel(
     DEN,
     ALPHA,
-    ROWS,
+    FACT,
     s_db,
     s_dh,
     s_dp,
@@ -77,17 +83,23 @@ def _bwd_rows_kernel(
     s_alp,
     n_heads,
     n_q,
+    n_qp,
+    n_fr,
     num_prefix,
     grid_w,
     clamp,
+    scale,
+    GWP: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """The Gaussian row terms of :func:`~vitattn.kernels._common.gauss_rows` for every query of every
-    ``(b, h)``, once: ``ROWS`` contiguous float32 ``(B * H, 5, Nq)``, planes ``cr, fr, cc, fc, alpha``.
-    The dK/dV kernel reads them per query tile instead of recomputing them (two divisions and a dozen
-    operations per query, repeated by every key block)."""
+    """The Gaussian factors of every query, once: ``FACT`` contiguous float32 ``(B * H, n_fr, n_qp)``
+    (queries padded to ``n_qp``): rows ``0 .. GWP - 1`` the column factors ``C = 2^(t_col)`` of grid
+    column ``b`` (any value past the grid width), rows ``GWP + a`` the row factors ``R alpha / scale``
+    of grid row ``a`` (0 past the grid's rows; the last rows are all 0: the factors of prefix keys).
+    The dK/dV kernel loads them per query tile instead of recomputing them per key block."""
     bh, b, h = _program(n_heads)
     offs_m = _block_offsets(BLOCK_M)
+    qr, qc = _coords_start(offs_m, num_prefix, grid_w)
     cr, fr, cc, fc, alpha = gauss_rows(
         DEN,
         ALPHA,
@@ -106,13 +118,21 @@ def _bwd_rows_kernel(
         grid_w,
         clamp,
     )
-    base = ROWS + bh.to(tl.int64) * 5 * n_q + offs_m
-    ok = offs_m < n_q
-    tl.store(base, cr, mask=ok)
-    tl.store(base + n_q, fr, mask=ok)
-    tl.store(base + 2 * n_q, cc, mask=ok)
-    tl.store(base + 3 * n_q, fc, mask=ok)
-    tl.store(base + 4 * n_q, alpha, mask=ok)
+    ptrs = FACT + bh.to(tl.int64) * n_fr * n_qp + offs_m
+    ok = offs_m < n_qp
+    col = 0.0
+    for _b in range(GWP):
+        tl.store(ptrs, tl.exp2(axis_exponent(qc - col, cc, fc)), mask=ok)
+        ptrs += n_qp
+        col += 1.0
+    n_rows = (n_q - num_prefix) // grid_w
+    amp = alpha / scale
+    row = 0.0
+    for a in range(n_fr - GWP):
+        f = tl.exp2(axis_exponent(qr - row, cr, fr)) * amp
+        tl.store(ptrs, tl.where(a < n_rows, f, 0.0), mask=ok)
+        ptrs += n_qp
+        row += 1.0
 
 
 @triton.jit
@@ -123,7 +143,7 @@ def _bwd_dkdv_kernel(
     DO,
     STAT,
     DELTA,
-    ROWS,
+    FACT,
     DK,
     DV,
     ADD,
@@ -166,6 +186,8 @@ def _bwd_dkdv_kernel(
     num_prefix,
     grid_w,
     clamp,
+    n_qp,
+    n_fr,
     ENTMAX: tl.constexpr,
     GAUSS: tl.constexpr,
     HAS_ADD: tl.constexpr,
@@ -178,95 +200,135 @@ def _bwd_dkdv_kernel(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
+    GWP: tl.constexpr,
+    PAD_W: tl.constexpr,
 ):
     """``DK``, ``DV`` (contiguous, like K and V) for one block of keys. DO contiguous ``(B, H, Nq, Dv)``.
 
     Keys are the M dimension of every tile (``k qᵀ``, ``(BLOCK_N, BLOCK_M)``), so ``dV += Pᵀ dO`` and
-    ``dK += dSᵀ q`` take the tiles as they come (no transpose of p or dS). The query tile's Gaussian
-    terms are loaded from ``ROWS`` (:func:`_bwd_rows_kernel`; DEN and ALPHA are not read here); its
-    coordinates are carried from tile to tile in float.
+    ``dK += dSᵀ q`` take the tiles as they come (no transpose of p or dS). With a Gaussian bias the key
+    block is a grid-aligned tile (program ``i``: the prefix keys' blocks first, then ``NR`` grid rows of
+    one chunk of ``TILE_W`` columns) and each query tile's factors are loaded from ``FACT``
+    (:func:`_bwd_factors_kernel`, ``n_fr`` rows of ``n_qp`` queries). Keys outside the grid or past
+    ``Nk`` load zeros and are never stored: their scores need no mask (each key's gradient reads only
+    its own scores). ``GWP``, ``PAD_W``, ``EVEN_N`` as in the softmax forward.
     """
+    WHOLE: tl.constexpr = EVEN_N and not PAD_W  # every key of every block is valid
     bh, b, h = _program(n_heads)
-    offs_n = _block_offsets(BLOCK_N)
+    pid = tl.program_id(0)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_base, k_base, v_base, add_base, keep_base = _bases(
         Q, K, V, ADD, KEEP, b, h, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ab, s_ah, s_mb, s_mh
     )
-    k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
-    v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv, EVEN_N, EVEN_D)
+    if GAUSS:
+        TILE_W: tl.constexpr = GWP if GWP < BLOCK_N else BLOCK_N
+        CH: tl.constexpr = GWP // TILE_W
+        NR: tl.constexpr = BLOCK_N // TILE_W
+        n_pre = (num_prefix + BLOCK_N - 1) // BLOCK_N
+        g = tl.maximum(pid - n_pre, 0)
+        ch = g % CH
+        slot_off, col = key_slots(BLOCK_N, TILE_W, grid_w)
+        tok = num_prefix + (g // CH) * NR * grid_w + ch * TILE_W + slot_off
+        pre = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = tl.where(pid < n_pre, pre, tok)
+        ok_n = tl.where(pid < n_pre, pre < num_prefix, ((ch * TILE_W + col) < grid_w) & (tok < n_k))
+        # this block's factor rows: its chunk's columns, its grid rows (the last, all-zero rows: prefix keys)
+        r_row = tl.where(pid < n_pre, n_fr - NR, GWP + (g // CH) * NR)
+        fact = FACT + bh.to(tl.int64) * n_fr * n_qp + tl.arange(0, BLOCK_M)[None, :]
+        c_ptrs = fact + (ch * TILE_W + tl.arange(0, TILE_W)).to(tl.int64)[:, None] * n_qp
+        r_ptrs = fact + (r_row + tl.arange(0, NR)).to(tl.int64)[:, None] * n_qp
+    else:
+        TILE_W: tl.constexpr = BLOCK_N  # type: ignore[no-redef]
+        NR: tl.constexpr = 1  # type: ignore[no-redef]
+        offs_n = _block_offsets(BLOCK_N)
+        ok_n = offs_n < n_k
+    if WHOLE and EVEN_D:
+        k = tl.load(_tile_ptrs(k_base, offs_n, offs_d, s_kn, s_kd))
+        v = tl.load(_tile_ptrs(v_base, offs_n, offs_dv, s_vn, s_vd))
+    else:
+        k = tl.load(
+            _tile_ptrs(k_base, offs_n, offs_d, s_kn, s_kd),
+            mask=ok_n[:, None] & (offs_d < head_d)[None, :],
+            other=0.0,
+        )
+        v = tl.load(
+            _tile_ptrs(v_base, offs_n, offs_dv, s_vn, s_vd),
+            mask=ok_n[:, None] & (offs_dv < head_dv)[None, :],
+            other=0.0,
+        )
     row = bh.to(tl.int64) * n_q
-    do_base = DO + row * head_dv
+    # softmax: scores and the saved log-sum-exp in base 2; entmax-1.5: in units of z / 2
     if ENTMAX:
         unit = 0.5
-        stat_unit = 1.0
     else:
         unit = LOG2E
-        stat_unit = LOG2E
-    kr, kc = _coords_start(offs_n, num_prefix, grid_w)
-    qr, qc = _coords_start(tl.arange(0, BLOCK_M), num_prefix, grid_w)
-    step_r, step_c, gw = _coords_step(BLOCK_M, grid_w)
-    rows_base = ROWS + bh.to(tl.int64) * 5 * n_q
+    su = scale * unit
+    offs_mb = tl.arange(0, BLOCK_M)
+    q_ptrs = _tile_ptrs(q_base, offs_mb, offs_d, s_qm, s_qd)
+    do_ptrs = _tile_ptrs(DO + row * head_dv, offs_mb, offs_dv, head_dv, 1)
+    q_step = tl.cast(BLOCK_M, tl.int64) * s_qm
+    do_step = tl.cast(BLOCK_M, tl.int64) * head_dv
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for start_m in range(0, n_q, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_tile(q_base, offs_m, offs_d, s_qm, s_qd, n_q, head_d, EVEN_M, EVEN_D)
-        stat, delta = _row_stats(STAT, DELTA, row, offs_m, n_q)
-        if GAUSS:
-            ok = offs_m < n_q
-            cr = tl.load(rows_base + offs_m, mask=ok, other=0.0)
-            fr = tl.load(rows_base + n_q + offs_m, mask=ok, other=0.0)
-            cc = tl.load(rows_base + 2 * n_q + offs_m, mask=ok, other=0.0)
-            fc = tl.load(rows_base + 3 * n_q + offs_m, mask=ok, other=0.0)
-            alpha = tl.load(rows_base + 4 * n_q + offs_m, mask=ok, other=0.0)
+        offs_m = start_m + offs_mb
+        if EVEN_M and EVEN_D:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+        elif EVEN_M:
+            q = tl.load(q_ptrs, mask=(offs_d < head_d)[None, :], other=0.0)
+            do = tl.load(do_ptrs, mask=(offs_dv < head_dv)[None, :], other=0.0)
         else:
-            cr, fr, cc, fc, alpha = 0.0, 0.0, 0.0, 0.0, 0.0
-        z_t, _e = _score_tile(
-            k,
-            q,
-            offs_m,
-            offs_n,
-            n_q,
-            n_k,
-            scale,
-            unit,
-            add_base,
-            s_am,
-            s_an,
-            keep_base,
-            s_mm,
-            s_mn,
-            qr,
-            qc,
-            cr,
-            fr,
-            cc,
-            fc,
-            alpha * unit,
-            kr,
-            kc,
-            GAUSS,
-            HAS_ADD,
-            HAS_KEEP,
-            F32_DOT,
-            True,
-            EVEN_M,
-            EVEN_N,
-        )
-        p_t, g_t = _probs(z_t, stat * stat_unit, ENTMAX, True)
-        do = _load_tile(do_base, offs_m, offs_dv, head_dv, 1, n_q, head_dv, EVEN_M, EVEN_D)
+            q = tl.load(q_ptrs, mask=(offs_m < n_q)[:, None] & (offs_d < head_d)[None, :], other=0.0)
+            do = tl.load(do_ptrs, mask=(offs_m < n_q)[:, None] & (offs_dv < head_dv)[None, :], other=0.0)
+        stat, delta = _row_stats(STAT, DELTA, row, offs_m, n_q, EVEN_M)
+        if HAS_ADD or HAS_KEEP:
+            pen = _mask_tile(
+                offs_m,
+                offs_n,
+                n_q,
+                n_k,
+                scale,
+                add_base,
+                s_am,
+                s_an,
+                keep_base,
+                s_mm,
+                s_mn,
+                HAS_ADD,
+                HAS_KEEP,
+                True,
+                EVEN_M,
+                WHOLE,
+            )
+            s_t = _dot_acc(k, tl.trans(q), pen, F32_DOT)
+        else:
+            s_t = _dot(k, tl.trans(q), F32_DOT)
+        if GAUSS:
+            s_t = add_outer(s_t, tl.load(r_ptrs), tl.load(c_ptrs), BLOCK_M, NR, TILE_W, True)
+            r_ptrs += BLOCK_M
+            c_ptrs += BLOCK_M
+        p_t, g_t = _probs(s_t * su, stat, ENTMAX, True)
         dv += _dot(p_t.to(do.dtype), do, F32_DOT)
         dp_t = _dot(v, tl.trans(do), F32_DOT)
         ds_t = g_t * (dp_t - delta[None, :])
         dk += _dot(ds_t.to(q.dtype), q, F32_DOT)
-        if GAUSS:
-            qr, qc = _coords_advance(qr, qc, step_r, step_c, gw)
+        q_ptrs += q_step
+        do_ptrs += do_step
 
     out_row = bh.to(tl.int64) * n_k
-    _store_tile(DK + out_row * head_d, dk * scale, offs_n, offs_d, head_d, 1, n_k, head_d, EVEN_N, EVEN_D)
-    _store_tile(DV + out_row * head_dv, dv, offs_n, offs_dv, head_dv, 1, n_k, head_dv, EVEN_N, EVEN_D)
+    dk_ptrs = _tile_ptrs(DK + out_row * head_d, offs_n, offs_d, head_d, 1)
+    dv_ptrs = _tile_ptrs(DV + out_row * head_dv, offs_n, offs_dv, head_dv, 1)
+    if WHOLE and EVEN_D:
+        tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty))
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
+    else:
+        tl.store(
+            dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=ok_n[:, None] & (offs_d < head_d)[None, :]
+        )
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=ok_n[:, None] & (offs_dv < head_dv)[None, :])
 
 
 @triton.jit
@@ -275,36 +337,142 @@ def _add_grad(
     ds,
     offs_m,
     offs_n,
+    ok_n,
     n_q,
-    n_k,
     s_gm,
     s_gn,
     ADD_GRAD: tl.constexpr,
     BCAST_M: tl.constexpr,
     BCAST_N: tl.constexpr,
     EVEN_M: tl.constexpr,
-    EVEN_N: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """The additive mask's gradient of one tile: stored (``ADD_GRAD == 1``), or added atomically
     (``2``: the mask broadcasts over B, H or a tile dimension) after summing the tile over the query rows
     (``BCAST_M``) and / or the keys (``BCAST_N``) it broadcasts over. ``ds`` is 0 outside the tile's
-    bounds (padded queries have zero probabilities, padded keys ``-inf`` scores)."""
+    bounds (padded queries have zero probabilities, masked keys ``-inf`` scores); ``ok_n``: the tile's
+    valid keys (``MASKED``: a slot past the grid width holds another row's token)."""
+    if MASKED:
+        key_ok = ok_n
+    else:
+        key_ok = offs_n >= 0
     if ADD_GRAD == 1:
         ptrs = _tile_ptrs(dadd_base, offs_m, offs_n, s_gm, s_gn)
-        if EVEN_M and EVEN_N:
+        if EVEN_M and not MASKED:
             tl.store(ptrs, ds)
         else:
-            tl.store(ptrs, ds, mask=(offs_m[:, None] < n_q) & (offs_n[None, :] < n_k))
+            tl.store(ptrs, ds, mask=(offs_m[:, None] < n_q) & key_ok[None, :])
     elif ADD_GRAD == 2:
         if BCAST_M and BCAST_N:
             tl.atomic_add(dadd_base, tl.sum(tl.sum(ds, 1), 0))
         elif BCAST_M:
-            tl.atomic_add(dadd_base + offs_n.to(tl.int64) * s_gn, tl.sum(ds, 0), mask=offs_n < n_k)
+            tl.atomic_add(dadd_base + offs_n.to(tl.int64) * s_gn, tl.sum(ds, 0), mask=key_ok)
         elif BCAST_N:
             tl.atomic_add(dadd_base + offs_m.to(tl.int64) * s_gm, tl.sum(ds, 1), mask=offs_m < n_q)
         else:
             ptrs = _tile_ptrs(dadd_base, offs_m, offs_n, s_gm, s_gn)
-            tl.atomic_add(ptrs, ds, mask=(offs_m[:, None] < n_q) & (offs_n[None, :] < n_k))
+            tl.atomic_add(ptrs, ds, mask=(offs_m[:, None] < n_q) & key_ok[None, :])
+
+
+@triton.jit
+def _dq_tile(
+    dq,
+    w,
+    w2,
+    q,
+    do,
+    k,
+    v,
+    ok,
+    offs_m,
+    offs_n,
+    n_q,
+    n_k,
+    scale,
+    su,
+    stat_u,
+    delta,
+    add_base,
+    s_am,
+    s_an,
+    keep_base,
+    s_mm,
+    s_mn,
+    dadd_base,
+    s_gm,
+    s_gn,
+    r,
+    r_t,
+    c,
+    ENTMAX: tl.constexpr,
+    BIAS: tl.constexpr,
+    GRAD: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    ADD_GRAD: tl.constexpr,
+    DADD_BCAST_M: tl.constexpr,
+    DADD_BCAST_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    NR: tl.constexpr,
+    TILE_W: tl.constexpr,
+):
+    """One key tile (``k``, ``v``) of dQ: ``(dq, w, w2)`` updated. ``r`` (``R``), ``c`` (``C alpha / scale``):
+    the bias factors of :func:`add_outer` (``BIAS``); with ``GRAD`` the Gaussian gradient accumulators
+    ``w = sum_rows R dZ`` and ``w2 = sum_rows t_row R dZ`` per query and grid column (``r_t = t_row R``)."""
+    if HAS_ADD or HAS_KEEP:
+        pen = _mask_tile(
+            offs_m,
+            offs_n,
+            n_q,
+            n_k,
+            scale,
+            add_base,
+            s_am,
+            s_an,
+            keep_base,
+            s_mm,
+            s_mn,
+            HAS_ADD,
+            HAS_KEEP,
+            False,
+            EVEN_M,
+            not MASKED,
+        )
+        s = _dot_acc(q, tl.trans(k), pen, F32_DOT)
+    else:
+        s = _dot(q, tl.trans(k), F32_DOT)
+    if BIAS:
+        s = add_outer(s, r, c, BLOCK_M, NR, TILE_W, False)
+    if MASKED:
+        s = tl.where(ok[None, :], s, float("-inf"))
+    p, g = _probs(s * su, stat_u, ENTMAX, False)
+    dp = _dot(do, tl.trans(v), F32_DOT)
+    ds = g * (dp - delta[:, None])
+    dq += _dot(ds.to(k.dtype), k, F32_DOT)
+    _add_grad(
+        dadd_base,
+        ds,
+        offs_m,
+        offs_n,
+        ok,
+        n_q,
+        s_gm,
+        s_gn,
+        ADD_GRAD,
+        DADD_BCAST_M,
+        DADD_BCAST_N,
+        EVEN_M,
+        MASKED,
+    )
+    if GRAD:
+        ds3 = tl.reshape(ds, (BLOCK_M, NR, TILE_W))
+        w += tl.sum(ds3 * r[:, :, None], 1)
+        # t_row R times the sum over the tile's columns of dZ C alpha / scale (c carries alpha / scale)
+        w2 += tl.sum(tl.sum(ds3 * c[:, None, :], 2) * r_t, 1)
+    return dq, w, w2
 
 
 @triton.jit
@@ -379,28 +547,45 @@ def _bwd_dq_kernel(
     EVEN_D: tl.constexpr,
     DADD_BCAST_M: tl.constexpr,
     DADD_BCAST_N: tl.constexpr,
+    GWP: tl.constexpr,
+    PAD_W: tl.constexpr,
 ):
     """``DQ`` (contiguous like Q) for one block of queries, plus the bias gradients.
 
     ``ADD_GRAD``: 0 = none, 1 = store ``dZ`` into DADD (strides ``s_g*``), 2 = atomically add it (the
     mask broadcasts over some dim, whose stride is 0; ``DADD_BCAST_M`` / ``_N``: over the query rows /
     the keys, summed over the tile first). ``GAUSS_GRAD``: write DDEN contiguous float32
-    ``(B, H, Np, 2)`` and DALPHA contiguous float32 ``(B, H, Np)``.
+    ``(B, H, Np, 2)`` and DALPHA contiguous float32 ``(B, H, Np)``. The keys are visited as in the
+    softmax forward (``GWP``, ``PAD_W``, ``EVEN_N`` as there), its K / V tiles through pointers (on sm_90
+    TMA descriptors cost more instructions here than they save: the loads are not its registers' problem).
     """
     bh, b, h = _program(n_heads)
     offs_m = _block_offsets(BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < head_d
+    dv_ok = offs_dv < head_dv
     row = bh.to(tl.int64) * n_q
     q_base, k_base, v_base, add_base, keep_base = _bases(
         Q, K, V, ADD, KEEP, b, h, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ab, s_ah, s_mb, s_mh
     )
     q = _load_tile(q_base, offs_m, offs_d, s_qm, s_qd, n_q, head_d, EVEN_M, EVEN_D)
     do = _load_tile(DO + row * head_dv, offs_m, offs_dv, head_dv, 1, n_q, head_dv, EVEN_M, EVEN_D)
-    stat, delta = _row_stats(STAT, DELTA, row, offs_m, n_q)
+    stat, delta = _row_stats(STAT, DELTA, row, offs_m, n_q, EVEN_M)
     dadd_base = _offset(DADD, b, h, s_gb, s_gh)
-    qr, qc, cr, fr, cc, fc, alpha = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    # softmax: scores and the saved log-sum-exp in base 2; entmax-1.5: in units of z / 2
+    stat_u = stat
+    if ENTMAX:
+        unit = 0.5
+    else:
+        unit = LOG2E
+    su = scale * unit
     if GAUSS:
+        TILE_W: tl.constexpr = GWP if GWP < BLOCK_N else BLOCK_N
+        CH: tl.constexpr = GWP // TILE_W
+        row_w = grid_w
+        n_rows = (n_k - num_prefix) // grid_w
+        first = num_prefix
         qr, qc = _coords_start(offs_m, num_prefix, grid_w)
         cr, fr, cc, fc, alpha = gauss_rows(
             DEN,
@@ -420,94 +605,103 @@ def _bwd_dq_kernel(
             grid_w,
             clamp,
         )
-    if ENTMAX:
-        unit = 0.5
-        stat_u = stat
+        amp = alpha / scale
     else:
-        unit = LOG2E
-        stat_u = stat * LOG2E
-    kr, kc = _coords_start(tl.arange(0, BLOCK_N), num_prefix, grid_w)
-    step_r, step_c, gw = _coords_step(BLOCK_N, grid_w)
+        TILE_W: tl.constexpr = BLOCK_N  # type: ignore[no-redef]
+        CH: tl.constexpr = 1  # type: ignore[no-redef]
+        row_w = BLOCK_N
+        n_rows = n_k // BLOCK_N
+        first = 0
+    NR: tl.constexpr = BLOCK_N // TILE_W
+    slot_off, col = key_slots(BLOCK_N, TILE_W, row_w)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     g_alpha = tl.zeros([BLOCK_M], tl.float32)
     g_row = tl.zeros([BLOCK_M], tl.float32)
     g_col = tl.zeros([BLOCK_M], tl.float32)
-    for start_n in range(0, n_k, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
-        z, e = _score_tile(
-            q,
-            k,
-            offs_m,
-            offs_n,
-            n_q,
-            n_k,
-            scale,
-            unit,
-            add_base,
-            s_am,
-            s_an,
-            keep_base,
-            s_mm,
-            s_mn,
-            qr,
-            qc,
-            cr,
-            fr,
-            cc,
-            fc,
-            alpha * unit,
-            kr,
-            kc,
-            GAUSS,
-            HAS_ADD,
-            HAS_KEEP,
-            F32_DOT,
-            False,
-            EVEN_M,
-            EVEN_N,
-        )
-        p, g = _probs(z, stat_u, ENTMAX, False)
-        v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv, EVEN_N, EVEN_D)
-        dp = _dot(do, tl.trans(v), F32_DOT)
-        ds = g * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, F32_DOT)
-        _add_grad(
-            dadd_base,
-            ds,
-            offs_m,
-            offs_n,
-            n_q,
-            n_k,
-            s_gm,
-            s_gn,
-            ADD_GRAD,
-            DADD_BCAST_M,
-            DADD_BCAST_N,
-            EVEN_M,
-            EVEN_N,
-        )
-        if GAUSS_GRAD:
-            # the tile's e is kept; its exponents are recomputed (no exp): fewer live registers
-            dse = ds * e
-            t_r = axis_exponent(_qv(qr, False) - _kv(kr, False), _qv(cr, False), _qv(fr, False))
-            t_c = axis_exponent(_qv(qc, False) - _kv(kc, False), _qv(cc, False), _qv(fc, False))
-            g_alpha += tl.sum(dse, 1)
-            g_row += tl.sum(dse * t_r, 1)
-            g_col += tl.sum(dse * t_c, 1)
+    if GAUSS and not EVEN_N:  # the prefix keys: tiles of their own, no bias
+        for t0 in range(0, num_prefix, BLOCK_N):
+            offs_n = t0 + tl.arange(0, BLOCK_N)
+            k_ptrs = _tile_ptrs(k_base, offs_n, offs_d, s_kn, s_kd)
+            v_ptrs = _tile_ptrs(v_base, offs_n, offs_dv, s_vn, s_vd)
+            k, v = _load_kv(k_ptrs, v_ptrs, offs_n < num_prefix, d_ok, dv_ok, True, EVEN_D)
+            dq, _w, _w2 = _dq_tile(
+                dq, 0.0, 0.0, q, do, k, v, offs_n < num_prefix, offs_m, offs_n, n_q, n_k, scale, su,
+                stat_u, delta, add_base, s_am, s_an, keep_base, s_mm, s_mn, dadd_base, s_gm, s_gn,
+                0.0, 0.0, 0.0,
+                ENTMAX, False, False, HAS_ADD, HAS_KEEP, F32_DOT, ADD_GRAD, DADD_BCAST_M, DADD_BCAST_N,
+                True, EVEN_M, BLOCK_M, NR, TILE_W,
+            )  # fmt: skip
+
+    n_main = n_rows // NR
+    step = NR * row_w
+    for ch in tl.static_range(CH):
+        c = 0.0
+        w = 0.0
+        w2 = 0.0
         if GAUSS:
-            kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
+            c, _t_c = col_factors(qc, cc, fc, ch * TILE_W * 1.0, TILE_W, False)
+            c = c * amp[:, None]  # the bias in units of q kᵀ: alpha / scale R C
+            if GAUSS_GRAD:
+                w = tl.zeros([BLOCK_M, TILE_W], tl.float32)
+                w2 = tl.zeros([BLOCK_M], tl.float32)
+        ok = (ch * TILE_W + col) < row_w
+        offs_n = first + ch * TILE_W + slot_off
+        k_ptrs = _tile_ptrs(k_base, offs_n, offs_d, s_kn, s_kd)
+        v_ptrs = _tile_ptrs(v_base, offs_n, offs_dv, s_vn, s_vd)
+        k_step = tl.cast(step, tl.int64) * s_kn
+        v_step = tl.cast(step, tl.int64) * s_vn
+        a0 = 0.0
+        for _i in range(n_main):
+            r = 0.0
+            r_t = 0.0
+            if GAUSS:
+                r, t_r = row_factors(qr, cr, fr, a0, NR)
+                r_t = r * t_r
+            k, v = _load_kv(k_ptrs, v_ptrs, ok, d_ok, dv_ok, PAD_W, EVEN_D)
+            dq, w, w2 = _dq_tile(
+                dq, w, w2, q, do, k, v, ok, offs_m, offs_n, n_q, n_k, scale, su, stat_u, delta,
+                add_base, s_am, s_an, keep_base, s_mm, s_mn, dadd_base, s_gm, s_gn, r, r_t, c,
+                ENTMAX, GAUSS, GAUSS_GRAD, HAS_ADD, HAS_KEEP, F32_DOT, ADD_GRAD, DADD_BCAST_M, DADD_BCAST_N,
+                PAD_W, EVEN_M, BLOCK_M, NR, TILE_W,
+            )  # fmt: skip
+            k_ptrs += k_step
+            v_ptrs += v_step
+            offs_n += step
+            a0 += NR
+        if not EVEN_N:  # the last, partial tile
+            if first + n_main * step < n_k:
+                r = 0.0
+                r_t = 0.0
+                if GAUSS:
+                    r, t_r = row_factors(qr, cr, fr, a0, NR)
+                    r_t = r * t_r
+                ok_t = ok & (offs_n < n_k)
+                k, v = _load_kv(k_ptrs, v_ptrs, ok_t, d_ok, dv_ok, True, EVEN_D)
+                dq, w, w2 = _dq_tile(
+                    dq, w, w2, q, do, k, v, ok_t, offs_m, offs_n, n_q, n_k, scale, su,
+                    stat_u, delta, add_base, s_am, s_an, keep_base, s_mm, s_mn, dadd_base, s_gm, s_gn,
+                    r, r_t, c,
+                    ENTMAX, GAUSS, GAUSS_GRAD, HAS_ADD, HAS_KEEP, F32_DOT, ADD_GRAD, DADD_BCAST_M,
+                    DADD_BCAST_N, True, EVEN_M, BLOCK_M, NR, TILE_W,
+                )  # fmt: skip
+        if GAUSS_GRAD:  # the column factors again, without alpha / scale, and their exponents
+            c, t_c = col_factors(qc, cc, fc, ch * TILE_W * 1.0, TILE_W, False)
+            cw = c * w
+            g_alpha += tl.sum(cw, 1)
+            g_col += tl.sum(cw * t_c, 1)
+            g_row += w2
 
     _store_tile(DQ + row * head_d, dq * scale, offs_m, offs_d, head_d, 1, n_q, head_d, EVEN_M, EVEN_D)
     if GAUSS_GRAD:
         n_p = n_q - num_prefix
         p_idx = offs_m - num_prefix
-        ok = (p_idx >= 0) & (offs_m < n_q)
-        p_idx = tl.where(ok, p_idx, 0)
+        ok_p = (p_idx >= 0) & (offs_m < n_q)
+        p_idx = tl.where(ok_p, p_idx, 0)
         patch = bh.to(tl.int64) * n_p + p_idx
         # the exponents are in log2 units: a_m = t_m / log2(e); d den_m = -alpha / den_m sum dZ e a_m,
         # with 1 / den_m = -2 coef_m / log2(e)
-        tl.store(DALPHA + patch, g_alpha, mask=ok)
-        tl.store(DDEN + 2 * patch, alpha * cr * g_row * (2.0 / (LOG2E * LOG2E)), mask=ok)
-        tl.store(DDEN + 2 * patch + 1, alpha * cc * g_col * (2.0 / (LOG2E * LOG2E)), mask=ok)
+        tl.store(DALPHA + patch, g_alpha, mask=ok_p)
+        # g_row carries alpha / scale (the column factors of the loop include it)
+        tl.store(DDEN + 2 * patch, scale * cr * g_row * (2.0 / (LOG2E * LOG2E)), mask=ok_p)
+        tl.store(DDEN + 2 * patch + 1, alpha * cc * g_col * (2.0 / (LOG2E * LOG2E)), mask=ok_p)

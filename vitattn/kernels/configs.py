@@ -19,10 +19,16 @@ class TileConfig:
     max_head_dim_masked: int | None = None  # the same with an additive / boolean mask tile (0: never)
     max_head_dim_fp32: int | None = None  # the same with float32 (TF32) operands: twice the shared memory
     max_head_dim_ragged: int | None = None  # the same with bound masks (ragged lengths or head dim; 0: never)
+    max_head_dim_gauss: int | None = None  # the same with a Gaussian bias (its factor tiles; 0: never)
+    max_head_dim_masked_ragged: int | None = None  # the same with a mask tile and bound masks both
+    max_head_dim_alpha: int | None = None  # the same for alpha-entmax with a bias or a mask (see heavy_alpha)
 
-    def head_dim_limit(self, masked: bool, fp32: bool = False, ragged: bool = False) -> int:
+    def head_dim_limit(
+        self, masked: bool, fp32: bool = False, ragged: bool = False, gauss: bool = False, alpha: bool = False
+    ) -> int:
         """The largest padded head dim this config serves (0: none) with a mask tile (``masked``), float32
-        operands (``fp32``), bound masks on (``ragged``: see :func:`ragged`)."""
+        operands (``fp32``), bound masks on (``ragged``: see :func:`ragged`), a Gaussian bias (``gauss``),
+        alpha-entmax or a window with a Gaussian bias or a mask (``alpha``: see :func:`heavy_alpha`)."""
         limit = self.max_head_dim
         if masked and self.max_head_dim_masked is not None:
             limit = self.max_head_dim_masked
@@ -30,10 +36,23 @@ class TileConfig:
             limit = min(limit, self.max_head_dim_fp32)
         if ragged and self.max_head_dim_ragged is not None:
             limit = min(limit, self.max_head_dim_ragged)
+        if gauss and self.max_head_dim_gauss is not None:
+            limit = min(limit, self.max_head_dim_gauss)
+        if masked and ragged and self.max_head_dim_masked_ragged is not None:
+            limit = min(limit, self.max_head_dim_masked_ragged)
+        if alpha and self.max_head_dim_alpha is not None:
+            limit = min(limit, self.max_head_dim_alpha)
         return limit
 
     def __str__(self) -> str:
         return f"M{self.block_m}xN{self.block_n} w{self.num_warps} s{self.num_stages}"
+
+
+def heavy_alpha(normalizer: str, bias: str, window: bool = False) -> bool:
+    """alpha-entmax, or a neighbourhood window, with a bias kind that holds registers of its own
+    (``gaussian``, ``additive``, ``bool``): its dQ kernel (the alphas' gradient or the window's bounds
+    besides the bias') has smaller tiles."""
+    return (normalizer == "entmax_alpha" or window) and bias != "none"
 
 
 # arch (compute capability 80 or 90, see arch_of) -> kernel name -> autotune list, in the style of the
@@ -46,11 +65,14 @@ class TileConfig:
 # the float32 ones).
 AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
     90: {
+        # every tile issues wgmma: 64 rows of the dots' M dimension (queries; keys in dK/dV) per warpgroup
         "fwd_softmax": (
             TileConfig(128, 64, 8, 3, max_head_dim_fp32=64, max_head_dim_ragged=64),
             TileConfig(64, 64, 4, 3, max_head_dim_fp32=64, max_head_dim_ragged=64),
             TileConfig(128, 64, 8, 4, max_head_dim_fp32=64, max_head_dim_ragged=64),
             TileConfig(64, 32, 4, 3),
+            # the flash tutorial's pick at head dim 64; with the Gaussian column factors it spills
+            TileConfig(128, 64, 4, 3, max_head_dim=64, max_head_dim_gauss=0),
         ),
         "fwd_entmax15": (
             TileConfig(128, 64, 8, 3, max_head_dim=64),
@@ -58,19 +80,59 @@ AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
             TileConfig(128, 32, 8, 3),
             TileConfig(64, 32, 4, 3),
         ),
+        # alpha-entmax: the entmax-1.5 tiles (the same loops, three powers per score instead of one square)
+        "fwd_entmax_alpha": (
+            TileConfig(128, 64, 8, 3, max_head_dim=64),
+            TileConfig(64, 64, 4, 3, max_head_dim=64),
+            TileConfig(128, 32, 8, 3),
+            TileConfig(64, 32, 4, 3),
+        ),
+        # dK/dV: keys are the M dimension (k qᵀ tiles), so 64 keys per warpgroup; with 8 warps the two
+        # warpgroups take 64 keys each (a 128-key block, as the tutorial's 32 x 128). With bound masks at
+        # head dim 128 only the 16-query tile stays clear of spills.
+        "bwd_dkdv": (
+            TileConfig(32, 64, 4, 3, max_head_dim_ragged=64),
+            TileConfig(64, 64, 4, 3, max_head_dim=64),
+            TileConfig(64, 128, 8, 3, max_head_dim_fp32=64, max_head_dim_gauss=64, max_head_dim_ragged=64),
+            TileConfig(32, 64, 4, 4, max_head_dim_ragged=64),
+            TileConfig(16, 64, 4, 3),
+        ),
+        # the Gaussian gradients' per-query accumulators spill the 64-key tiles at head dim 128; a mask's
+        # gradient tile with bound masks spills the 64-key tiles at any head dim, every tile but the
+        # 16-key one at head dim 128
+        "bwd_dq": (
+            TileConfig(
+                64, 64, 4, 3, max_head_dim_fp32=64, max_head_dim_gauss=64, max_head_dim_masked_ragged=0
+            ),
+            TileConfig(64, 32, 4, 3, max_head_dim_masked_ragged=64),
+            TileConfig(
+                128, 64, 8, 3, max_head_dim_fp32=64, max_head_dim_gauss=64, max_head_dim_masked_ragged=0
+            ),
+            TileConfig(128, 32, 8, 3, max_head_dim_fp32=64, max_head_dim_masked_ragged=64),
+            TileConfig(64, 16, 4, 3),
+        ),
+        # the list kernels (softmax_lists, backward_lists: windows, entmax-1.5's live tiles, alpha-entmax),
+        # with the Gaussian bias per score: the tiles of the per-score kernels before the grid-aligned ones
+        "fwd_softmax_lists": (
+            TileConfig(128, 64, 8, 3, max_head_dim_fp32=64, max_head_dim_ragged=64),
+            TileConfig(64, 64, 4, 3, max_head_dim_fp32=64, max_head_dim_ragged=64),
+            TileConfig(128, 64, 8, 4, max_head_dim_fp32=64, max_head_dim_ragged=64),
+            TileConfig(64, 32, 4, 3),
+        ),
         # 4 warps: with 8, the M = 64 key rows of the wgmma tiles are split over two warpgroups along the
         # queries, and Triton recomputes p in the second dot's operand layout (1.33x the exps)
-        "bwd_dkdv": (
+        "bwd_dkdv_lists": (
             TileConfig(32, 64, 4, 3, max_head_dim=64),
             TileConfig(64, 32, 4, 3, max_head_dim_ragged=64),
             TileConfig(32, 32, 4, 3),
             TileConfig(64, 32, 4, 4, max_head_dim_fp32=64, max_head_dim_ragged=64),
         ),
-        # a mask's gradient tile (its 64-bit pointers, the atomics) spills the 64-key tiles at any head dim
-        "bwd_dq": (
-            TileConfig(64, 64, 4, 3, max_head_dim=64, max_head_dim_masked=0, max_head_dim_ragged=0),
-            TileConfig(64, 32, 4, 3, max_head_dim_ragged=64),
-            TileConfig(128, 32, 8, 3, max_head_dim_fp32=64),
+        # a mask's gradient tile (its 64-bit pointers, the atomics) spills the 64-key tiles at any head dim;
+        # alpha-entmax with a bias or mask (its alphas' gradient besides) spills them above head dim 64
+        "bwd_dq_lists": (
+            TileConfig(64, 64, 4, 3, 64, max_head_dim_masked=0, max_head_dim_ragged=0, max_head_dim_alpha=0),
+            TileConfig(64, 32, 4, 3, max_head_dim_ragged=64, max_head_dim_alpha=64),
+            TileConfig(128, 32, 8, 3, max_head_dim_fp32=64, max_head_dim_alpha=64),
             TileConfig(32, 32, 4, 3),
         ),
     },
@@ -87,6 +149,12 @@ AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
             TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
             TileConfig(64, 32, 4, 2),
         ),
+        "fwd_entmax_alpha": (
+            TileConfig(128, 64, 8, 2, max_head_dim=64),
+            TileConfig(64, 64, 4, 2, max_head_dim=64),
+            TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
+            TileConfig(64, 32, 4, 2),
+        ),
         "bwd_dkdv": (
             TileConfig(32, 64, 4, 2, max_head_dim=64),
             TileConfig(64, 32, 4, 2),
@@ -94,6 +162,24 @@ AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
             TileConfig(64, 32, 4, 3, max_head_dim_fp32=64),
         ),
         "bwd_dq": (
+            TileConfig(64, 64, 4, 2, max_head_dim=64, max_head_dim_masked=0),
+            TileConfig(128, 64, 8, 2, max_head_dim=64, max_head_dim_masked=0),
+            TileConfig(64, 32, 4, 2),
+            TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
+        ),
+        "fwd_softmax_lists": (
+            TileConfig(128, 64, 8, 2, max_head_dim_fp32=64),
+            TileConfig(64, 64, 4, 2, max_head_dim_fp32=64),
+            TileConfig(64, 32, 4, 3, max_head_dim_fp32=64),
+            TileConfig(64, 32, 4, 2),
+        ),
+        "bwd_dkdv_lists": (
+            TileConfig(32, 64, 4, 2, max_head_dim=64),
+            TileConfig(64, 32, 4, 2),
+            TileConfig(32, 32, 4, 2),
+            TileConfig(64, 32, 4, 3, max_head_dim_fp32=64),
+        ),
+        "bwd_dq_lists": (
             TileConfig(64, 64, 4, 2, max_head_dim=64, max_head_dim_masked=0),
             TileConfig(128, 64, 8, 2, max_head_dim=64, max_head_dim_masked=0),
             TileConfig(64, 32, 4, 2),
@@ -126,11 +212,14 @@ def autotune_list(
     fp32: bool = False,
     arch: int = DEFAULT_ARCH,
     ragged: bool = False,
+    gauss: bool = False,
+    alpha: bool = False,
 ) -> tuple[TileConfig, ...]:
     """The configs of ``kernel`` on ``arch`` usable at padded head dim ``block_d`` (with a mask tile if
-    ``masked``, with float32 operands if ``fp32``, with bound masks if ``ragged``)."""
+    ``masked``, with float32 operands if ``fp32``, with bound masks if ``ragged``, with a Gaussian bias if
+    ``gauss``, for alpha-entmax or a window with a bias or a mask if ``alpha``: :func:`heavy_alpha`)."""
     tiles = AUTOTUNE_BY_ARCH[arch_of(arch)][kernel]
-    return tuple(c for c in tiles if block_d <= c.head_dim_limit(masked, fp32, ragged))
+    return tuple(c for c in tiles if block_d <= c.head_dim_limit(masked, fp32, ragged, gauss, alpha))
 
 
 # The row-term kernels of the backward (delta, the Gaussian row terms) need no tuning.
@@ -139,4 +228,9 @@ ROW_TERMS_ROWS = 128
 
 # Under TRITON_INTERPRET=1 (CPU, numpy) small tiles keep the tests fast and every edge ragged.
 INTERPRET = TileConfig(32, 32, 4, 1)
+
+# The cells of the entmax-1.5 forward's live-tile map (what the backward's tile lists are built from): the
+# smallest tile side of the lists above (16 in the interpreter, whose tests use 16-row tiles too).
+LIVE_GRAIN = 32
+INTERPRET_LIVE_GRAIN = 16
 INTERPRET_DELTA_ROWS = 16

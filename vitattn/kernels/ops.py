@@ -31,17 +31,33 @@ import torch
 import triton
 
 from ..cache import cache_dir
-from . import configs
+from ..functional.window import WindowMask
+from . import configs, windows
 from .env import dot_mode, interpret_requested
 
-_MODULES = ("_common", "softmax", "entmax15", "backward")
+_MODULES = (
+    "_common",
+    "_tiles",
+    "softmax",
+    "softmax_lists",
+    "entmax15",
+    "entmax_alpha",
+    "backward",
+    "backward_lists",
+)
 _KERNEL_ATTRS = {
     "fwd_softmax": ("softmax", "_fwd_softmax_kernel"),
     "fwd_entmax15": ("entmax15", "_fwd_entmax15_kernel"),
+    "fwd_entmax_alpha": ("entmax_alpha", "_fwd_entmax_alpha_kernel"),
     "bwd_delta": ("backward", "_bwd_delta_kernel"),
-    "bwd_rows": ("backward", "_bwd_rows_kernel"),
+    "bwd_factors": ("backward", "_bwd_factors_kernel"),
     "bwd_dkdv": ("backward", "_bwd_dkdv_kernel"),
     "bwd_dq": ("backward", "_bwd_dq_kernel"),
+    # the list kernels: a window (softmax), entmax-1.5's live tiles, alpha-entmax (see KernelLaunch.lists)
+    "fwd_softmax_lists": ("softmax_lists", "_fwd_softmax_kernel"),
+    "bwd_rows": ("backward_lists", "_bwd_rows_kernel"),
+    "bwd_dkdv_lists": ("backward_lists", "_bwd_dkdv_kernel"),
+    "bwd_dq_lists": ("backward_lists", "_bwd_dq_kernel"),
 }
 _KERNELS: dict[bool, dict[str, Any]] = {}  # interpreter setting -> kernels, resolved once each
 
@@ -220,9 +236,24 @@ def pick_tile(
     return best
 
 
+_ASSUMED_ARCH: list[int] = []  # set by assume_arch (the ahead-of-time builder has no device)
+
+
+@contextlib.contextmanager
+def assume_arch(arch: int) -> Any:
+    """Within the block :func:`device_arch` answers ``arch`` (``configs.arch_of`` of it)."""
+    _ASSUMED_ARCH.append(configs.arch_of(arch))
+    try:
+        yield
+    finally:
+        _ASSUMED_ARCH.pop()
+
+
 def device_arch(tensors: Iterable[Any]) -> int:
     """The config-list arch (:func:`configs.arch_of`) of the tensors' CUDA device, or
     ``configs.DEFAULT_ARCH`` when there is none (CPU, fake CUDA tensors without a driver)."""
+    if _ASSUMED_ARCH:
+        return _ASSUMED_ARCH[-1]
     dev = launch_device(tensors)
     try:
         major, minor = torch.cuda.get_device_capability(dev)
@@ -239,19 +270,132 @@ def tile_candidates(
     block_d = max(meta["BLOCK_D"], meta["BLOCK_DV"])
     masked = bool(meta["HAS_ADD"] or meta["HAS_KEEP"])
     fp32 = bool(meta["F32_DOT"])  # on a GPU: float32 operands (TF32 or IEEE)
-    tiles = configs.autotune_list(name, block_d, masked, fp32, arch=arch, ragged=ragged)
+    gauss = bool(meta.get("GAUSS", False))
+    # configs.heavy_alpha: alpha-entmax or a window, with a bias or a mask
+    alpha = (meta.get("ENTMAX") == 2 or bool(meta.get("WINDOW"))) and (masked or gauss)
+    tiles = configs.autotune_list(
+        name, block_d, masked, fp32, arch=arch, ragged=ragged, gauss=gauss, alpha=alpha
+    )
     if not tiles:
         raise RuntimeError(
             f"no tile config of {name} serves head dim {block_d} (masked={masked}, fp32={fp32}, "
-            f"ragged={ragged}, sm_{arch})"
+            f"ragged={ragged}, gauss={gauss}, sm_{arch})"
         )
     return tiles
 
 
-def even_flags(tile_m: int, tile_n: int, n_q: int, n_k: int, even_d: bool) -> dict[str, bool]:
-    """``EVEN_M`` / ``EVEN_N`` / ``EVEN_D`` of a launch: the queries / keys are whole tiles, the head
-    dims their padded size (the kernels then leave those bound masks out)."""
-    return dict(EVEN_M=n_q % tile_m == 0, EVEN_N=n_k % tile_n == 0, EVEN_D=even_d)
+def grid_pad(grid_w: int) -> int:
+    """The padded grid width ``GWP`` of the grid-aligned key tiles: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(int(grid_w)))
+
+
+class PerTile:
+    """A kernel argument that depends on the tile (a tensor descriptor's block shape): resolved by
+    :func:`_launch` with ``fn(BLOCK_M, BLOCK_N)`` for each tile it compiles or runs."""
+
+    def __init__(self, fn: Callable[[int, int], Any]) -> None:
+        self.fn = fn
+
+
+def resolve_args(args: Sequence[Any], block_m: int, block_n: int) -> list[Any]:
+    """``args`` with every :class:`PerTile` resolved for the tile ``block_m x block_n``."""
+    return [a.fn(block_m, block_n) if isinstance(a, PerTile) else a for a in args]
+
+
+def args_at(
+    args: Sequence[Any], tile_args: Callable[[configs.TileConfig], list[Any]] | None, tile: configs.TileConfig
+) -> list[Any]:
+    """A launch's arguments at ``tile``: ``args`` resolved (:func:`resolve_args`), then
+    ``tile_args(tile)``."""
+    extra = tile_args(tile) if tile_args is not None else []
+    return [*resolve_args(args, tile.block_m, tile.block_n), *extra]
+
+
+KV_TMA_ENV = "VITATTN_KV_TMA"  # "0": K / V tiles through pointers everywhere (the tests run both paths)
+
+
+def tma_strides(t: torch.Tensor) -> list[int] | None:
+    """``t``'s strides for a TMA descriptor, or ``None`` where TMA cannot read it: the last dim
+    contiguous, the base and every other stride 16-byte aligned (a size-1 dim's stride is free: replaced
+    by 16 bytes' worth; a broadcast dim of size > 1, stride 0, is refused)."""
+    elem = t.element_size()
+    if t.stride(-1) != 1 or t.data_ptr() % 16 != 0:
+        return None
+    out = []
+    for size, stride in zip(t.shape[:-1], t.stride()[:-1], strict=True):
+        if size == 1:
+            stride = max(16 // elem, 1)
+        if stride <= 0 or (stride * elem) % 16 != 0:
+            return None
+        out.append(stride)
+    return [*out, 1]
+
+
+def kv_tma(launch: KernelLaunch) -> bool:
+    """Whether the softmax forward loads its K / V tiles by TMA: sm_90 and newer (and in the
+    interpreter, which runs that path) for K and V that :func:`tma_strides` accepts; ``VITATTN_KV_TMA=0``
+    forces pointers."""
+    if os.environ.get(KV_TMA_ENV, "") == "0":
+        return False
+    if not interpret_requested() and device_arch([launch.q]) < 90:
+        return False
+    return tma_strides(launch.k) is not None and tma_strides(launch.v) is not None
+
+
+def kv_descriptors(launch: KernelLaunch) -> list[Any]:
+    """``[KT, VT, KG, VG]`` (:class:`PerTile` tensor descriptors, see the softmax forward): K and V as
+    ``(B, H, Nk, D)`` in blocks of ``BLOCK_N`` keys and, with a Gaussian bias, their patch keys as
+    ``(B, H, gh, gw, D)`` in blocks of ``NR`` grid rows x ``min(GWP, BLOCK_N)`` columns."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    out: list[Any] = []
+    gaussian = launch.den is not None
+    for t, bd in ((launch.k, block_dim(launch.q.shape[3])), (launch.v, block_dim(launch.v.shape[3]))):
+        strides = tma_strides(t)
+        assert strides is not None
+
+        def flat_desc(bm: int, bn: int, t: torch.Tensor = t, s: list[int] = strides, bd: int = bd) -> Any:
+            return TensorDescriptor(t, list(t.shape), s, [1, 1, bn, bd])
+
+        out.append(PerTile(flat_desc))
+    if gaussian:
+        p, gw = launch.num_prefix, launch.grid_w
+        for t, bd in ((launch.k, block_dim(launch.q.shape[3])), (launch.v, block_dim(launch.v.shape[3]))):
+            s_b, s_h, s_n, _ = tma_strides(t)  # type: ignore[misc]
+            shape = [t.shape[0], t.shape[1], (t.shape[2] - p) // gw, gw, t.shape[3]]
+
+            def grid_desc(bm: int, bn: int, t=t, shape=shape, s=(s_b, s_h, gw * s_n, s_n, 1), bd=bd) -> Any:
+                tile_w = min(grid_pad(gw), bn)
+                return TensorDescriptor(t[:, :, p:], shape, list(s), [1, 1, bn // tile_w, tile_w, bd])
+
+            out.append(PerTile(grid_desc))
+    return out
+
+
+def factor_rows(n_q: int, num_prefix: int, grid_w: int) -> tuple[int, int]:
+    """``(n_qp, n_fr)`` of the backward's Gaussian factor buffer ``(B * H, n_fr, n_qp)``: the queries
+    padded to a multiple of 128 (the largest query tile), and ``GWP`` column rows plus the grid rows
+    padded to a multiple of 8 (the most grid rows a key tile covers) and 8 zero rows (prefix keys)."""
+    rows = (n_q - num_prefix) // grid_w
+    return triton.cdiv(n_q, 128) * 128, grid_pad(grid_w) + triton.cdiv(rows, 8) * 8 + 8
+
+
+def even_flags(
+    tile_m: int, tile_n: int, n_q: int, n_k: int, even_d: bool, grid: tuple[int, int] | None = None
+) -> dict[str, bool]:
+    """``EVEN_M`` / ``EVEN_N`` / ``EVEN_D`` of a launch: the queries are whole tiles, the keys are whole
+    tiles, the head dims their padded size (the kernels then leave those bound masks out).
+
+    ``grid = (num_prefix, grid_w)`` for the kernels that visit the keys in grid-aligned tiles (a Gaussian
+    bias, see ``_common``): the keys are whole tiles when there are no prefix keys and the grid rows
+    fill whole tiles of ``BLOCK_N // min(GWP, BLOCK_N)`` rows."""
+    if grid is None:
+        even_n = n_k % tile_n == 0
+    else:
+        num_prefix, grid_w = grid
+        rows = tile_n // min(grid_pad(grid_w), tile_n)
+        even_n = num_prefix == 0 and ((n_k - num_prefix) // grid_w) % rows == 0
+    return dict(EVEN_M=n_q % tile_m == 0, EVEN_N=even_n, EVEN_D=even_d)
 
 
 def _launch(
@@ -262,26 +406,35 @@ def _launch(
     shape: tuple[int, int, int],
     even_d: bool,
     reset: Callable[[], object] | None = None,
+    grid_keys: tuple[int, int] | None = None,
+    tile_args: Callable[[configs.TileConfig], list[Any]] | None = None,
 ) -> None:
     """Launch kernel ``name`` over ``grid(BLOCK_M, BLOCK_N)`` under the arguments' CUDA device.
 
     ``shape`` is ``(B·H, Nq, Nk)`` for the tuning key and the ``EVEN_*`` flags (:func:`even_flags`);
-    ``reset`` restores an accumulated output (the additive mask's gradient) after benchmarking. The
+    ``reset`` restores an accumulated output (the additive mask's gradient, the live-tile map) after
+    benchmarking; ``grid_keys``: ``(num_prefix, grid_w)`` where the kernel visits grid-aligned key tiles;
+    ``tile_args(tile)`` are arguments that depend on the tile (the live-tile lists), after ``args``. The
     interpreter runs ``configs.INTERPRET``.
     """
     fn = kernels()[name]
     _, n_q, n_k = shape
+    if _CAPTURE is not None:
+        _CAPTURE.append(Captured(name, fn, list(args), dict(meta), shape, even_d, grid_keys, tile_args))
+        return
     with device_guard(args):
         if interpret_requested():
             if compile_only():  # nothing to compile in the interpreter
                 return
             c = configs.INTERPRET
-            even = even_flags(c.block_m, c.block_n, n_q, n_k, even_d)
-            fn[grid(c.block_m, c.block_n)](*args, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **meta, **even)
+            even = even_flags(c.block_m, c.block_n, n_q, n_k, even_d, grid_keys)
+            fn[grid(c.block_m, c.block_n)](
+                *args_at(args, tile_args, c), BLOCK_M=c.block_m, BLOCK_N=c.block_n, **meta, **even
+            )
             return
 
         def run(tile: configs.TileConfig, warm: bool = False) -> None:
-            even = even_flags(tile.block_m, tile.block_n, n_q, n_k, even_d)
+            even = even_flags(tile.block_m, tile.block_n, n_q, n_k, even_d, grid_keys)
             kw = dict(
                 BLOCK_M=tile.block_m,
                 BLOCK_N=tile.block_n,
@@ -290,10 +443,11 @@ def _launch(
                 **meta,
                 **even,
             )
+            tile_args_ = args_at(args, tile_args, tile)
             if warm:
-                fn.warmup(*args, grid=grid(tile.block_m, tile.block_n), **kw)
+                fn.warmup(*tile_args_, grid=grid(tile.block_m, tile.block_n), **kw)
             else:
-                fn[grid(tile.block_m, tile.block_n)](*args, **kw)
+                fn[grid(tile.block_m, tile.block_n)](*tile_args_, **kw)
 
         benched: list[configs.TileConfig] = []
 
@@ -322,6 +476,45 @@ def _launch(
         run(tile)
 
 
+@dataclass
+class Captured:
+    """One launch recorded by :func:`capture` instead of run: the kernel, its arguments and constexpr
+    flags (without the tile's), and what its tile-dependent ``EVEN_*`` flags need."""
+
+    name: str
+    fn: Any
+    args: list[Any]
+    meta: dict[str, Any]
+    shape: tuple[int, int, int]
+    even_d: bool
+    grid_keys: tuple[int, int] | None
+    tile_args: Callable[[configs.TileConfig], list[Any]] | None = None
+
+    def even(self, block_m: int, block_n: int) -> dict[str, bool]:
+        """The ``EVEN_*`` flags of this launch at a tile (:func:`even_flags`)."""
+        _, n_q, n_k = self.shape
+        return even_flags(block_m, block_n, n_q, n_k, self.even_d, self.grid_keys)
+
+    def args_at(self, block_m: int, block_n: int) -> list[Any]:
+        """The arguments at a tile of ``block_m x block_n`` (:func:`args_at`)."""
+        return args_at(self.args, self.tile_args, configs.TileConfig(block_m, block_n, 4, 1))
+
+
+_CAPTURE: list[Captured] | None = None
+
+
+@contextlib.contextmanager
+def capture() -> Any:
+    """Record every kernel launch inside the block instead of running it (the ahead-of-time builder
+    compiles them with the arguments a real call passes, hence the JIT's own specialization)."""
+    global _CAPTURE
+    previous, _CAPTURE = _CAPTURE, []
+    try:
+        yield _CAPTURE
+    finally:
+        _CAPTURE = previous
+
+
 def block_dim(d: int) -> int:
     """Head dims are padded (with masks) to a power of two >= 16: the smallest ``tl.dot`` operand."""
     return max(16, triton.next_power_of_2(d))
@@ -332,6 +525,10 @@ def _run_or_warm(
 ) -> None:
     """Launch an untuned kernel (one fixed block size) under its tensors' device, or only compile it
     (:func:`compile_only`; nothing to compile in the interpreter)."""
+    if _CAPTURE is not None:
+        name = next(key for key, f in kernels().items() if f is fn)
+        _CAPTURE.append(Captured(name, fn, list(args), dict(meta), (0, 0, 0), True, None))
+        return
     with device_guard(device_of):
         if compile_only():
             if not interpret_requested():
@@ -352,8 +549,11 @@ class KernelLaunch:
 
     q ``(B, H, Nq, D)``, k ``(B, H, Nk, D)``, v ``(B, H, Nk, Dv)`` in one dtype, any strides; ``add``
     a 4-D additive float mask and ``keep`` a 4-D boolean keep-mask (broadcast dims of size 1);
+    ``window`` a neighbourhood window (on the layout ``num_prefix``, ``grid_w``);
     ``den`` float32 ``(B, H, Np, 2)`` = ``r * sigma + eps`` and ``alpha`` float32 ``(B, H, Np)``
-    (expanded views); ``tf32``: TF32 dots for float32 operands on a GPU.
+    (expanded views); ``ent`` float32 ``(B, H, Nq)``: the alphas of alpha-entmax (an expanded view; the
+    normalizer is then alpha-entmax whatever ``entmax`` says); ``tf32``: TF32 dots for float32 operands on
+    a GPU.
     """
 
     q: torch.Tensor
@@ -369,6 +569,32 @@ class KernelLaunch:
     clamp: float
     entmax: bool
     tf32: bool
+    ent: torch.Tensor | None = None
+    window: WindowMask | None = None
+
+    @property
+    def lists(self) -> bool:
+        """Whether the kernels iterate tile lists (``*_lists`` kernels, the Gaussian bias per score): a
+        window, entmax-1.5 (its live tiles) or alpha-entmax; plain softmax runs the grid-aligned kernels."""
+        return self.normalizer != "softmax" or self.window is not None
+
+    @property
+    def normalizer(self) -> str:
+        """``"softmax"``, ``"entmax15"`` or ``"entmax_alpha"`` (a tensor of alphas)."""
+        if self.ent is not None:
+            return "entmax_alpha"
+        return "entmax15" if self.entmax else "softmax"
+
+    @property
+    def entmax_code(self) -> int:
+        """The backward kernels' ``ENTMAX`` constexpr: 0 softmax, 1 entmax-1.5, 2 alpha-entmax."""
+        return {"softmax": 0, "entmax15": 1, "entmax_alpha": 2}[self.normalizer]
+
+    def ent_args(self, dummy: torch.Tensor) -> list[Any]:
+        """``ENT, s_eb, s_eh, s_em``: the alphas and their strides (a dummy and zeros without them)."""
+        if self.ent is None:
+            return [dummy, 0, 0, 0]
+        return [self.ent, *_bcast_strides(self.ent.unsqueeze(-1))[:3]]
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -410,6 +636,29 @@ class KernelLaunch:
         """Both head dims are their padded size (no head-dim masks)."""
         return block_dim(self.q.shape[3]) == self.q.shape[3] and block_dim(self.v.shape[3]) == self.v.shape[3]
 
+    @property
+    def grid_keys(self) -> tuple[int, int] | None:
+        """``(num_prefix, grid_w)`` with a Gaussian bias (the keys are visited in grid-aligned tiles)."""
+        return (self.num_prefix, self.grid_w) if self.den is not None else None
+
+    def key_blocks(self, block_n: int) -> int:
+        """The dK/dV programs per ``(b, h)`` for key blocks of ``block_n``: plain blocks of the keys, or
+        with a Gaussian bias the prefix keys' blocks and the grid-aligned blocks (``NR`` grid rows of
+        one chunk of ``min(GWP, block_n)`` columns)."""
+        n_k = self.k.shape[2]
+        if self.den is None:
+            return triton.cdiv(n_k, block_n)
+        tile_w = min(grid_pad(self.grid_w), block_n)
+        rows = (n_k - self.num_prefix) // self.grid_w
+        chunks = grid_pad(self.grid_w) // tile_w
+        return triton.cdiv(self.num_prefix, block_n) + chunks * triton.cdiv(rows, block_n // tile_w)
+
+    def grid_flags(self) -> dict[str, Any]:
+        """``GWP`` (the padded grid width; 16 without a Gaussian bias) and ``PAD_W`` (it exceeds the
+        grid width) of the kernels with grid-aligned key tiles."""
+        gwp = grid_pad(self.grid_w) if self.den is not None else 16
+        return dict(GWP=gwp, PAD_W=self.den is not None and gwp != self.grid_w)
+
     def flags(self) -> dict[str, Any]:
         q = self.q
         return dict(
@@ -419,29 +668,130 @@ class KernelLaunch:
             F32_DOT=dot_mode(q.dtype, q.device.type, self.tf32, interpret_requested()),
             BLOCK_D=block_dim(q.shape[3]),
             BLOCK_DV=block_dim(self.v.shape[3]),
+            WINDOW=self.window is not None,
+            DILATED=self.window is not None and self.window.dilation != (1, 1),
         )
 
+    def window_args(self, block_m: int, block_n: int, by_keys: bool, dummy: torch.Tensor) -> list[Any]:
+        """``WLIST, WCNT, n_wcols, WIN, d_r, d_c``: the window's tile lists for tiles of ``block_m`` queries x
+        ``block_n`` keys (per query tile its key tiles, or per key tile its query tiles if ``by_keys``),
+        shared by every (b, h), and its bounds per query (:mod:`~vitattn.kernels.windows`)."""
+        if self.window is None:
+            return [dummy, dummy, 0, dummy, 1.0, 1.0]
+        order, count = _window_lists(self.window, block_m, block_n, by_keys, self.q.device)
+        d_r, d_c = self.window.dilation
+        bounds = windows.window_bounds(self.window, self.q.device)
+        return [order, count, order.shape[-1], bounds, float(d_r), float(d_c)]
 
-def _forward(launch: KernelLaunch, store_og: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, stat, og)``: out ``(B, H, Nq, Dv)`` in v's dtype, stat float32 ``(B, H, Nq)``, og float32
-    ``(B, H, Nq, Dv)`` for entmax-1.5 with ``store_og`` (else an empty ``(0,)`` tensor)."""
+
+_WINDOW_LISTS: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _window_lists(
+    window: WindowMask, block_m: int, block_n: int, by_keys: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`windows.compact` of :func:`windows.window_tiles` (transposed if ``by_keys``), on ``device``,
+    cached (no host copy after the first call of a window and tile)."""
+    key = (window, block_m, block_n, by_keys, device)
+    found = _WINDOW_LISTS.get(key)
+    if found is None:
+        tiles = windows.window_tiles(window, block_m, block_n)
+        found = windows.compact((tiles.T if by_keys else tiles)[None].to(device))
+        _WINDOW_LISTS[key] = found
+    return found
+
+
+def live_grain() -> int:
+    """The side of the live-tile map's cells (:func:`_forward`): the smallest tile side of the arch lists
+    (16 in the interpreter, where the tests shrink the tiles to 16)."""
+    return configs.INTERPRET_LIVE_GRAIN if interpret_requested() else configs.LIVE_GRAIN
+
+
+def live_shape(b: int, h: int, n_q: int, n_k: int) -> tuple[int, int, int, int]:
+    """The shape of the live-tile map of an entmax-1.5 forward: uint8 ``(B, H, cells of Nq, cells of Nk)``."""
+    grain = live_grain()
+    return b, h, -(-n_q // grain), -(-n_k // grain)
+
+
+def tile_lists(
+    live: torch.Tensor, block_rows: int, block_cols: int, n_rows: int, n_cols: int, by_cols: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(LIST, CNT)`` of the backward's inner loops from the live-tile map ``live`` (uint8 ``(B, H, cells
+    of the queries, cells of the keys)``): a tile of ``block_rows`` queries x ``block_cols`` keys is live
+    when a cell it covers is. Per program (query tile, or key tile if ``by_cols``: the dK/dV kernel's
+    transposed list), its live inner tiles in order, int32 ``(B * H, programs, inner tiles)``, and their
+    count, int32 ``(B * H, programs)``."""
+    grain = live_grain()
+    b, h, c_r, c_c = live.shape
+    f_r, f_c = block_rows // grain, block_cols // grain
+    t_r, t_c = -(-n_rows // block_rows), -(-n_cols // block_cols)
+    cells = torch.nn.functional.pad(live.reshape(b * h, c_r, c_c), (0, t_c * f_c - c_c, 0, t_r * f_r - c_r))
+    tiles = cells.view(b * h, t_r, f_r, t_c, f_c).amax(dim=(2, 4)) != 0
+    return windows.compact(tiles.transpose(1, 2) if by_cols else tiles)
+
+
+def _forward(
+    launch: KernelLaunch, store_og: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, stat, og, live)``: out ``(B, H, Nq, Dv)`` in v's dtype, stat float32 ``(B, H, Nq)``, og
+    float32 ``(B, H, Nq, Dv)`` for entmax-1.5 / alpha-entmax with ``store_og`` (else an empty ``(0,)``
+    tensor), live the map of the key tiles the entmax-1.5 output pass visited (uint8 :func:`live_shape`;
+    empty otherwise)."""
     q, v = launch.q, launch.v
     b, h, n_q, _ = q.shape
     dv = v.shape[3]
     dummy = q.new_empty(1, dtype=torch.float32)
     out = torch.empty(b, h, n_q, dv, device=q.device, dtype=v.dtype)
     stat = torch.empty(b, h, n_q, device=q.device, dtype=torch.float32)
-    store_og = store_og and launch.entmax
+    name = f"fwd_{launch.normalizer}"
+    sparse = name != "fwd_softmax"
+    if launch.window is not None and not sparse:
+        name = "fwd_softmax_lists"
+    store_og = store_og and sparse
     og = torch.empty(b, h, n_q, dv if store_og else 0, device=q.device, dtype=torch.float32)
     head = [q, launch.k, v, out, stat, *launch.operands(dummy)]
     meta = launch.flags()
-    if launch.entmax:
+    if sparse:
         head.append(og if store_og else dummy)
         meta["STORE_OG"] = store_og
+    elif name == "fwd_softmax":
+        del meta["WINDOW"], meta["DILATED"]
+        meta.update(launch.grid_flags())
+        meta["KV_TMA"] = tma = kv_tma(launch)
+        descs = kv_descriptors(launch) if tma else []
+        head += descs + [dummy] * (4 - len(descs))
     args = [*head, *launch.strides(), *launch.scalars()]
-    name = "fwd_entmax15" if launch.entmax else "fwd_softmax"
-    _launch(name, lambda bm, bn: (triton.cdiv(n_q, bm), b * h), args, meta, launch.shape, launch.even_d)
-    return out, stat, og
+    if launch.ent is not None:
+        args += launch.ent_args(dummy)
+    live = q.new_empty(0, dtype=torch.uint8)
+    n_k = launch.k.shape[2]
+    if name == "fwd_entmax15":
+        live = torch.zeros(live_shape(b, h, n_q, n_k), device=q.device, dtype=torch.uint8)
+        meta.update(SPARSE=True, GRAIN=live_grain())
+
+    def tile_args(tile: configs.TileConfig) -> list[Any]:
+        extra = []
+        if name == "fwd_entmax15":  # the search's list (scratch) and the live map
+            rows = b * h * triton.cdiv(n_q, tile.block_m)
+            scratch = torch.empty(rows, triton.cdiv(n_k, tile.block_n), device=q.device, dtype=torch.int32)
+            extra = [scratch, live, live.shape[2], live.shape[3]]
+        if name == "fwd_softmax":  # the grid-aligned kernel: no window
+            return extra
+        return extra + launch.window_args(tile.block_m, tile.block_n, False, dummy)
+
+    grid = lambda bm, bn: (triton.cdiv(n_q, bm), b * h)  # noqa: E731
+    _launch(
+        name,
+        grid,
+        args,
+        meta,
+        launch.shape,
+        launch.even_d,
+        reset=live.zero_,
+        grid_keys=launch.grid_keys if name == "fwd_softmax" else None,
+        tile_args=tile_args,
+    )
+    return out, stat, og, live
 
 
 def _backward(
@@ -449,14 +799,17 @@ def _backward(
     grad_out: torch.Tensor,
     o_or_og: torch.Tensor,
     stat: torch.Tensor,
+    live: torch.Tensor,
     add_grad: bool,
     gauss_grad: bool,
+    ent_grad: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """``(dq, dk, dv, dadd, dden, dalpha)`` in the shapes of q, k, v (their dtypes) and of add, den,
-    alpha (float32); ``dadd`` / ``dden``, ``dalpha`` are empty ``(0,)`` tensors unless asked for."""
+    """``(dq, dk, dv, dadd, dden, dalpha, dent)`` in the shapes of q, k, v (their dtypes) and of add, den,
+    alpha, ent (float32); ``dadd`` / ``dden``, ``dalpha`` / ``dent`` are empty ``(0,)`` tensors unless
+    asked for."""
     q, k, v, add = launch.q, launch.k, launch.v, launch.add
-    if launch.entmax and o_or_og.shape[-1] != v.shape[-1]:
-        raise RuntimeError("attention_bwd: the entmax-1.5 forward ran with store_og=False")
+    if launch.normalizer != "softmax" and o_or_og.shape[-1] != v.shape[-1]:
+        raise RuntimeError(f"attention_bwd: the {launch.normalizer} forward ran with store_og=False")
     b, h, n_q, d = q.shape
     n_k, dv = k.shape[2], v.shape[3]
     do = grad_out.contiguous()
@@ -477,15 +830,16 @@ def _backward(
         BLOCK_DV=block_dim(dv),
     )
 
-    rows_buf = dummy
-    if launch.den is not None:  # the Gaussian row terms, once per query (read by dK/dV)
+    lists = launch.lists
+    fact, n_qp, n_fr = dummy, 0, 0
+    if launch.den is not None and lists:  # the Gaussian row terms, once per query (read by dK/dV)
         assert launch.alpha is not None
-        rows_buf = torch.empty(b * h, 5, n_q, device=q.device, dtype=torch.float32)
+        fact = torch.empty(b * h, 5, n_q, device=q.device, dtype=torch.float32)
         block = configs.INTERPRET_DELTA_ROWS if interpret_requested() else configs.ROW_TERMS_ROWS
         rows_args = (
             launch.den,
             launch.alpha,
-            rows_buf,
+            fact,
             *launch.gauss_strides(),
             h,
             n_q,
@@ -495,6 +849,34 @@ def _backward(
         )
         _run_or_warm(
             kernels()["bwd_rows"], (triton.cdiv(n_q, block), b * h), rows_args, [launch.den], BLOCK_M=block
+        )
+    elif launch.den is not None:  # the Gaussian factors of every query, once (read by dK/dV)
+        assert launch.alpha is not None
+        n_qp, n_fr = factor_rows(n_q, launch.num_prefix, launch.grid_w)
+        gwp = grid_pad(launch.grid_w)
+        fact = torch.empty(b * h, n_fr, n_qp, device=q.device, dtype=torch.float32)
+        block = configs.INTERPRET_DELTA_ROWS if interpret_requested() else configs.ROW_TERMS_ROWS
+        fact_args = (
+            launch.den,
+            launch.alpha,
+            fact,
+            *launch.gauss_strides(),
+            h,
+            n_q,
+            n_qp,
+            n_fr,
+            launch.num_prefix,
+            launch.grid_w,
+            launch.clamp,
+            launch.scale,
+        )
+        _run_or_warm(
+            kernels()["bwd_factors"],
+            (triton.cdiv(n_qp, block), b * h),
+            fact_args,
+            [launch.den],
+            GWP=gwp,
+            BLOCK_M=block,
         )
 
     dq = torch.empty(b, h, n_q, d, device=q.device, dtype=q.dtype)
@@ -514,20 +896,53 @@ def _backward(
         dden = torch.empty(launch.den.shape, device=q.device, dtype=torch.float32)
         dalpha = torch.empty(launch.alpha.shape, device=q.device, dtype=torch.float32)
 
+    ent_grad = ent_grad and launch.ent is not None
+    dent = q.new_empty(b, h, n_q, dtype=torch.float32) if ent_grad else empty()
+    ent_args = launch.ent_args(dummy)
+
     meta = launch.flags()
-    meta["ENTMAX"] = launch.entmax
+    meta["ENTMAX"] = launch.entmax_code
     strides, scalars, operands = launch.strides(), launch.scalars(), launch.operands(dummy)
+    if lists:
+        # the inner loops iterate lists: entmax-1.5's live tiles (per (b, h)), else a window's (shared)
+        meta["SPARSE"] = live.numel() > 0 or launch.window is not None
+
+        def list_args(by_keys: bool) -> Callable[[configs.TileConfig], list[Any]]:
+            def tile_args(tile: configs.TileConfig) -> list[Any]:
+                win = launch.window_args(tile.block_m, tile.block_n, by_keys, dummy)
+                if live.numel() == 0:
+                    return [*win[:3], 0, *win[3:]]
+                order, count = tile_lists(live, tile.block_m, tile.block_n, n_q, n_k, by_keys)
+                return [order, count, order.shape[-1], 1, *win[3:]]
+
+            return tile_args
+
+        dkdv_args = [q, k, v, do, stat, delta, fact, dk, dvv, *operands, *strides, *scalars, *ent_args]
+        dkdv_blocks = lambda bm, bn: (triton.cdiv(n_k, bn), b * h)  # noqa: E731
+        dkdv_extra: dict[str, Any] = dict(tile_args=list_args(by_keys=True))
+        dq_tail = [ent_args[0], dent if ent_grad else dummy, *ent_args[1:]]
+        dq_meta: dict[str, Any] = dict(ENT_GRAD=ent_grad)
+        dq_extra: dict[str, Any] = dict(tile_args=list_args(by_keys=False))
+    else:  # plain softmax: grid-aligned Gaussian tiles, no lists
+        del meta["WINDOW"], meta["DILATED"]
+        meta.update(launch.grid_flags())
+        dkdv_args = [q, k, v, do, stat, delta, fact, dk, dvv, *operands, *strides, *scalars, n_qp, n_fr]
+        dkdv_blocks = lambda bm, bn: (launch.key_blocks(bn), b * h)  # noqa: E731
+        dkdv_extra = dict(grid_keys=launch.grid_keys)
+        dq_tail, dq_meta, dq_extra = [], {}, dict(grid_keys=launch.grid_keys)
+    suffix = "_lists" if lists else ""
     _launch(
-        "bwd_dkdv",
-        lambda bm, bn: (triton.cdiv(n_k, bn), b * h),
-        [q, k, v, do, stat, delta, rows_buf, dk, dvv, *operands, *strides, *scalars],
+        "bwd_dkdv" + suffix,
+        dkdv_blocks,
+        dkdv_args,
         meta,
         launch.shape,
         launch.even_d,
+        **dkdv_extra,
     )
     zero_dadd = dadd.zero_ if add_mode == 2 else None  # atomics accumulate: reset after benchmarking
     _launch(
-        "bwd_dq",
+        "bwd_dq" + suffix,
         lambda bm, bn: (triton.cdiv(n_q, bm), b * h),
         [
             q,
@@ -544,9 +959,11 @@ def _backward(
             *strides,
             *g_strides,
             *scalars,
+            *dq_tail,
         ],
         {
             **meta,
+            **dq_meta,
             "ADD_GRAD": add_mode,
             "GAUSS_GRAD": gauss_grad,
             "DADD_BCAST_M": bcast_m,
@@ -555,18 +972,20 @@ def _backward(
         launch.shape,
         launch.even_d,
         reset=zero_dadd,
+        **dq_extra,
     )
-    return dq, dk, dvv, dadd, dden, dalpha
+    return dq, dk, dvv, dadd, dden, dalpha, dent
 
 
 # ---- the custom ops ------------------------------------------------------------------------------------
 
-_OPERANDS = "Tensor q, Tensor k, Tensor v, Tensor? add, Tensor? keep, Tensor? den, Tensor? alpha"
+_OPERANDS = "Tensor q, Tensor k, Tensor v, Tensor? add, Tensor? keep, Tensor? den, Tensor? alpha, Tensor? ent"
 _SCALARS = "float scale, int num_prefix, int grid_w, float clamp, bool entmax, bool tf32"
-FWD_SCHEMA = f"({_OPERANDS}, {_SCALARS}, bool store_og) -> (Tensor, Tensor, Tensor)"
+FWD_SCHEMA = f"({_OPERANDS}, {_SCALARS}, bool store_og, int[] window=[]) -> (Tensor, Tensor, Tensor, Tensor)"
 BWD_SCHEMA = (
-    f"(Tensor grad_out, Tensor o_or_og, Tensor stat, {_OPERANDS}, {_SCALARS}, bool add_grad, bool gauss_grad)"
-    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    f"(Tensor grad_out, Tensor o_or_og, Tensor stat, Tensor live, {_OPERANDS}, {_SCALARS}, bool add_grad,"
+    " bool gauss_grad,"
+    " bool ent_grad, int[] window=[]) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
 
@@ -579,6 +998,7 @@ def attention_fwd(
     keep: torch.Tensor | None,
     den: torch.Tensor | None,
     alpha: torch.Tensor | None,
+    ent: torch.Tensor | None,
     scale: float,
     num_prefix: int,
     grid_w: int,
@@ -586,26 +1006,33 @@ def attention_fwd(
     entmax: bool,
     tf32: bool,
     store_og: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``normalize(q kᵀ · scale + gaussian + add, masked by keep) v``: ``(out, stat, og)`` (:func:`_forward`).
+    window: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``normalize(q kᵀ · scale + gaussian + add, masked by keep) v``: ``(out, stat, og, live)``
+    (:func:`_forward`).
 
-    Operands as in :class:`KernelLaunch` (one dtype for q, k, v); differentiable in q, k, v, add, den
-    and alpha (through ``attention_bwd``) when ``store_og`` is set for entmax-1.5.
+    Operands as in :class:`KernelLaunch` (one dtype for q, k, v); differentiable in q, k, v, add, den,
+    alpha and ent (through ``attention_bwd``) when ``store_og`` is set for entmax-1.5 / alpha-entmax.
     """
-    launch = KernelLaunch(q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32)
+    win = WindowMask.from_ints(list(window)) if window else None
+    launch = KernelLaunch(
+        q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, ent, win
+    )
     return _forward(launch, store_og)
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(
-    q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, store_og
+    q, k, v, add, keep, den, alpha, ent, scale, num_prefix, grid_w, clamp, entmax, tf32, store_og, window=()
 ):  # fmt: skip
     b, h, n_q, _ = q.shape
     dv = v.shape[3]
     out = q.new_empty(b, h, n_q, dv, dtype=v.dtype)
     stat = q.new_empty(b, h, n_q, dtype=torch.float32)
-    og = q.new_empty(b, h, n_q, dv if store_og and entmax else 0, dtype=torch.float32)
-    return out, stat, og
+    og = q.new_empty(b, h, n_q, dv if store_og and (entmax or ent is not None) else 0, dtype=torch.float32)
+    sparse = entmax and ent is None
+    live = q.new_empty(live_shape(b, h, n_q, k.shape[2]) if sparse else (0,), dtype=torch.uint8)
+    return out, stat, og, live
 
 
 @torch.library.custom_op("vitattn::attention_bwd", mutates_args=(), schema=BWD_SCHEMA)
@@ -613,6 +1040,7 @@ def attention_bwd(
     grad_out: torch.Tensor,
     o_or_og: torch.Tensor,
     stat: torch.Tensor,
+    live: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -620,6 +1048,7 @@ def attention_bwd(
     keep: torch.Tensor | None,
     den: torch.Tensor | None,
     alpha: torch.Tensor | None,
+    ent: torch.Tensor | None,
     scale: float,
     num_prefix: int,
     grid_w: int,
@@ -628,11 +1057,17 @@ def attention_bwd(
     tf32: bool,
     add_grad: bool,
     gauss_grad: bool,
+    ent_grad: bool,
+    window: Sequence[int] = (),
 ) -> tuple[torch.Tensor, ...]:
-    """``(dq, dk, dv, dadd, dden, dalpha)`` of :func:`_backward` for ``grad_out`` ``(B, H, Nq, Dv)``;
-    ``o_or_og`` is the forward's out (softmax) or og (entmax-1.5), ``stat`` its row statistic."""
-    launch = KernelLaunch(q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32)
-    return _backward(launch, grad_out, o_or_og, stat, add_grad, gauss_grad)
+    """``(dq, dk, dv, dadd, dden, dalpha, dent)`` of :func:`_backward` for ``grad_out`` ``(B, H, Nq, Dv)``;
+    ``o_or_og`` is the forward's out (softmax) or og (entmax-1.5, alpha-entmax), ``stat`` its row
+    statistic."""
+    win = WindowMask.from_ints(list(window)) if window else None
+    launch = KernelLaunch(
+        q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, ent, win
+    )
+    return _backward(launch, grad_out, o_or_og, stat, live, add_grad, gauss_grad, ent_grad)
 
 
 @attention_bwd.register_fake
@@ -640,6 +1075,7 @@ def _attention_bwd_fake(
     grad_out,
     o_or_og,
     stat,
+    live,
     q,
     k,
     v,
@@ -647,6 +1083,7 @@ def _attention_bwd_fake(
     keep,
     den,
     alpha,
+    ent,
     scale,
     num_prefix,
     grid_w,
@@ -655,8 +1092,11 @@ def _attention_bwd_fake(
     tf32,
     add_grad,
     gauss_grad,
+    ent_grad,
+    window=(),
 ):
     gauss = gauss_grad and den is not None
+    b, h, n_q, _ = q.shape
     return (
         q.new_empty(q.shape),
         k.new_empty(k.shape),
@@ -664,28 +1104,50 @@ def _attention_bwd_fake(
         q.new_empty(add.shape if add is not None and add_grad else (0,), dtype=torch.float32),
         q.new_empty(den.shape if gauss else (0,), dtype=torch.float32),
         q.new_empty(alpha.shape if gauss else (0,), dtype=torch.float32),
+        q.new_empty((b, h, n_q) if ent_grad and ent is not None else (0,), dtype=torch.float32),
     )
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, _store_og = inputs
-    out, stat, og = output
+    (
+        q,
+        k,
+        v,
+        add,
+        keep,
+        den,
+        alpha,
+        ent,
+        scale,
+        num_prefix,
+        grid_w,
+        clamp,
+        entmax,
+        tf32,
+        _store_og,
+        *window,
+    ) = inputs
+    out, stat, og, live = output
     ctx.scalars = (scale, num_prefix, grid_w, clamp, entmax, tf32)
-    ctx.save_for_backward(og if entmax else out, stat, q, k, v, add, keep, den, alpha)
-    ctx.mark_non_differentiable(stat, og)
+    ctx.window = list(window[0]) if window else []
+    saved = og if entmax or ent is not None else out
+    ctx.save_for_backward(saved, stat, live, q, k, v, add, keep, den, alpha, ent)
+    ctx.mark_non_differentiable(stat, og, live)
     ctx.set_materialize_grads(False)
 
 
-def _attention_backward(ctx: Any, grad_out: torch.Tensor | None, *_stat_og: Any) -> tuple[Any, ...]:
-    none = (None,) * 14
+def _attention_backward(ctx: Any, grad_out: torch.Tensor | None, *_stat_og_live: Any) -> tuple[Any, ...]:
+    none = (None,) * 16
     if grad_out is None:
         return none
-    o_or_og, stat, q, k, v, add, keep, den, alpha = ctx.saved_tensors
+    o_or_og, stat, live, q, k, v, add, keep, den, alpha, ent = ctx.saved_tensors
     need = ctx.needs_input_grad
     add_grad = add is not None and need[3]
     gauss_grad = den is not None and (need[5] or need[6])
-    dq, dk, dv, dadd, dden, dalpha = attention_bwd(
-        grad_out, o_or_og, stat, q, k, v, add, keep, den, alpha, *ctx.scalars, add_grad, gauss_grad
+    ent_grad = ent is not None and need[7]
+    grads = (add_grad, gauss_grad, ent_grad)
+    dq, dk, dv, dadd, dden, dalpha, dent = attention_bwd(
+        grad_out, o_or_og, stat, live, q, k, v, add, keep, den, alpha, ent, *ctx.scalars, *grads, ctx.window
     )
     return (
         dq,
@@ -695,7 +1157,8 @@ def _attention_backward(ctx: Any, grad_out: torch.Tensor | None, *_stat_og: Any)
         None,
         dden if gauss_grad else None,
         dalpha if gauss_grad else None,
-        *none[7:],
+        dent if ent_grad else None,
+        *none[8:],
     )
 
 

@@ -2,14 +2,20 @@
 
 One program computes ``BLOCK_M`` query rows of one ``(b, h)``: it streams the keys in ``BLOCK_N`` blocks,
 keeps the running row max ``m`` and sum ``l`` and rescales the output accumulator, so nothing of size
-``Nq x Nk`` is ever stored. The key loop has no data-dependent branch (its K / V loads pipeline), one
-``exp2`` per score on the special-function unit (two with the Gaussian bias, whose exponent is
-``log2(e)``-folded and separable, :func:`~vitattn.kernels._common.gauss_tile`), and the per-row
-rescaling factor is computed on the FMA units (:func:`~vitattn.kernels._common.exp2_fma`).
+``Nq x Nk`` is ever stored. The key loop has no data-dependent branch (its K / V loads pipeline) and
+one ``exp2`` per score. As in the Triton tutorial's kernel, the scale is applied in the multiply-add that
+also subtracts the row max (``s * su - m``), and the rescale of the running sums is one ``exp2`` per row.
 
-Saved for backward: ``STAT`` = the row log-sum-exp ``lse = m + log l`` (natural log), float32
-``(B, H, Nq)``; ``+inf`` for a row whose keys are all masked (its output row is 0). The backward
-recomputes ``p = exp(z - lse)`` tile by tile.
+With a Gaussian bias the keys are visited in grid-aligned tiles (see ``_common``, "grid-aligned key
+tiles"): the column factors of the query block are computed once per chunk of grid columns, the row
+factors once per tile (one ``exp2`` per query row and tile row), and the bias costs one multiply-add per
+score (:func:`~vitattn.kernels._common.add_outer`). Prefix keys are visited first, in tiles of their own,
+without bias; the tiles of whole grid rows (or, without a bias, of ``BLOCK_N`` whole keys) run in a loop
+without bounds checks and a last partial tile after it.
+
+Saved for backward: ``STAT`` = the row log-sum-exp in base 2, ``lse2 = m + log2 l`` (``m`` the row max
+of the base-2 scores), float32 ``(B, H, Nq)``; ``+inf`` for a row whose keys are all masked (its output
+row is 0). The backward recomputes ``p = 2^(z log2(e) - lse2)`` tile by tile.
 """
 
 from __future__ import annotations
@@ -19,16 +25,89 @@ import triton.language as tl
 
 from ._common import (
     LOG2E,
-    _coords_advance,
-    _coords_start,
-    _coords_step,
     _dot,
+    _dot_acc,
     _fwd_prologue,
-    _load_tile,
-    _score_tile,
+    _load_kv,
+    _mask_tile,
     _store_tile,
-    exp2_fma,
+    _tile_ptrs,
+    add_outer,
+    col_factors,
+    key_slots,
+    row_factors,
 )
+
+
+@triton.jit
+def _fwd_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k,
+    v,
+    ok,
+    offs_m,
+    offs_n,
+    n_q,
+    n_k,
+    scale,
+    su,
+    add_base,
+    s_am,
+    s_an,
+    keep_base,
+    s_mm,
+    s_mn,
+    r,
+    c,
+    BIAS: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    NR: tl.constexpr,
+    TILE_W: tl.constexpr,
+):
+    """One key tile (``k``, ``v``) of the online softmax: ``(acc, m, l)`` updated. ``ok``: the tile's valid
+    keys (``MASKED``); ``r``, ``c``: the bias factors of :func:`add_outer` (``BIAS``). Scores in units of
+    ``q kᵀ`` until the multiply-add ``s * su - m`` (``su = scale * log2(e)``, ``m`` the base-2 row max)."""
+    if HAS_ADD or HAS_KEEP:
+        pen = _mask_tile(
+            offs_m,
+            offs_n,
+            n_q,
+            n_k,
+            scale,
+            add_base,
+            s_am,
+            s_an,
+            keep_base,
+            s_mm,
+            s_mn,
+            HAS_ADD,
+            HAS_KEEP,
+            False,
+            EVEN_M,
+            not MASKED,
+        )
+        s = _dot_acc(q, tl.trans(k), pen, F32_DOT)
+    else:
+        s = _dot(q, tl.trans(k), F32_DOT)
+    if BIAS:
+        s = add_outer(s, r, c, BLOCK_M, NR, TILE_W, False)
+    if MASKED:
+        s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * su)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+    p = tl.exp2(s * su - m_safe[:, None])
+    corr = tl.exp2(m_i - m_safe)  # m_i = -inf gives 0
+    l_i = l_i * corr + tl.sum(p, 1)
+    acc = acc * corr[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -42,6 +121,10 @@ def _fwd_softmax_kernel(
     KEEP,
     DEN,
     ALPHA,
+    KT,
+    VT,
+    KG,
+    VG,
     s_qb,
     s_qh,
     s_qm,
@@ -89,11 +172,20 @@ def _fwd_softmax_kernel(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
+    GWP: tl.constexpr,
+    PAD_W: tl.constexpr,
+    KV_TMA: tl.constexpr,
 ):
     """``O[b, h, rows] = softmax(z) V`` and ``STAT = lse`` for one block of query rows.
 
     Shapes: Q ``(B, H, Nq, D)``, K ``(B, H, Nk, D)``, V ``(B, H, Nk, Dv)`` (any strides); O contiguous
-    ``(B, H, Nq, Dv)``; STAT contiguous float32 ``(B, H, Nq)``.
+    ``(B, H, Nq, Dv)``; STAT contiguous float32 ``(B, H, Nq)``. ``GWP``: the padded grid width of the
+    Gaussian bias (a power of two >= ``grid_w``); ``PAD_W``: ``grid_w < GWP`` (slots past the grid width
+    are masked). ``EVEN_N``: no prefix keys and no partial tile (the grid rows fill whole tiles; without
+    a bias, ``Nk`` is a multiple of ``BLOCK_N``). ``KV_TMA``: K and V tiles by TMA (sm_90) through the
+    tensor descriptors ``KT``, ``VT`` (``(B, H, Nk, D)``, blocks of ``TILE_W`` keys) and, with a Gaussian
+    bias, ``KG``, ``VG`` (the patch keys as ``(B, H, gh, gw, D)``, blocks of ``NR`` grid rows x ``TILE_W``
+    columns; past the grid width or height they read zeros); else through pointers (``K``, ``V``).
     """
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -140,60 +232,109 @@ def _fwd_softmax_kernel(
             EVEN_D,
         )
     )
-    # every tile is in base 2: log2(e) folded once into the scale and the Gaussian amplitude
-    alpha2 = alpha * LOG2E
-    kr, kc = _coords_start(tl.arange(0, BLOCK_N), num_prefix, grid_w)
-    step_r, step_c, gw = _coords_step(BLOCK_N, grid_w)
-    for start_n in range(0, n_k, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
-        z, _e = _score_tile(
-            q,
-            k,
-            offs_m,
-            offs_n,
-            n_q,
-            n_k,
-            scale,
-            LOG2E,
-            add_base,
-            s_am,
-            s_an,
-            keep_base,
-            s_mm,
-            s_mn,
-            qr,
-            qc,
-            cr,
-            fr,
-            cc,
-            fc,
-            alpha2,
-            kr,
-            kc,
-            GAUSS,
-            HAS_ADD,
-            HAS_KEEP,
-            F32_DOT,
-            False,
-            EVEN_M,
-            EVEN_N,
-        )
-        m_new = tl.maximum(m_i, tl.max(z, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
-        p = tl.exp2(z - m_safe[:, None])
-        corr = exp2_fma(m_i - m_safe)  # per row, off the exp unit (m_i = -inf gives 0)
-        l_i = l_i * corr + tl.sum(p, 1)
-        v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv, EVEN_N, EVEN_D)
-        acc = acc * corr[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
-        m_i = m_new
+    su = scale * LOG2E  # scores in units of q kᵀ until exp2(s * su - m)
+    d_ok = offs_d < head_d
+    dv_ok = offs_dv < head_dv
+    if GAUSS:
+        TILE_W: tl.constexpr = GWP if GWP < BLOCK_N else BLOCK_N
+        CH: tl.constexpr = GWP // TILE_W
+        row_w = grid_w
+        n_rows = (n_k - num_prefix) // grid_w
+        first = num_prefix
+        amp = alpha / scale
+    else:
+        TILE_W: tl.constexpr = BLOCK_N  # type: ignore[no-redef]
+        CH: tl.constexpr = 1  # type: ignore[no-redef]
+        row_w = BLOCK_N
+        n_rows = n_k // BLOCK_N
+        first = 0
+        amp = 0.0
+    NR: tl.constexpr = BLOCK_N // TILE_W
+    slot_off, col = key_slots(BLOCK_N, TILE_W, row_w)
+
+    b_idx = bh // n_heads
+    h_idx = bh % n_heads
+    if GAUSS and not EVEN_N:  # the prefix keys: tiles of their own, no bias
+        for t0 in range(0, num_prefix, BLOCK_N):
+            offs_n = t0 + tl.arange(0, BLOCK_N)
+            if KV_TMA:
+                k = tl.reshape(KT.load([b_idx, h_idx, t0, 0]), (BLOCK_N, BLOCK_D))
+                v = tl.reshape(VT.load([b_idx, h_idx, t0, 0]), (BLOCK_N, BLOCK_DV))
+            else:
+                k_ptrs = _tile_ptrs(k_base, offs_n, offs_d, s_kn, s_kd)
+                v_ptrs = _tile_ptrs(v_base, offs_n, offs_dv, s_vn, s_vd)
+                k, v = _load_kv(k_ptrs, v_ptrs, offs_n < num_prefix, d_ok, dv_ok, True, EVEN_D)
+            acc, m_i, l_i = _fwd_tile(
+                acc, m_i, l_i, q, k, v, offs_n < num_prefix, offs_m, offs_n, n_q, n_k, scale, su,
+                add_base, s_am, s_an, keep_base, s_mm, s_mn, 0.0, 0.0,
+                False, HAS_ADD, HAS_KEEP, F32_DOT, True, EVEN_M, BLOCK_M, NR, TILE_W,
+            )  # fmt: skip
+
+    n_main = n_rows // NR  # tiles of whole rows
+    step = NR * row_w
+    for ch in tl.static_range(CH):
+        c = 0.0
         if GAUSS:
-            kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
+            c, _t_c = col_factors(qc, cc, fc, ch * TILE_W * 1.0, TILE_W, False)
+            c = c * amp[:, None]  # the bias in units of q kᵀ: alpha / scale R C
+        ok = (ch * TILE_W + col) < row_w  # slots inside the grid width (all of them unless PAD_W)
+        offs_n = first + ch * TILE_W + slot_off
+        k_ptrs = _tile_ptrs(k_base, offs_n, offs_d, s_kn, s_kd)
+        v_ptrs = _tile_ptrs(v_base, offs_n, offs_dv, s_vn, s_vd)
+        k_step = tl.cast(step, tl.int64) * s_kn
+        v_step = tl.cast(step, tl.int64) * s_vn
+        a0 = 0.0  # the tile's first grid row, carried in float
+        for i in range(n_main):
+            r = 0.0
+            if GAUSS:
+                r, _t_r = row_factors(qr, cr, fr, a0, NR)
+            if KV_TMA:
+                if GAUSS:
+                    k = tl.reshape(KG.load([b_idx, h_idx, i * NR, ch * TILE_W, 0]), (BLOCK_N, BLOCK_D))
+                    v = tl.reshape(VG.load([b_idx, h_idx, i * NR, ch * TILE_W, 0]), (BLOCK_N, BLOCK_DV))
+                else:
+                    k = tl.reshape(KT.load([b_idx, h_idx, i * BLOCK_N, 0]), (BLOCK_N, BLOCK_D))
+                    v = tl.reshape(VT.load([b_idx, h_idx, i * BLOCK_N, 0]), (BLOCK_N, BLOCK_DV))
+            else:
+                k, v = _load_kv(k_ptrs, v_ptrs, ok, d_ok, dv_ok, PAD_W, EVEN_D)
+            acc, m_i, l_i = _fwd_tile(
+                acc, m_i, l_i, q, k, v, ok, offs_m, offs_n, n_q, n_k, scale, su,
+                add_base, s_am, s_an, keep_base, s_mm, s_mn, r, c,
+                GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, PAD_W, EVEN_M, BLOCK_M, NR, TILE_W,
+            )  # fmt: skip
+            k_ptrs += k_step
+            v_ptrs += v_step
+            offs_n += step
+            a0 += NR
+        if not EVEN_N:  # the last, partial tile: rows past the grid (or keys past Nk) masked
+            if first + n_main * step < n_k:
+                r = 0.0
+                if GAUSS:
+                    r, _t_r = row_factors(qr, cr, fr, a0, NR)
+                ok_t = ok & (offs_n < n_k)
+                if KV_TMA:
+                    if GAUSS:
+                        k = tl.reshape(
+                            KG.load([b_idx, h_idx, n_main * NR, ch * TILE_W, 0]), (BLOCK_N, BLOCK_D)
+                        )
+                        v = tl.reshape(
+                            VG.load([b_idx, h_idx, n_main * NR, ch * TILE_W, 0]), (BLOCK_N, BLOCK_DV)
+                        )
+                    else:
+                        k = tl.reshape(KT.load([b_idx, h_idx, n_main * BLOCK_N, 0]), (BLOCK_N, BLOCK_D))
+                        v = tl.reshape(VT.load([b_idx, h_idx, n_main * BLOCK_N, 0]), (BLOCK_N, BLOCK_DV))
+                else:
+                    k, v = _load_kv(k_ptrs, v_ptrs, ok_t, d_ok, dv_ok, True, EVEN_D)
+                acc, m_i, l_i = _fwd_tile(
+                    acc, m_i, l_i, q, k, v, ok_t, offs_m, offs_n, n_q, n_k, scale, su,
+                    add_base, s_am, s_an, keep_base, s_mm, s_mn, r, c,
+                    GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, True, EVEN_M, BLOCK_M, NR, TILE_W,
+                )  # fmt: skip
 
     dead = l_i == 0.0
     out = acc / tl.where(dead, 1.0, l_i)[:, None]
-    # the natural log-sum-exp: m_i is in base 2
-    lse = tl.where(dead, float("inf"), (m_i + tl.log2(tl.where(dead, 1.0, l_i))) / LOG2E)
+    # the log-sum-exp in base 2 (the unit of the backward's exp2(s * su - lse))
+    lse = tl.where(dead, float("inf"), m_i + tl.log2(tl.where(dead, 1.0, l_i)))
     row = bh.to(tl.int64) * n_q
     _store_tile(O + row * head_dv, out, offs_m, offs_dv, head_dv, 1, n_q, head_dv, EVEN_M, EVEN_D)
     if EVEN_M:

@@ -79,8 +79,9 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
-        res = subprocess.run([tool("cuobjdump"), "-res-usage", str(path)], capture_output=True, text=True,
-                             check=True)
+        res = subprocess.run(
+            [tool("cuobjdump"), "-res-usage", str(path)], capture_output=True, text=True, check=True
+        )
     out: dict[str, int] = {}
     for key, value in re.findall(r"([A-Z]+(?:\[\d+\])?):(\d+)", res.stdout):
         out.setdefault(key, int(value))
@@ -135,8 +136,7 @@ def innermost_loops(instrs: list[Instr], labels: dict[str, int]) -> list[tuple[i
         by_head[start] = max(end, by_head.get(start, end))
     loops = sorted(by_head.items())
     return [
-        (s, e) for s, e in loops
-        if not any((s2, e2) != (s, e) and s <= s2 and e2 <= e for s2, e2 in loops)
+        (s, e) for s, e in loops if not any((s2, e2) != (s, e) and s <= s2 and e2 <= e for s2, e2 in loops)
     ]
 
 
@@ -211,8 +211,12 @@ class LoopReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "start": f"0x{self.start:04x}", "end": f"0x{self.end:04x}", "counts": self.counts,
-            "macs": self.macs, "tiles_per_iteration": self.tiles_per_iteration, "per_score": self.per_score,
+            "start": f"0x{self.start:04x}",
+            "end": f"0x{self.end:04x}",
+            "counts": self.counts,
+            "macs": self.macs,
+            "tiles_per_iteration": self.tiles_per_iteration,
+            "per_score": self.per_score,
         }
 
 

@@ -1,0 +1,132 @@
+"""Block-sparse entmax-1.5 in the Triton kernels, counted in Triton's interpreter: the output pass of the
+forward and both backward kernels visit exactly the live tiles (the tiles with a non-zero weight), and
+the results still equal ``backend="reference"`` (see ``tests/test_kernels.py`` for how the interpreter
+flag is set). Tiles are 32 x 32 here (``configs.INTERPRET``), in the forward and the backward alike.
+
+The visits are counted by wrapping the kernels' helpers: the forward's output pass is the only caller of
+``entmax15._dot`` (``p V`` and ``g V``: two per visited tile when a gradient is needed), and each visited
+tile of the dK/dV and dQ kernels calls ``backward._score_tile`` once. The live tiles come from the
+reference backend's weights (``return_weights=True``): a tile is live when one of its weights is > 0.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+
+if "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+from vitattn.functional import GaussianBias, attention
+from vitattn.kernels import configs
+
+triton = pytest.importorskip("triton")
+from vitattn.kernels import ops  # noqa: E402  (imports triton)
+
+interpreted = pytest.mark.triton_interpreter
+TILE = configs.INTERPRET.block_m
+
+
+def local_qkv(b: int, h: int, n: int, d: int, sharp: float, seed: int) -> list[torch.Tensor]:
+    """q, k, v whose scores are local: q_i . k_j ~ sharp * sum_f cos(w_f (i - j)) (random frequencies w_f,
+    plus noise), so entmax-1.5 keeps a band around the diagonal."""
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.arange(n, dtype=torch.float64)[:, None]
+    freq = torch.rand(d // 2, generator=g, dtype=torch.float64) * 0.5
+    feats = torch.cat([torch.cos(pos * freq), torch.sin(pos * freq)], -1) * math.sqrt(sharp)
+    q = feats + 0.3 * torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+    k = feats + 0.3 * torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+    return [q, k, v]
+
+
+def live_tiles(probs: torch.Tensor) -> torch.Tensor:
+    """``(B, H, query tiles, key tiles)`` bool: a tile holds a weight > 0."""
+    b, h, n_q, n_k = probs.shape
+    t_q, t_k = -(-n_q // TILE), -(-n_k // TILE)
+    padded = torch.nn.functional.pad(probs > 0, (0, t_k * TILE - n_k, 0, t_q * TILE - n_q))
+    return padded.view(b, h, t_q, TILE, t_k, TILE).any(5).any(3)
+
+
+def _count(monkeypatch, module, name: str) -> list[int]:
+    calls: list[int] = []
+    inner = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def _visits(monkeypatch, q, k, v, **kw):
+    """``(out, grads, forward output-pass tiles, backward tiles)`` of a triton call with gradients."""
+    ops.kernels()
+    fwd = _count(monkeypatch, importlib.import_module("vitattn.kernels.entmax15"), "_dot")
+    bwd = _count(monkeypatch, importlib.import_module("vitattn.kernels.backward_lists"), "_score_tile")
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    out = attention(*leaves, normalizer="entmax15", backend="triton", **kw)
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    monkeypatch.undo()
+    return out, grads, len(fwd) // 2, len(bwd)
+
+
+def _check(monkeypatch, q, k, v, **kw) -> float:
+    """Visited == live in every pass, values and gradients equal the reference; returns the live fraction."""
+    out, grads, fwd_tiles, bwd_tiles = _visits(monkeypatch, q, k, v, **kw)
+    ref_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref, probs = attention(*ref_leaves, normalizer="entmax15", backend="reference", return_weights=True, **kw)
+    want = torch.autograd.grad(ref, ref_leaves, torch.ones_like(ref))
+    live = live_tiles(probs)
+    assert fwd_tiles == int(live.sum()), (fwd_tiles, int(live.sum()))
+    assert bwd_tiles == 2 * int(live.sum()), (bwd_tiles, int(live.sum()))  # dK/dV and dQ
+    torch.testing.assert_close(out.double(), ref, atol=2e-5 * ref.abs().max().item(), rtol=0)
+    for a, w in zip(grads, want, strict=True):
+        torch.testing.assert_close(a.double(), w, atol=4e-5 * w.abs().max().item(), rtol=0)
+    return live.float().mean().item()
+
+
+@interpreted
+@pytest.mark.parametrize("seed", [0, 1])
+def test_local_inputs_visit_the_live_tiles_only(monkeypatch, seed):
+    q, k, v = local_qkv(1, 2, 130, 16, sharp=6.0, seed=seed)
+    fraction = _check(monkeypatch, q, k, v)
+    assert fraction < 0.6  # the inputs are local: most tiles are dead
+
+
+@interpreted
+def test_gaussian_bias_with_a_prefix_visits_the_live_tiles_only(monkeypatch):
+    """The Gaussian coordinates of a listed tile are computed from its start (not carried)."""
+    q, k, v = local_qkv(1, 2, 1 + 12 * 12, 16, sharp=2.0, seed=2)
+    g = torch.Generator().manual_seed(3)
+    sigma = torch.exp(torch.randn(1, 2, 144, 2, generator=g, dtype=torch.float64) * 0.3) * 0.5
+    alpha = torch.full((1, 2, 144, 1), 8.0, dtype=torch.float64)
+    fraction = _check(monkeypatch, q, k, v, bias=GaussianBias(sigma, alpha, (12, 12), 1))
+    assert fraction < 0.9
+
+
+@interpreted
+def test_dense_inputs_visit_every_tile(monkeypatch):
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 1, 77, 16, generator=g, dtype=torch.float64) * 0.2 for _ in range(3))
+    assert _check(monkeypatch, q, k, v) == 1.0
+
+
+def test_tile_lists_pool_the_live_map():
+    """The backward's lists: a tile is live when a cell it covers is; dK/dV's list is the transpose."""
+    grain = ops.live_grain()
+    live = torch.zeros(1, 1, 5, 3, dtype=torch.uint8)  # 5 x 3 cells
+    live[0, 0, 0, 2] = live[0, 0, 3, 0] = live[0, 0, 4, 1] = 1
+    order, count = ops.tile_lists(live, 2 * grain, grain, 5 * grain, 3 * grain, by_cols=False)
+    assert count.tolist() == [[1, 1, 1]]  # query tiles of 2 cells: (0, 1), (2, 3), (4)
+    assert order[0, :, 0].tolist() == [2, 0, 1]
+    order, count = ops.tile_lists(live, 2 * grain, grain, 5 * grain, 3 * grain, by_cols=True)
+    assert count.tolist() == [[1, 1, 1]] and order[0, :, 0].tolist() == [1, 2, 0]
+    order, count = ops.tile_lists(live, grain, 2 * grain, 5 * grain, 3 * grain, by_cols=False)
+    assert count.tolist() == [[1, 0, 0, 1, 1]] and order[0, 0, 0] == 1 and order[0, 3, 0] == 0
