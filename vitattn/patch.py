@@ -292,9 +292,8 @@ def patch(
         dilation: the window's dilation (int or (rows, columns)); ``None`` keeps the block's (1 for a
             new window).
 
-    qkv / proj / norm weights (and a Swin's relative-position tables) are kept: the same parameters
-    move into the new layers. Class and register tokens and ``dynamic_img_size`` are handled: the
-    patch grid is read from each input.
+    qkv / proj / norm weights (a Swin's relative-position tables too) move into the new layers; class and
+    register tokens and ``dynamic_img_size`` are handled (the patch grid is read from each input).
 
     Raises:
         TypeError: ``model`` is not a ViT, a block's attention is of an unsupported class (the
@@ -305,18 +304,8 @@ def patch(
             its own attention pool, a window where none can go, or an unknown ``gaug_init``.
     """
     # every argument is checked before anything changes (a refused call leaves the model as it was)
-    gaug_init = check_gaug_init(gaug_init)
-    name = _attention_name(attention)
-    check_flag("prr", prr)
-    _check_blocks(blocks)
-    if normalizer is not None:
-        resolve_layer_normalizer(normalizer)  # a ValueError naming an unknown one
-    if window is not None:
-        grid_pair("window", window)
-    if dilation is not None:
-        grid_pair("dilation", dilation)
+    options = _checked_options(attention, prr, blocks, normalizer, gaug_init, window, dilation)
     layout = layout_of(model)
-    options = _Options(name, prr, normalizer, gaug_init, window, dilation)
     if isinstance(layout, TimmLayout):
         _patch_timm(layout, options, blocks)
     else:
@@ -334,6 +323,29 @@ class _Options:
     gaug_init: GaugInit
     window: int | Sequence[int] | None
     dilation: int | Sequence[int] | None
+
+
+def _checked_options(
+    attention: object,
+    prr: object,
+    blocks: object,
+    normalizer: LayerNormalizer | None,
+    gaug_init: object,
+    window: int | Sequence[int] | None,
+    dilation: int | Sequence[int] | None,
+) -> _Options:
+    """:func:`patch`'s arguments checked (``TypeError`` / ``ValueError`` naming the one refused)."""
+    init = check_gaug_init(gaug_init)
+    name = _attention_name(attention)
+    check_flag("prr", prr)
+    _check_blocks(blocks)
+    if normalizer is not None:
+        resolve_layer_normalizer(normalizer)  # a ValueError naming an unknown one
+    if window is not None:
+        grid_pair("window", window)
+    if dilation is not None:
+        grid_pair("dilation", dilation)
+    return _Options(name, bool(prr), normalizer, init, window, dilation)
 
 
 def _patch_transformers(layout: ModelLayout, options: _Options, blocks: int | Iterable[int] | None) -> None:

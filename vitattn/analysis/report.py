@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -354,6 +354,35 @@ def _progress(total: int | None, enabled: bool) -> Any:
     return tqdm(total=total, unit="img", desc="attention", disable=not enabled, leave=False)
 
 
+def _run_batches(
+    layout: Any, data: Any, max_images: int | None, progress: bool, before: Callable[[torch.Tensor], None]
+) -> int:
+    """Run ``layout.forward`` on the image batches of ``data`` (moved to the model's device and dtype),
+    at most ``max_images`` images, ``before(batch)`` ahead of each, with a progress bar; the number of
+    images run."""
+    param = next(layout.model.parameters(), None)
+    seen = 0
+    total = _known_total(data)
+    bar = _progress(min(total, max_images) if total and max_images else total or max_images, progress)
+    try:
+        for x in iter_image_batches(data):
+            if max_images is not None:
+                x = x[: max_images - seen]
+            if param is not None:
+                x = x.to(param.device, param.dtype if x.is_floating_point() else None)
+            before(x)
+            layout.forward(x)
+            seen += x.shape[0]
+            if bar is not None:
+                bar.update(x.shape[0])
+            if max_images is not None and seen >= max_images:
+                break
+    finally:
+        if bar is not None:
+            bar.close()
+    return seen
+
+
 def locality_report(
     model: nn.Module,
     data: Any,
@@ -387,7 +416,6 @@ def locality_report(
     if max_images is not None and max_images < 1:
         raise ValueError(f"max_images must be >= 1 or None, got {max_images}")
     layout = analysis_layout(model)
-    param = next(model.parameters(), None)
     stats: dict[int, _LayerStats] = {}
     grids: set[tuple[int, int]] = set()
     prefixes: set[int] = set()
@@ -402,28 +430,13 @@ def locality_report(
         layer.entropy.add(attention_entropy(probs, prefix, grid_size=grid))
         layer.sparsity.add((probs == 0).flatten(2).double().mean(-1))
 
-    seen = 0
-    total = _known_total(data)
-    bar = _progress(min(total, max_images) if total and max_images else total or max_images, progress)
-    try:
-        with record_layout(layout, sink, layers) as chosen, torch.no_grad(), evaluating(model):
-            for x in iter_image_batches(data):
-                if max_images is not None:
-                    x = x[: max_images - seen]
-                if param is not None:
-                    x = x.to(param.device, param.dtype if x.is_floating_point() else None)
-                grid, prefix = layout.grid(x.shape[-2:]), layout.num_prefix_tokens
-                tokens["grid"] = grid_size if grid_size is not None else grid
-                tokens["prefix"] = num_prefix_tokens if num_prefix_tokens is not None else prefix
-                layout.forward(x)
-                seen += x.shape[0]
-                if bar is not None:
-                    bar.update(x.shape[0])
-                if max_images is not None and seen >= max_images:
-                    break
-    finally:
-        if bar is not None:
-            bar.close()
+    def before(x: torch.Tensor) -> None:  # the token layout of the batch about to run
+        grid, prefix = layout.grid(x.shape[-2:]), layout.num_prefix_tokens
+        tokens["grid"] = grid_size if grid_size is not None else grid
+        tokens["prefix"] = num_prefix_tokens if num_prefix_tokens is not None else prefix
+
+    with record_layout(layout, sink, layers) as chosen, torch.no_grad(), evaluating(model):
+        seen = _run_batches(layout, data, max_images, progress, before)
     if seen == 0:
         raise ValueError("data gave no images")
     missing = [i for i in chosen if i not in stats]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -235,23 +236,87 @@ def write_rollout(args: argparse.Namespace, model: nn.Module, spec: InputSpec, p
     return path
 
 
-def run_analyze(args: argparse.Namespace) -> int:
-    """Check the options, build the model, run ``locality_report`` and compute the maps (and the rollout),
-    then print the report and write JSON and PNGs to ``args.out``: nothing is written before every
-    input has been checked and every number computed."""
-    import torch
-
-    from ..adapter import layout_of, resolve_layout
+def _analysis_data(args: argparse.Namespace, spec: Any) -> tuple[Any, str]:
+    """The report's batches ``(images, labels)`` (``--images`` or the digits) and how to name them."""
     from ..analysis.data import digits_images, image_folder_batches
+
+    if args.images:
+        return image_folder_batches(args.images, spec, args.batch_size, args.max_images), str(args.images)
+    images, labels = digits_images(spec=spec, max_images=args.max_images)
+    data = list(zip(images.split(args.batch_size), labels.split(args.batch_size), strict=True))
+    return data, f"{args.dataset} (scikit-learn 8x8 digits, resized to {spec.size[0]}x{spec.size[1]})"
+
+
+@dataclass
+class _QueryMaps:
+    """One image's attention maps at one block, and the query token whose row is drawn."""
+
+    image: Any  # (C, H, W)
+    layer: int
+    maps: Any  # (1, H, N, N)
+    grid: tuple[int, int]
+    prefix: int
+    query: Any
+
+
+def _query_maps(args: argparse.Namespace, model: Any, spec: Any, report: Any) -> _QueryMaps:
+    """The maps of ``--map-layer`` (default: the report's last) on the first image; a ``--query``
+    outside the grid is a ``ValueError`` naming it (before anything is written)."""
+    from ..adapter import layout_of, resolve_layout
     from ..analysis.maps import attention_maps
+    from ..analysis.plots import query_token
+
+    image = _first_image(args, spec).to(next(model.parameters()).device)
+    layer = report.layers[-1] if args.map_layer is None else args.map_layer
+    maps = attention_maps(model, image[None].to(next(model.parameters()).dtype), [layer])
+    layer = next(iter(maps))
+    layout = layout_of(model)
+    tokens, image_grid = maps[layer].shape[-1], layout.grid(image.shape[-2:])
+    grid, prefix = resolve_layout(tokens, image_grid, layout.num_prefix_tokens)
+    query = parse_query(args.query)
+    try:
+        query_token(query, grid, prefix)
+    except ValueError as err:
+        raise ValueError(f"--query {args.query!r}: {err}") from err
+    return _QueryMaps(image, layer, maps[layer][0], grid, prefix, query)
+
+
+def _write_analysis(
+    args: argparse.Namespace, reports: dict[str, Any], report: Any, q: _QueryMaps, rollout: Any
+) -> list[Path]:
+    """Write ``report.json`` and the PNGs to ``args.out``; the paths written, in order."""
     from ..analysis.plots import (
         plot_alpha_per_layer,
         plot_locality_plane,
         plot_mad_per_layer,
         plot_query_attention,
         plot_rollout,
-        query_token,
     )
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = ("report.json", "locality_plane.png", "mad_per_layer.png", "attention_maps.png")
+    written = [out / name for name in names]
+    report.to_json(written[0])
+    plot_locality_plane(reports, written[1], title=f"Attention locality per head: {args.model}")
+    plot_mad_per_layer(reports, written[2])
+    if report.alpha:  # the model learns its alpha-entmax alphas
+        written.append(out / "alpha_per_layer.png")
+        plot_alpha_per_layer(reports, written[-1], title=f"Learned alpha per head: {args.model}")
+    title = f"{args.model}, block {q.layer}: attention of one query, per head"
+    plot_query_attention(q.image, q.maps, q.grid, q.prefix, q.query, written[3], title=title)
+    if rollout is not None:
+        written.append(out / "rollout.png")
+        plot_rollout(rollout[0], rollout[1], written[-1], title=rollout[2])
+    return written
+
+
+def run_analyze(args: argparse.Namespace) -> int:
+    """Check the options, build the model, run ``locality_report`` and compute the maps (and the rollout),
+    then print the report and write JSON and PNGs to ``args.out``: nothing is written before every
+    input has been checked and every number computed."""
+    import torch
+
     from ..analysis.report import LocalityReport, locality_report
 
     check_args(args)
@@ -262,13 +327,7 @@ def run_analyze(args: argparse.Namespace) -> int:
     check_model_args(args, model, spec)
     model.to(device)
     other = LocalityReport.from_json(Path(args.compare)) if args.compare else None
-    if args.images:
-        data: Any = image_folder_batches(args.images, spec, args.batch_size, args.max_images)
-        source = str(args.images)
-    else:
-        images, labels = digits_images(spec=spec, max_images=args.max_images)
-        data = list(zip(images.split(args.batch_size), labels.split(args.batch_size), strict=True))
-        source = f"{args.dataset} (scikit-learn 8x8 digits, resized to {spec.size[0]}x{spec.size[1]})"
+    data, source = _analysis_data(args, spec)
     layers = parse_layers(args.layers)
     report = locality_report(
         model, data, max_images=args.max_images, layers=layers, progress=not args.no_progress, name=args.model
@@ -279,18 +338,7 @@ def run_analyze(args: argparse.Namespace) -> int:
         attention=args.attention,
         model_args=parse_model_args(args.model_arg),
     )
-    image = _first_image(args, spec).to(device)
-    layer = report.layers[-1] if args.map_layer is None else args.map_layer
-    maps = attention_maps(model, image[None].to(next(model.parameters()).dtype), [layer])
-    layer = next(iter(maps))
-    layout = layout_of(model)
-    tokens = maps[layer].shape[-1]
-    grid, prefix = resolve_layout(tokens, layout.grid(image.shape[-2:]), layout.num_prefix_tokens)
-    query = parse_query(args.query)
-    try:  # a query outside the grid fails here, before anything is written
-        query_token(query, grid, prefix)
-    except ValueError as err:
-        raise ValueError(f"--query {args.query!r}: {err}") from err
+    q = _query_maps(args, model, spec, report)
     rollout = compute_rollout(args, model, spec) if args.rollout else None
 
     print(report)
@@ -299,32 +347,6 @@ def run_analyze(args: argparse.Namespace) -> int:
         print()
         print(other.compare(report, names=(f"{other.model} ({args.compare})", args.model)))
         reports = {f"{other.model} (reference)": other, args.model: report}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    written = [
-        out / "report.json",
-        out / "locality_plane.png",
-        out / "mad_per_layer.png",
-        out / "attention_maps.png",
-    ]
-    report.to_json(written[0])
-    plot_locality_plane(reports, written[1], title=f"Attention locality per head: {args.model}")
-    plot_mad_per_layer(reports, written[2])
-    if report.alpha:  # the model learns its alpha-entmax alphas
-        written.append(out / "alpha_per_layer.png")
-        plot_alpha_per_layer(reports, written[-1], title=f"Learned alpha per head: {args.model}")
-    plot_query_attention(
-        image,
-        maps[layer][0],
-        grid,
-        prefix,
-        query,
-        written[3],
-        title=f"{args.model}, block {layer}: attention of one query, per head",
-    )
-    if rollout is not None:
-        written.append(out / "rollout.png")
-        plot_rollout(rollout[0], rollout[1], written[-1], title=rollout[2])
-    for path in written:
+    for path in _write_analysis(args, reports, report, q, rollout):
         print(f"wrote {path}", file=sys.stderr)
     return 0
