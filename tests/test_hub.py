@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -159,7 +161,7 @@ def test_hf_hub_prefix_with_mixin_config(hub_cache: Path) -> None:
     file = write_snapshot(
         hub_cache, "sinahmr/locatvit_tiny", trained_like_state("locatvit_tiny", **SMALL), config
     )
-    assert not hub.installed()  # import vitattn leaves timm's parser alone
+    hub.uninstall()  # another test of this process may have installed it
     with pytest.raises(KeyError, match="architecture"):  # timm alone: the mixin style is not its own
         timm.create_model("hf-hub:sinahmr/locatvit_tiny", pretrained=True)
     with hub.mixin_configs():
@@ -200,6 +202,7 @@ def test_mixin_config_conversion() -> None:
 def test_install_is_explicit_idempotent_and_undone() -> None:
     from timm.models import _hub
 
+    hub.uninstall()  # another test of this process may have installed it
     timm_own = _hub._parse_model_cfg
     assert not hub.installed()
     hub.install()
@@ -211,3 +214,10 @@ def test_install_is_explicit_idempotent_and_undone() -> None:
     with hub.mixin_configs():
         hub.install()  # installed before the block's end: the block still restores the state it found
     assert _hub._parse_model_cfg is timm_own
+
+
+def test_import_vitattn_leaves_timms_hub_parser_alone() -> None:
+    code = (
+        "import vitattn, timm.models._hub as h\nassert not hasattr(h._parse_model_cfg, '_vitattn_original')"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
