@@ -122,7 +122,7 @@ class StudyConfig:
         "quick",
         choices=sorted(PRESETS),
         help="quick (default: the main job, a small ViT for 5 epochs, softmax vs entmax15 vs locat under "
-        "the baseline, under 2 minutes on 2 CPU cores) or paper (the study's model and 200-epoch "
+        "the baseline, about 2-3 minutes on 2 CPU cores) or paper (the study's model and 200-epoch "
         "schedule, baseline and modern)",
     )
     # DigitScenes' generator version (2: the digit anywhere; 3: near the centre)
