@@ -29,6 +29,16 @@ if not os.environ.get("VITATTN_CACHE"):
     os.environ["VITATTN_CACHE"] = _SESSION_CACHE.name
 
 
+# Under pytest-xdist (README's test command: `-n auto --dist loadfile`) the cores are shared out
+# between the workers: each worker's torch, and the processes it starts, get cores // workers threads
+# (an explicit OMP_NUM_THREADS wins), so that two workers do not spin-wait on four threads.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+    torch.set_num_threads(_THREADS)
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
