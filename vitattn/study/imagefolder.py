@@ -18,7 +18,7 @@ from typing import Any
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from .datasets import DatasetMissingError
+from .builtin_datasets import DatasetMissingError
 
 __all__ = [
     "AUTO_CHECK_LIMIT",
