@@ -1,7 +1,12 @@
-"""Small image sources for analysis: scikit-learn's 8×8 digits and image folders, sized for a model."""
+"""Images for analysis, sized for a model: its input spec, scikit-learn's 8×8 digits, image folders.
+
+:func:`class_folders` and :func:`image_files` list an image folder (classes, files in torchvision
+``ImageFolder``'s order); the study's image-folder checks (``vitattn.study.imagefolder``) use them too.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +19,10 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "ImageFolderBatches",
     "InputSpec",
+    "class_folders",
     "digits_images",
     "find_images",
+    "image_files",
     "image_folder_batches",
     "input_spec",
     "load_image",
@@ -83,15 +90,29 @@ def digits_images(
     return (spec.normalize(images) if spec is not None else images), labels
 
 
+def class_folders(root: str | os.PathLike[str]) -> list[str]:
+    """Names of the folders in ``root`` (links followed), sorted: an image folder's classes in label order."""
+    return sorted(e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=True))
+
+
+def image_files(folder: str | os.PathLike[str], extensions: Sequence[str]) -> list[Path]:
+    """Files under ``folder`` (recursively, links followed) whose lower-cased names end in one of
+    ``extensions``, in torchvision ``ImageFolder``'s order: folders sorted, then the files of each."""
+    ends = tuple(extensions)
+    out = []
+    for root, _, files in sorted(os.walk(folder, followlinks=True)):
+        out += [Path(root) / f for f in sorted(files) if f.lower().endswith(ends)]
+    return out
+
+
 def find_images(root: str | Path) -> list[tuple[Path, int]]:
     """Image files under ``root`` with labels: an ImageFolder layout (``root/<class>/...``) gives the
     class index (sorted class folders); images directly in ``root`` get label -1. Sorted paths."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"image folder {str(root)!r} does not exist or is not a directory")
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
-    index = {name: i for i, name in enumerate(classes)}
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+    index = {name: i for i, name in enumerate(class_folders(root))}
+    files = sorted(image_files(root, IMAGE_EXTENSIONS))
     if not files:
         raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {str(root)!r}")
     out = []
