@@ -4,7 +4,10 @@
 and what was expected when ``train/`` or ``val/`` is missing, a class folder is in one split but not
 the other, a class folder holds no image, or (with ``check_images``) an image cannot be opened (it
 names the file and its index in the split). :class:`CheckedImageFolder` is torchvision's
-``ImageFolder`` whose read errors name the file and its index too.
+``ImageFolder`` whose read errors name the file and its index too. Files and classes are listed by
+:func:`vitattn.analysis.images.image_files` / ``class_folders``, in ``ImageFolder``'s order. timm's
+folder reader is not used: it orders classes another way (case-insensitive, numbers by value),
+labels an image by its innermost folder and skips unreadable images.
 """
 
 from __future__ import annotations
