@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ __all__ = [
     "image_folder_batches",
     "input_spec",
     "load_image",
+    "sklearn_digits",
 ]
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -61,6 +63,16 @@ def input_spec(model: nn.Module) -> InputSpec:
     return InputSpec((int(size[0]), int(size[1])), channels, mean, std)
 
 
+def sklearn_digits() -> Any:
+    """scikit-learn's bundled 8×8 digits (``images`` (1797, 8, 8) gray levels 0–16, ``target`` (1797,));
+    an ``ImportError`` naming the extra to install when scikit-learn is missing."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("the digits dataset needs scikit-learn (pip install 'vitattn[study]')") from err
+    return load_digits()
+
+
 def digits_images(
     size: Sequence[int] = (8, 8),
     channels: int = 3,
@@ -73,11 +85,7 @@ def digits_images(
     gray level replicated over channels; with ``spec`` its size, channels and normalization are used.
     Labels are ``(N,)`` int64 digits 0–9.
     """
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError("the digits dataset needs scikit-learn (pip install 'vitattn[study]')") from err
-    digits = load_digits()
+    digits = sklearn_digits()
     n = len(digits.target) if max_images is None else min(int(max_images), len(digits.target))
     images = torch.as_tensor(digits.images[:n], dtype=torch.float32)[:, None] / 16.0
     labels = torch.as_tensor(digits.target[:n], dtype=torch.int64)

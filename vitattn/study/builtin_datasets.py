@@ -50,12 +50,11 @@ class DigitsDataset(Dataset):
     """
 
     def __init__(self, train: bool, transform: Transform | None = None) -> None:
-        try:
-            from sklearn.datasets import load_digits
-            from sklearn.model_selection import train_test_split
-        except ImportError as err:  # pragma: no cover - depends on the environment
-            raise ImportError("the digits dataset needs scikit-learn (pip install 'vitattn[study]')") from err
-        digits = load_digits()
+        from ..analysis.images import sklearn_digits
+
+        digits = sklearn_digits()  # checks that scikit-learn is there
+        from sklearn.model_selection import train_test_split
+
         index = list(range(len(digits.target)))
         train_idx, test_idx = train_test_split(index, test_size=0.2, random_state=0, stratify=digits.target)
         chosen = sorted(train_idx if train else test_idx)
