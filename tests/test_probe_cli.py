@@ -46,7 +46,7 @@ def test_probe_a_study_checkpoint(tmp_path) -> None:
     pytest.importorskip("vitattn.datasets.scenes")
     from vitattn.study.checkpoint import save_model
     from vitattn.study.config import StudyConfig
-    from vitattn.study.datasets import DATASETS
+    from vitattn.study.dataset_specs import DATASETS
     from vitattn.study.model import build_model
 
     config = StudyConfig(dataset="cifar10", depth=2, dim=32, heads=2)

@@ -20,7 +20,7 @@ from vitattn.cli import main
 from vitattn.study import PROTOCOLS, make_config, validate_results
 from vitattn.study.imagefolder import DataFolderError, inspect_imagefolder
 from vitattn.study.model import build_model
-from vitattn.study.timm_data import TimmData, timm_criterion, timm_mixup, timm_transforms
+from vitattn.study.timm_protocols import TimmData, timm_criterion, timm_mixup, timm_transforms
 
 CLASSES = ("cat", "dog", "emu")
 TIMM = "vit_tiny_patch16_224"

@@ -11,7 +11,7 @@ loaded from a checkpoint.
 """
 
 from .checkpoint import load_checkpoint, read_state_dict
-from .data import InputSpec, digits_images, image_folder_batches, input_spec
+from .images import InputSpec, digits_images, image_folder_batches, input_spec
 from .maps import attention_maps, record_attention, resolve_layers, timm_attention_probs
 from .metrics import attention_entropy, grid_diagonal, grid_distances, mean_attention_distance
 from .model import build_model

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from ..analysis.data import InputSpec
+    from ..analysis.images import InputSpec
 
 __all__ = [
     "DATASETS",
@@ -154,7 +154,7 @@ def check_model_args(args: argparse.Namespace, model: nn.Module, spec: InputSpec
 
 
 def _first_image(args: argparse.Namespace, spec: InputSpec) -> torch.Tensor:
-    from ..analysis.data import digits_images, find_images, load_image
+    from ..analysis.images import digits_images, find_images, load_image
 
     if args.images:
         return load_image(find_images(args.images)[0][0], spec)
@@ -165,7 +165,7 @@ def load_model_and_spec(args: argparse.Namespace) -> tuple[nn.Module, InputSpec]
     """The model to analyse and what it takes: a timm name (``--model-arg``, ``--attention``,
     ``--checkpoint``), or ``hf:<model id or folder>`` (:func:`vitattn.hf.load_model`, offline; its image
     processor's normalization; ``--attention`` patches it)."""
-    from ..analysis.data import InputSpec, input_spec
+    from ..analysis.images import InputSpec, input_spec
     from ..analysis.model import build_model
 
     if not args.model.startswith("hf:"):
@@ -186,7 +186,7 @@ def _rollout_images(args: argparse.Namespace, spec: InputSpec) -> torch.Tensor:
     """The first ``--rollout-images`` images of the analysed data, ``(B, C, H, W)``."""
     import torch
 
-    from ..analysis.data import digits_images, image_folder_batches
+    from ..analysis.images import digits_images, image_folder_batches
 
     count = args.rollout_images
     if count < 1:
@@ -238,7 +238,7 @@ def write_rollout(args: argparse.Namespace, model: nn.Module, spec: InputSpec, p
 
 def _analysis_data(args: argparse.Namespace, spec: Any) -> tuple[Any, str]:
     """The report's batches ``(images, labels)`` (``--images`` or the digits) and how to name them."""
-    from ..analysis.data import digits_images, image_folder_batches
+    from ..analysis.images import digits_images, image_folder_batches
 
     if args.images:
         return image_folder_batches(args.images, spec, args.batch_size, args.max_images), str(args.images)

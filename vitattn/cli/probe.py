@@ -139,7 +139,7 @@ def _study_root(path: Path) -> tuple[Path, str | None, Path | None]:
 def _load_study(path: Path) -> Backbone:
     from ..analysis.checkpoint import load_checkpoint
     from ..study.config import StudyConfig
-    from ..study.datasets import DATASETS as STUDY_DATASETS
+    from ..study.dataset_specs import DATASETS as STUDY_DATASETS
     from ..study.model import build_model
 
     root, name, ckpt = _study_root(path)

@@ -20,7 +20,8 @@ from typing import Any
 _EXPORTS = {
     "backbone": ("CheckpointMismatch",),
     "config": ("ATTENTIONS", "PRESETS", "ConfigError", "StudyConfig", "make_config"),
-    "datasets": ("DATASETS", "DatasetMissingError", "DatasetSpec", "load_datasets"),
+    "builtin_datasets": ("DatasetMissingError", "load_datasets"),
+    "dataset_specs": ("DATASETS", "DatasetSpec"),
     "imagefolder": ("DataFolderError", "inspect_imagefolder"),
     "model": ("build_model",),
     "protocols": ("ABLATION", "PROTOCOLS", "Protocol", "resolve_protocols"),

@@ -14,7 +14,7 @@ from typing import Any
 from ..datasets.scenes import VERSIONS as SCENES_VERSIONS
 from ..layers.kinds import STUDY_ATTENTIONS
 from .amp import AMP_CHOICES
-from .datasets import DATASETS, DatasetSpec
+from .dataset_specs import DATASETS, DatasetSpec
 from .flags import no_option, option
 from .init import INIT_SCHEMES
 from .protocols import PROTOCOLS, Protocol, resolve_protocols

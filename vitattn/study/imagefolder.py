@@ -4,7 +4,10 @@
 and what was expected when ``train/`` or ``val/`` is missing, a class folder is in one split but not
 the other, a class folder holds no image, or (with ``check_images``) an image cannot be opened (it
 names the file and its index in the split). :class:`CheckedImageFolder` is torchvision's
-``ImageFolder`` whose read errors name the file and its index too.
+``ImageFolder`` whose read errors name the file and its index too. Files and classes are listed by
+:func:`vitattn.analysis.images.image_files` / ``class_folders``, in ``ImageFolder``'s order. timm's
+folder reader is not used: it orders classes another way (case-insensitive, numbers by value),
+labels an image by its innermost folder and skips unreadable images.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from typing import Any
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from .datasets import DatasetMissingError
+from ..analysis.images import class_folders, image_files
+from .builtin_datasets import DatasetMissingError
 
 __all__ = [
     "AUTO_CHECK_LIMIT",
@@ -38,14 +42,6 @@ class DataFolderError(DatasetMissingError):
     """An image folder that does not have the ImageNet layout, or an image that cannot be read."""
 
 
-def _images(folder: Path, extensions: tuple[str, ...]) -> list[Path]:
-    """Image files under ``folder`` (recursively, sorted as torchvision's ImageFolder walks them)."""
-    out = []
-    for root, _, files in sorted(os.walk(folder, followlinks=True)):
-        out += [Path(root) / f for f in sorted(files) if f.lower().endswith(extensions)]
-    return out
-
-
 @dataclass(frozen=True)
 class FolderSummary:
     """``classes`` (sorted folder names, the label order) and the image count of each split."""
@@ -57,10 +53,6 @@ class FolderSummary:
     @property
     def num_classes(self) -> int:
         return len(self.classes)
-
-
-def _class_folders(split_dir: Path) -> list[str]:
-    return sorted(e.name for e in os.scandir(split_dir) if e.is_dir(follow_symlinks=True))
 
 
 def inspect_imagefolder(root: str | os.PathLike[str], check_images: bool | None = None) -> FolderSummary:
@@ -80,7 +72,7 @@ def inspect_imagefolder(root: str | os.PathLike[str], check_images: bool | None 
     for split in SPLITS:
         if not (base / split).is_dir():
             raise DataFolderError(f"{str(base / split)!r} is missing; {layout}")
-    folders = {split: _class_folders(base / split) for split in SPLITS}
+    folders = {split: class_folders(base / split) for split in SPLITS}
     if not folders["train"]:
         raise DataFolderError(f"{str(base / 'train')!r} holds no class folders; {layout}")
     for this, other in (("train", "val"), ("val", "train")):
@@ -95,7 +87,7 @@ def inspect_imagefolder(root: str | os.PathLike[str], check_images: bool | None 
     for split in SPLITS:
         files[split] = []
         for name in folders[split]:
-            found = _images(base / split / name, extensions)
+            found = image_files(base / split / name, extensions)
             if not found:
                 raise DataFolderError(
                     f"{str(base / split / name)!r} holds no image (files ending in {', '.join(extensions)})"

@@ -104,10 +104,11 @@ def plot_attention_comparison(
 
     from ..adapter import layout_of
     from ..probe import pca_images
+    from .builtin_datasets import probe_datasets
     from .config import StudyConfig
-    from .data import probe_transform
-    from .datasets import DATASETS, probe_datasets
+    from .dataset_specs import DATASETS
     from .model import build_model
+    from .run_data import probe_transform
 
     cfg = data["config"]
     config = StudyConfig.from_dict(cfg)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .datasets import DatasetSpec
+from .dataset_specs import DatasetSpec
 
 if TYPE_CHECKING:
     from torchvision.transforms import v2

@@ -189,7 +189,7 @@ def check_inputs(config: StudyConfig, env: DistEnv, specs: list[RunSpec]) -> Non
     import dataclasses
 
     from .backbone import fit_weights, read_weights
-    from .datasets import check_dataset
+    from .builtin_datasets import check_dataset
     from .model import build_backbone
 
     if env.device.type == "cuda" and not torch.cuda.is_available():

@@ -21,15 +21,15 @@ from ..adapter import layout_of
 from ..analysis import LocalityReport, locality_report
 from ..datasets.sized import dataset_length
 from .amp import AmpMode, autocast, grad_scaler, resolve_amp
+from .builtin_datasets import probe_datasets
 from .checkpoint import load_state, save_model, save_state
 from .config import StudyConfig
-from .data import RunData, probe_transform, run_data, subset
-from .datasets import probe_datasets
 from .distributed import DistEnv, all_reduce_max, all_reduce_sum, barrier
 from .memory import memory_kind, peak_memory_mb, reset_peak_memory
 from .model import build_model
 from .optim import param_groups
 from .protocols import Protocol
+from .run_data import RunData, probe_transform, run_data, subset
 
 __all__ = [
     "Evaluation",

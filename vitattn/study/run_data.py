@@ -3,7 +3,7 @@
 
 The built-in sets (scenes, digits, CIFAR, Tiny-ImageNet) keep the study's torchvision protocols
 (:mod:`.protocols`), resized first when ``img_size`` differs from the dataset's own; image folders use
-timm's pipeline (:mod:`.timm_data`). Mean and std are the dataset's, or a pretrained timm model's.
+timm's pipeline (:mod:`.timm_protocols`). Mean and std are the dataset's, or a pretrained timm model's.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from torch import nn
 from torch.utils.data import Dataset, Subset
 
 from ..datasets.sized import dataset_length
+from .builtin_datasets import load_datasets
 from .config import StudyConfig
-from .datasets import load_datasets
 from .protocols import Protocol, build_criterion, build_cutmix, build_test_transform, build_train_transform
-from .timm_data import TimmData, timm_criterion, timm_data_config, timm_mixup, timm_transforms
+from .timm_protocols import TimmData, timm_criterion, timm_data_config, timm_mixup, timm_transforms
 
 __all__ = ["RunData", "data_config", "probe_transform", "run_data", "subset"]
 

@@ -1,15 +1,12 @@
-"""Datasets of the study, each sized so the ViT sees an 8×8 patch grid.
+"""The built-in sets of the study as datasets, and the check that their files are where the study looks.
 
-- ``scenes`` (default): :class:`vitattn.datasets.DigitScenes`, procedural 32 px scenes of
-  scikit-learn digits on textured backgrounds (patch 4), with segmentation masks, so every run is
-  also probed for dense quality; nothing is downloaded.
-- ``digits``: scikit-learn's bundled 8×8 handwritten digits (1797 images, 10 classes), one pixel
-  per patch; a fixed stratified split of 1437 train / 360 test images; nothing is downloaded.
-- ``cifar10`` / ``cifar100``: torchvision's CIFAR (32 px, patch 4) under ``data_dir``.
-- ``tinyimagenet``: Tiny-ImageNet-200 (64 px, patch 8) as image folders under ``data_dir``.
-- ``imagefolder``: any ImageNet-layout folder ``data_dir/train/<class>/*``, ``data_dir/val/<class>/*``
-  (classes from the folders, 224 px by default, timm's data pipeline: :mod:`.timm_data`).
+- ``scenes``: :class:`ScenesDataset`, :class:`vitattn.datasets.DigitScenes` for the protocols'
+  transforms (with :func:`probe_datasets`, the same scenes with their masks for the dense probe).
+- ``digits``: :class:`DigitsDataset`, scikit-learn's bundled 8×8 digits, one fixed split.
+- ``cifar10`` / ``cifar100``: torchvision's CIFAR under ``data_dir``.
+- ``tinyimagenet``: Tiny-ImageNet-200 as image folders under ``data_dir``.
 
+Their sizes and normalization are in :mod:`.dataset_specs`; image folders in :mod:`.imagefolder`.
 Images come out as uint8 (PIL or ``(C, H, W)`` tensors) for the protocol's transforms.
 """
 
@@ -17,20 +14,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import Dataset
 
+from .dataset_specs import DATASETS, DatasetSpec
+
 if TYPE_CHECKING:
     from ..datasets import DigitScenes
 
 __all__ = [
-    "DATASETS",
     "DatasetMissingError",
-    "DatasetSpec",
     "DigitsDataset",
     "ScenesDataset",
     "check_dataset",
@@ -45,62 +41,6 @@ class DatasetMissingError(FileNotFoundError):
 
 Transform = Callable[[Any], torch.Tensor]
 
-# per-channel mean / std of DigitScenes' default train split, version 3 (the study's; a test checks
-# them against vitattn.datasets.scenes.STATISTICS, which has every version's)
-SCENES_MEAN = (0.4980, 0.4994, 0.5008)
-SCENES_STD = (0.2054, 0.2043, 0.2051)
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    """Image size, patch size (``img_size / patch_size = 8``), channels, classes and normalization."""
-
-    name: str
-    img_size: int
-    patch_size: int
-    channels: int
-    num_classes: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    color_augment: str = "autoaugment"  # what the protocol's "autoaugment" component means here
-    # (imagefolder: "timm", the timm policy of StudyConfig.auto_augment); num_classes 0: from the folders
-    batch_size: int = 128
-    pos_embed_std: float = 0.02  # timm's init
-    hflip: bool = True  # the baseline's horizontal flip
-    has_masks: bool = False  # segmentation masks for the dense probe (scenes only)
-
-    @property
-    def grid_size(self) -> tuple[int, int]:
-        g = self.img_size // self.patch_size
-        return g, g
-
-
-DATASETS: dict[str, DatasetSpec] = {
-    # mean / std: version 3's (data_config takes the run's version's); no flip by default, as on
-    # digits (a mirrored digit is mostly not a digit of its class)
-    "scenes": DatasetSpec(
-        "scenes", 32, 4, 3, 10, SCENES_MEAN, SCENES_STD, batch_size=64, hflip=False, has_masks=True
-    ),
-    # mean / std of the 1437 training digits scaled to [0, 1]
-    # a one-pixel patch embeds a single gray level: position embeddings at timm's std 0.02 are too
-    # faint next to it, and the ViT sits at chance for hundreds of steps; they start at std 1 here.
-    # 1437 training images: batches of 32 give 44 steps per epoch. No flip by default: a mirrored
-    # digit is mostly not a digit of its class (2, 3, 4, 5, 6, 7, 9), so the flip turns the task
-    # into learning each class twice; --hflip restores it.
-    "digits": DatasetSpec(
-        "digits", 8, 1, 1, 10, (0.3054,), (0.3760,), batch_size=32, pos_embed_std=1.0, hflip=False
-    ),
-    "cifar10": DatasetSpec("cifar10", 32, 4, 3, 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-    "cifar100": DatasetSpec("cifar100", 32, 4, 3, 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
-    "tinyimagenet": DatasetSpec(
-        "tinyimagenet", 64, 8, 3, 200, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), "colorjitter"
-    ),
-    # timm's ImageNet mean / std (a pretrained timm model's own when --pretrained)
-    "imagefolder": DatasetSpec(
-        "imagefolder", 224, 28, 3, 0, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), "timm"
-    ),
-}
-
 
 class DigitsDataset(Dataset):
     """scikit-learn's 8×8 digits as ``(uint8 image (1, 8, 8), label)`` pairs, one fixed split.
@@ -110,12 +50,11 @@ class DigitsDataset(Dataset):
     """
 
     def __init__(self, train: bool, transform: Transform | None = None) -> None:
-        try:
-            from sklearn.datasets import load_digits
-            from sklearn.model_selection import train_test_split
-        except ImportError as err:  # pragma: no cover - depends on the environment
-            raise ImportError("the digits dataset needs scikit-learn (pip install 'vitattn[study]')") from err
-        digits = load_digits()
+        from ..analysis.images import sklearn_digits
+
+        digits = sklearn_digits()  # checks that scikit-learn is there
+        from sklearn.model_selection import train_test_split
+
         index = list(range(len(digits.target)))
         train_idx, test_idx = train_test_split(index, test_size=0.2, random_state=0, stratify=digits.target)
         chosen = sorted(train_idx if train else test_idx)

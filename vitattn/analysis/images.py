@@ -1,10 +1,16 @@
-"""Small image sources for analysis: scikit-learn's 8×8 digits and image folders, sized for a model."""
+"""Images for analysis, sized for a model: its input spec, scikit-learn's 8×8 digits, image folders.
+
+:func:`class_folders` and :func:`image_files` list an image folder (classes, files in torchvision
+``ImageFolder``'s order); the study's image-folder checks (``vitattn.study.imagefolder``) use them too.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -14,11 +20,14 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "ImageFolderBatches",
     "InputSpec",
+    "class_folders",
     "digits_images",
     "find_images",
+    "image_files",
     "image_folder_batches",
     "input_spec",
     "load_image",
+    "sklearn_digits",
 ]
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -54,6 +63,16 @@ def input_spec(model: nn.Module) -> InputSpec:
     return InputSpec((int(size[0]), int(size[1])), channels, mean, std)
 
 
+def sklearn_digits() -> Any:
+    """scikit-learn's bundled 8×8 digits (``images`` (1797, 8, 8) gray levels 0–16, ``target`` (1797,));
+    an ``ImportError`` naming the extra to install when scikit-learn is missing."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("the digits dataset needs scikit-learn (pip install 'vitattn[study]')") from err
+    return load_digits()
+
+
 def digits_images(
     size: Sequence[int] = (8, 8),
     channels: int = 3,
@@ -66,11 +85,7 @@ def digits_images(
     gray level replicated over channels; with ``spec`` its size, channels and normalization are used.
     Labels are ``(N,)`` int64 digits 0–9.
     """
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError("the digits dataset needs scikit-learn (pip install 'vitattn[study]')") from err
-    digits = load_digits()
+    digits = sklearn_digits()
     n = len(digits.target) if max_images is None else min(int(max_images), len(digits.target))
     images = torch.as_tensor(digits.images[:n], dtype=torch.float32)[:, None] / 16.0
     labels = torch.as_tensor(digits.target[:n], dtype=torch.int64)
@@ -83,15 +98,29 @@ def digits_images(
     return (spec.normalize(images) if spec is not None else images), labels
 
 
+def class_folders(root: str | os.PathLike[str]) -> list[str]:
+    """Names of the folders in ``root`` (links followed), sorted: an image folder's classes in label order."""
+    return sorted(e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=True))
+
+
+def image_files(folder: str | os.PathLike[str], extensions: Sequence[str]) -> list[Path]:
+    """Files under ``folder`` (recursively, links followed) whose lower-cased names end in one of
+    ``extensions``, in torchvision ``ImageFolder``'s order: folders sorted, then the files of each."""
+    ends = tuple(extensions)
+    out = []
+    for root, _, files in sorted(os.walk(folder, followlinks=True)):
+        out += [Path(root) / f for f in sorted(files) if f.lower().endswith(ends)]
+    return out
+
+
 def find_images(root: str | Path) -> list[tuple[Path, int]]:
     """Image files under ``root`` with labels: an ImageFolder layout (``root/<class>/...``) gives the
     class index (sorted class folders); images directly in ``root`` get label -1. Sorted paths."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"image folder {str(root)!r} does not exist or is not a directory")
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
-    index = {name: i for i, name in enumerate(classes)}
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+    index = {name: i for i, name in enumerate(class_folders(root))}
+    files = sorted(image_files(root, IMAGE_EXTENSIONS))
     if not files:
         raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {str(root)!r}")
     out = []
