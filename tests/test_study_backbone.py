@@ -170,7 +170,7 @@ def test_pretrained_goes_through_timms_loader(tmp_path):
 def test_layer_decay_groups_follow_the_formula():
     model = build_model(timm_config(layer_decay=0.5, lr=1e-3, weight_decay=0.05), "locat")
     groups = param_groups(model, timm_config(layer_decay=0.5, lr=1e-3, weight_decay=0.05))
-    lr_of = {id(p): (g["lr"], g["weight_decay"]) for g in groups for p in g["params"]}
+    lr_of = {id(p): (1e-3 * g["lr_scale"], g["weight_decay"]) for g in groups for p in g["params"]}
     depth = 2  # timm's layer ids: embeddings 0, block i -> i + 1 (final norm: the last's), head depth + 1
     for name, p in model.named_parameters():
         if name.startswith("blocks."):
@@ -212,13 +212,13 @@ def test_gaug_lr_scale_multiplies_only_the_gaug_heads(layer_decay):
     config = timm_config(layer_decay=layer_decay, lr=1e-3, weight_decay=0.05)
     model = build_model(config, "locat")
     base = {
-        id(p): (g.get("lr", 1e-3), g["weight_decay"])
+        id(p): (1e-3 * g.get("lr_scale", 1.0), g["weight_decay"])
         for g in param_groups(model, config)
         for p in g["params"]
     }
     scaled_config = timm_config(layer_decay=layer_decay, lr=1e-3, weight_decay=0.05, gaug_lr_scale=100.0)
     scaled = param_groups(model, scaled_config)
-    got = {id(p): (g["lr"], g["weight_decay"]) for g in scaled for p in g["params"]}
+    got = {id(p): (1e-3 * g["lr_scale"], g["weight_decay"]) for g in scaled for p in g["params"]}
     assert sorted(got) == sorted(base)  # every parameter once
     names = dict(model.named_parameters())
     assert any(".gaug." in n for n in names)

@@ -3,7 +3,8 @@
 ``--amp bf16`` / ``fp16`` run the forward and the loss under :func:`torch.autocast` on the run's
 device; ``none`` runs float32. The default (``None``, "auto") is ``bf16`` on CUDA, where it makes
 vitattn's attention take the fused Triton kernels (they decline float32 unless TF32 is allowed),
-and ``none`` on the CPU. ``fp16`` scales the loss with a :class:`torch.amp.GradScaler`; under DDP
+and ``none`` on the CPU. ``fp16`` scales the loss with timm's ``NativeScaler`` (a
+:class:`torch.amp.GradScaler` that also does the backward pass and the step); under DDP
 the gradients are all-reduced before the scaler unscales them, so every rank sees the same inf/NaN
 check and skips (or takes) the same step.
 """
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from typing import Literal
 
 import torch
+from timm.utils import NativeScaler
 
 __all__ = ["AMP_CHOICES", "AmpMode", "autocast", "grad_scaler", "resolve_amp"]
 
@@ -45,9 +47,8 @@ def autocast(device: torch.device, amp: AmpMode) -> Iterator[None]:
         yield
 
 
-def grad_scaler(device: torch.device, amp: AmpMode) -> torch.amp.GradScaler | None:
-    """A :class:`torch.amp.GradScaler` for ``fp16`` (float16 gradients underflow without one); None
-    for ``bf16`` (float32's exponent range) and ``none``."""
-    if amp != "fp16":
-        return None
-    return torch.amp.GradScaler(device.type)
+def grad_scaler(device: torch.device, amp: AmpMode) -> NativeScaler | None:
+    """timm's ``NativeScaler`` on ``device`` for ``fp16`` (float16 gradients underflow without one;
+    ``scaler(loss, optimizer)`` scales, backpropagates, steps and updates the scale); None for
+    ``bf16`` (float32's exponent range) and ``none``."""
+    return NativeScaler(device.type) if amp == "fp16" else None

@@ -6,6 +6,11 @@ weights ``model.*``, optimizer tensors ``optim.<param>.<key>``, each rank's torc
 ``rng.torch.<rank>``, NumPy's MT19937 keys).
 ``state.json`` is replaced last and atomically, so a crash mid-write leaves the previous epoch's
 state readable. The finished model is ``model.safetensors`` (weights only).
+
+The scheduler is anything with ``state_dict`` / ``load_state_dict`` (the trainer's is timm's
+``CosineLRScheduler``, which keeps no step count: the trainer sets the lr from the epoch). A state
+written before the trainer used timm's scheduler holds a ``LambdaLR`` state; loaded into a timm
+scheduler it is skipped (the optimizer, the loss scaler and the rest load as ever).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import json
 import os
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -27,6 +32,14 @@ from .distributed import DistEnv
 __all__ = ["STATE_FORMAT", "TrainState", "load_state", "save_model", "save_state"]
 
 STATE_FORMAT = "vitattn.study.state/1"
+
+
+class Stateful(Protocol):
+    """A scheduler or loss scaler: its state is a JSON-ready dict."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 class TrainState(dict):
@@ -64,9 +77,9 @@ def save_state(
     epoch: int,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scheduler: Stateful,
     history: list[dict[str, Any]],
-    scaler: torch.amp.GradScaler | None = None,
+    scaler: Stateful | None = None,
 ) -> None:
     """Write the training state after ``epoch`` completed epochs (collective: call on every rank;
     rank 0 writes)."""
@@ -118,8 +131,8 @@ def load_state(
     env: DistEnv,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    scaler: torch.amp.GradScaler | None = None,
+    scheduler: Stateful,
+    scaler: Stateful | None = None,
 ) -> TrainState | None:
     """Restore what :func:`save_state` wrote into ``model``, ``optimizer``, ``scheduler``, the fp16
     loss ``scaler`` (when both have one) and the RNGs.
@@ -144,7 +157,8 @@ def load_state(
     for idx, entry in meta["optimizer"]["state_scalars"].items():
         opt_state.setdefault(int(idx), {}).update(entry)
     optimizer.load_state_dict({"state": opt_state, "param_groups": meta["optimizer"]["param_groups"]})
-    scheduler.load_state_dict(meta["scheduler"])
+    if "lr_lambdas" not in meta["scheduler"] or isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        scheduler.load_state_dict(meta["scheduler"])
     if scaler is not None and meta.get("scaler"):
         scaler.load_state_dict(meta["scaler"])
     rng = meta["rng"]

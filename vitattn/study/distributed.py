@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from timm.utils.distributed import init_distributed_device_so, world_info_from_env
 
 __all__ = [
     "DistEnv",
@@ -50,22 +51,24 @@ def _launched_by_torchrun() -> bool:
 
 
 def init_distributed(device: str | None = None) -> DistEnv:
-    """Read the launch environment and, under torchrun, start the process group.
+    """Read the launch environment and, under torchrun, start the process group (timm's
+    ``init_distributed_device_so``: NCCL for CUDA, each rank on ``cuda:LOCAL_RANK``; gloo on CPUs).
 
-    ``device``: ``"cpu"``, ``"cuda"`` (each rank takes ``cuda:LOCAL_RANK``) or None (CUDA when
-    available). Backend: NCCL for CUDA, gloo for CPU.
+    ``device``: ``"cpu"``, ``"cuda"`` or None (CUDA when available). A process group the caller
+    has started already is used as it is.
     """
     want = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not _launched_by_torchrun():
         return DistEnv(device=torch.device(want))
-    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    if want.startswith("cuda"):
-        torch.cuda.set_device(local)
-        dev = torch.device("cuda", local)
-    else:
-        dev = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+        info = init_distributed_device_so(device=want)
+        return DistEnv(
+            info["global_rank"], info["world_size"], info["local_rank"], torch.device(info["device"])
+        )
+    local, rank, world = world_info_from_env()
+    dev = torch.device("cuda", local) if want.startswith("cuda") else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     return DistEnv(rank=rank, world_size=world, local_rank=local, device=dev)
 
 

@@ -1,74 +1,75 @@
-"""AdamW parameter groups of a run: weight decay on weight matrices, and layer-wise lr decay.
+"""AdamW of a run, from timm's ``create_optimizer_v2``: weight decay on weight matrices, layer-wise lr decay.
+
+Learning rates are timm's way: every group starts at ``config.lr`` and carries an ``lr_scale`` (layer
+decay, GAug) that timm's scheduler multiplies in (see :func:`vitattn.study.train.warmup_cosine`).
 
 Without ``layer_decay`` the study's rule: weight matrices decay; biases, norms, the position
-embedding and the class / register tokens do not. With it, timm's ``param_groups_layer_decay``
-(BEiT's recipe, as timm's fine-tuning scripts use it): block ``i`` of ``L`` gets the learning rate
-times ``layer_decay ** (L + 1 - layer(i))`` (the head 1, the embeddings the smallest), and the
-same weight-decay rule (1-D tensors and ``model.no_weight_decay()`` excluded).
+embedding and the class / register tokens (any name with ``pos_embed`` / ``token``) do not. (timm's
+``param_groups_weight_decay`` excludes 1-D tensors and ``model.no_weight_decay()`` instead: the same
+on the study's ViT and timm's ViT / DeiT, but it also spares Swin's / BEiT's relative position bias
+tables, which the study decays; the study keeps its rule.) With ``layer_decay``, timm's
+``param_groups_layer_decay`` (BEiT's recipe): block ``i`` of ``L`` gets ``layer_decay ** (L + 1 -
+layer(i))`` (the head 1, the embeddings the smallest), 1-D tensors and ``model.no_weight_decay()``
+without weight decay.
 
-``gaug_lr_scale`` multiplies the learning rate of LocAt's GAug heads (parameters named
-``*.gaug.*``) on top of either rule: their own groups, same weight decay.
+``gaug_lr_scale`` multiplies the learning rate of LocAt's GAug heads (parameters named ``*.gaug.*``)
+on top of either rule: their own groups, same weight decay.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+from timm.optim import create_optimizer_v2, param_groups_layer_decay
 from torch import nn
 
 from .config import StudyConfig
 
-__all__ = ["param_groups"]
+__all__ = ["build_optimizer", "param_groups"]
 
 
-def _no_weight_decay(model: nn.Module) -> set[str]:
-    names = getattr(model, "no_weight_decay", None)
-    return set(names()) if callable(names) else set()
+def build_optimizer(model: nn.Module, config: StudyConfig) -> torch.optim.Optimizer:
+    """``torch.optim.AdamW`` over :func:`param_groups` at ``config.lr``, built by timm's factory."""
+    return create_optimizer_v2(
+        model,
+        opt="adamw",
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        param_group_fn=lambda m: param_groups(m, config),
+    )
 
 
 def param_groups(model: nn.Module, config: StudyConfig) -> list[dict[str, Any]]:
     """AdamW groups for ``model``: each with ``params``, ``weight_decay`` and, with layer decay or a
-    GAug lr scale, ``lr`` (``config.lr`` times its ``lr_scale``)."""
-    groups = _decay_groups(model, config)
-    if config.gaug_lr_scale == 1.0:
-        return groups
-    return _split_gaug(model, groups, config)
-
-
-def _split_gaug(model: nn.Module, groups: list[dict[str, Any]], config: StudyConfig) -> list[dict[str, Any]]:
-    """Each group split in two: its GAug parameters (lr times ``config.gaug_lr_scale``) and the rest."""
-    gaug = {id(p) for name, p in model.named_parameters() if ".gaug." in f".{name}"}
-    out: list[dict[str, Any]] = []
-    for group in groups:
-        scale = float(group.get("lr_scale", 1.0))
-        for is_gaug in (False, True):
-            params = [p for p in group["params"] if (id(p) in gaug) == is_gaug]
-            if params:
-                lr_scale = scale * (config.gaug_lr_scale if is_gaug else 1.0)
-                out.append({**group, "params": params, "lr_scale": lr_scale, "lr": config.lr * lr_scale})
-    return out
-
-
-def _decay_groups(model: nn.Module, config: StudyConfig) -> list[dict[str, Any]]:
-    """The weight-decay (and layer-decay) groups, before any GAug lr scale."""
+    GAug lr scale, ``lr_scale`` (the factor on ``config.lr``)."""
+    groups: list[dict[str, Any]]
     if config.layer_decay is None:
         decay: list[nn.Parameter] = []
         no_decay: list[nn.Parameter] = []
         for name, p in model.named_parameters():
             matrix = p.ndim > 1 and "pos_embed" not in name and "token" not in name
             (decay if matrix else no_decay).append(p)
-        return [
+        groups = [
             {"params": decay, "weight_decay": config.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-    from timm.optim import param_groups_layer_decay
-
-    groups = param_groups_layer_decay(
-        model,
-        weight_decay=config.weight_decay,
-        no_weight_decay_list=_no_weight_decay(model),
-        layer_decay=float(config.layer_decay),
-    )
-    for group in groups:
-        group["lr"] = config.lr * float(group["lr_scale"])
-    return groups
+    else:
+        no_wd = getattr(model, "no_weight_decay", None)
+        groups = param_groups_layer_decay(
+            model,
+            weight_decay=config.weight_decay,
+            no_weight_decay_list=set(no_wd()) if callable(no_wd) else set(),
+            layer_decay=float(config.layer_decay),
+        )
+    if config.gaug_lr_scale == 1.0:
+        return groups
+    gaug = {id(p) for name, p in model.named_parameters() if ".gaug." in f".{name}"}
+    out: list[dict[str, Any]] = []
+    for group in groups:  # each split in two: the rest, then its GAug parameters
+        for is_gaug in (False, True):
+            params = [p for p in group["params"] if (id(p) in gaug) == is_gaug]
+            if params:
+                scale = float(group.get("lr_scale", 1.0)) * (config.gaug_lr_scale if is_gaug else 1.0)
+                out.append({**group, "params": params, "lr_scale": scale})
+    return out

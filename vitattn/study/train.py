@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import random
 import sys
 import time
@@ -13,6 +12,8 @@ from typing import Any, cast
 
 import numpy as np
 import torch
+from timm.scheduler import CosineLRScheduler
+from timm.utils import NativeScaler
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler, Subset
@@ -27,7 +28,7 @@ from .config import StudyConfig
 from .distributed import DistEnv, all_reduce_max, all_reduce_sum, barrier
 from .memory import memory_kind, peak_memory_mb, reset_peak_memory
 from .model import build_model
-from .optim import param_groups
+from .optim import build_optimizer
 from .protocols import Protocol
 from .run_data import RunData, probe_transform, run_data, subset
 
@@ -35,10 +36,10 @@ __all__ = [
     "Evaluation",
     "RunResult",
     "RunSpec",
-    "WarmupCosine",
     "dense_probe_record",
     "evaluate",
     "train_run",
+    "warmup_cosine",
 ]
 
 
@@ -74,19 +75,18 @@ class RunResult:
     memory: str = "cpu_rss"  # what the history's peak_memory_mb measures (vitattn.study.memory)
 
 
-class WarmupCosine:
-    """LR factor per optimizer step: linear warmup from 0 over ``warmup`` steps, then cosine to 0
-    at ``total`` steps. A plain object, so ``LambdaLR.state_dict()`` stores its fields as JSON."""
-
-    def __init__(self, warmup: int, total: int) -> None:
-        self.warmup = int(warmup)
-        self.total = max(int(total), 1)
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / (self.warmup + 1)
-        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int, total: int) -> CosineLRScheduler:
+    """timm's per-step cosine schedule: the lr of the optimizer step numbered ``t`` (from 1; set by
+    ``step_update(t)``) rises linearly as ``lr * t / (warmup + 1)`` for ``t <= warmup``, then falls
+    along a cosine to 0 at step ``total + 1``; each group's ``lr_scale`` multiplies it."""
+    return CosineLRScheduler(
+        optimizer,
+        t_initial=max(int(total) - int(warmup), 1),
+        warmup_t=int(warmup) + 1,
+        warmup_lr_init=0.0,
+        warmup_prefix=True,
+        t_in_epochs=False,
+    )
 
 
 def _seed_everything(seed: int) -> None:
@@ -239,13 +239,14 @@ class _Training:
     model: nn.Module
     net: nn.Module
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scheduler: CosineLRScheduler
     data: RunData
     amp: AmpMode
-    scaler: torch.amp.GradScaler | None
+    scaler: NativeScaler | None
     first_epoch: int
     history: list[dict[str, Any]]
     compiling: bool = False  # torch.compile compiles in the next step (the run's first in this process)
+    updates: int = 0  # optimizer steps taken
 
 
 def _setup_training(
@@ -273,17 +274,17 @@ def _setup_training(
     _seed_everything(spec.seed)  # same initial weights on every rank
     notes: list[str] = []
     model = _build_on_rank(config, spec, env, notes.append).to(env.device)
-    optimizer = torch.optim.AdamW(param_groups(model, config), lr=config.lr)
+    optimizer = build_optimizer(model, config)
     steps_per_epoch = len(_loader(data.train, config, env, spec.seed, 0))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        WarmupCosine(round(config.warmup_epochs * steps_per_epoch), config.epochs * steps_per_epoch),
+    scheduler = warmup_cosine(
+        optimizer, round(config.warmup_epochs * steps_per_epoch), config.epochs * steps_per_epoch
     )
     amp = resolve_amp(config.amp, env.device)
     scaler = grad_scaler(env.device, amp)
     _seed_everything(spec.seed * 1000 + 7 + env.rank)  # augmentation streams differ per rank
     state = load_state(folder, env, model, optimizer, scheduler, scaler)
     first_epoch = state["epoch"] if state else 0
+    scheduler.step_update(first_epoch * steps_per_epoch + 1)  # the lr of the next step
     if state:
         log(f"  {spec.name}: resumed from epoch {first_epoch} (checkpoint in {folder})")
     else:
@@ -307,6 +308,7 @@ def _setup_training(
         first_epoch=first_epoch,
         history=list(state["history"]) if state else [],
         compiling=config.compile,
+        updates=first_epoch * steps_per_epoch,
     )
 
 
@@ -336,10 +338,9 @@ def _step(tr: _Training, x: torch.Tensor, y: torch.Tensor, device: torch.device)
         loss.backward()
         tr.optimizer.step()
     else:  # DDP has all-reduced the gradients: every rank unscales and checks the same values
-        tr.scaler.scale(loss).backward()
-        tr.scaler.step(tr.optimizer)
-        tr.scaler.update()
-    tr.scheduler.step()
+        tr.scaler(loss, tr.optimizer)
+    tr.updates += 1
+    tr.scheduler.step_update(tr.updates + 1)
     return loss.detach()
 
 
@@ -389,7 +390,7 @@ def _train_epoch(
     entry = dict(
         epoch=epoch + 1,
         train_loss=loss_all / max(count_all, 1),
-        lr=float(max(tr.scheduler.get_last_lr())),  # the head's (layer decay scales the rest)
+        lr=float(max(g["lr"] for g in tr.optimizer.param_groups)),  # the next step's, the largest group's
         seconds=round(train_seconds, 2),
         train_images_per_s=round(steady_images / max(steady_seconds, 1e-9), 1),
         test_acc=ev.accuracy,
