@@ -27,10 +27,10 @@ from safetensors.torch import load_file
 from vitattn.cli import main
 from vitattn.study import StudyConfig, validate_results
 from vitattn.study.checkpoint import STATE_FORMAT
-from vitattn.study.data import run_data
 from vitattn.study.distributed import DistEnv
 from vitattn.study.model import build_model
 from vitattn.study.protocols import PROTOCOLS
+from vitattn.study.run_data import run_data
 from vitattn.study.train import evaluate
 
 DATA = Path(__file__).parent / "data" / "study_v1"
