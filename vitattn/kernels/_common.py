@@ -383,6 +383,57 @@ def _probs(z, stat, ENTMAX: tl.constexpr, TRANS: tl.constexpr):
         return p, p
 
 
+# ---- the grid-aligned kernels' shared tile steps (softmax.py, backward.py; also used by _score_tile) ------
+
+
+@triton.jit
+def _qk_tile(
+    a,
+    b,
+    offs_m,
+    offs_n,
+    n_q,
+    n_k,
+    scale,
+    add_base,
+    s_am,
+    s_an,
+    keep_base,
+    s_mm,
+    s_mn,
+    HAS_ADD: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    TRANS: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+):
+    """``a bᵀ`` plus the masks of the tile (:func:`_mask_tile`, in units of ``q kᵀ``) as the dot's
+    accumulator: ``(BLOCK_M, BLOCK_N)`` float32 for ``a = q``, ``b = k`` (``(BLOCK_N, BLOCK_M)`` for
+    ``a = k``, ``b = q`` with ``TRANS``); no mask without ``HAS_ADD`` / ``HAS_KEEP``."""
+    if HAS_ADD or HAS_KEEP:
+        pen = _mask_tile(
+            offs_m,
+            offs_n,
+            n_q,
+            n_k,
+            scale,
+            add_base,
+            s_am,
+            s_an,
+            keep_base,
+            s_mm,
+            s_mn,
+            HAS_ADD,
+            HAS_KEEP,
+            TRANS,
+            EVEN_M,
+            EVEN_N,
+        )
+        return _dot_acc(a, tl.trans(b), pen, F32_DOT)
+    return _dot(a, tl.trans(b), F32_DOT)
+
+
 @triton.jit
 def _score_tile(
     a,
@@ -427,28 +478,10 @@ def _score_tile(
     entirely by a finite value ``M`` the scores are rounded at ``|M|``, as the reference's float32
     scores are (for a power-of-two scale, exactly as there).
     """
-    if HAS_ADD or HAS_KEEP:
-        pen = _mask_tile(
-            offs_m,
-            offs_n,
-            n_q,
-            n_k,
-            scale,
-            add_base,
-            s_am,
-            s_an,
-            keep_base,
-            s_mm,
-            s_mn,
-            HAS_ADD,
-            HAS_KEEP,
-            TRANS,
-            EVEN_M,
-            EVEN_N,
-        )
-        qk = _dot_acc(a, tl.trans(b), pen, F32_DOT)
-    else:
-        qk = _dot(a, tl.trans(b), F32_DOT)
+    qk = _qk_tile(
+        a, b, offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+        HAS_ADD, HAS_KEEP, F32_DOT, TRANS, EVEN_M, EVEN_N,
+    )  # fmt: skip
     z = qk * (scale * unit)
     e = 0.0
     if GAUSS:

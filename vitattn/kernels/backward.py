@@ -37,13 +37,12 @@ from ._common import (
     _block_offsets,
     _coords_start,
     _dot,
-    _dot_acc,
     _load_kv,
     _load_tile,
-    _mask_tile,
     _offset,
     _probs,
     _program,
+    _qk_tile,
     _row_stats,
     _store_tile,
     _tile_ptrs,
@@ -284,28 +283,10 @@ def _bwd_dkdv_kernel(
             q = tl.load(q_ptrs, mask=(offs_m < n_q)[:, None] & (offs_d < head_d)[None, :], other=0.0)
             do = tl.load(do_ptrs, mask=(offs_m < n_q)[:, None] & (offs_dv < head_dv)[None, :], other=0.0)
         stat, delta = _row_stats(STAT, DELTA, row, offs_m, n_q, EVEN_M)
-        if HAS_ADD or HAS_KEEP:
-            pen = _mask_tile(
-                offs_m,
-                offs_n,
-                n_q,
-                n_k,
-                scale,
-                add_base,
-                s_am,
-                s_an,
-                keep_base,
-                s_mm,
-                s_mn,
-                HAS_ADD,
-                HAS_KEEP,
-                True,
-                EVEN_M,
-                WHOLE,
-            )
-            s_t = _dot_acc(k, tl.trans(q), pen, F32_DOT)
-        else:
-            s_t = _dot(k, tl.trans(q), F32_DOT)
+        s_t = _qk_tile(
+            k, q, offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+            HAS_ADD, HAS_KEEP, F32_DOT, True, EVEN_M, WHOLE,
+        )  # fmt: skip
         if GAUSS:
             s_t = add_outer(s_t, tl.load(r_ptrs), tl.load(c_ptrs), BLOCK_M, NR, TILE_W, True)
             r_ptrs += BLOCK_M
@@ -422,28 +403,10 @@ def _dq_tile(
     """One key tile (``k``, ``v``) of dQ: ``(dq, w, w2)`` updated. ``r`` (``R``), ``c`` (``C alpha / scale``):
     the bias factors of :func:`add_outer` (``BIAS``); with ``GRAD`` the Gaussian gradient accumulators
     ``w = sum_rows R dZ`` and ``w2 = sum_rows t_row R dZ`` per query and grid column (``r_t = t_row R``)."""
-    if HAS_ADD or HAS_KEEP:
-        pen = _mask_tile(
-            offs_m,
-            offs_n,
-            n_q,
-            n_k,
-            scale,
-            add_base,
-            s_am,
-            s_an,
-            keep_base,
-            s_mm,
-            s_mn,
-            HAS_ADD,
-            HAS_KEEP,
-            False,
-            EVEN_M,
-            not MASKED,
-        )
-        s = _dot_acc(q, tl.trans(k), pen, F32_DOT)
-    else:
-        s = _dot(q, tl.trans(k), F32_DOT)
+    s = _qk_tile(
+        q, k, offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+        HAS_ADD, HAS_KEEP, F32_DOT, False, EVEN_M, not MASKED,
+    )  # fmt: skip
     if BIAS:
         s = add_outer(s, r, c, BLOCK_M, NR, TILE_W, False)
     if MASKED:

@@ -63,6 +63,36 @@ def heavy_alpha(normalizer: str, bias: str, window: bool = False) -> bool:
 # (tests/test_kernels_static.py). ``max_head_dim_fp32``: float32 (TF32) operands take twice the shared
 # memory; the entries that would not fit at head dim 128 serve 64 (tests/test_kernels_static.py compiles
 # the float32 ones).
+_ENTMAX_FWD_90 = (
+    TileConfig(128, 64, 8, 3, max_head_dim=64),
+    TileConfig(64, 64, 4, 3, max_head_dim=64),
+    TileConfig(128, 32, 8, 3),
+    TileConfig(64, 32, 4, 3),
+)
+_SOFTMAX_FWD_80 = (
+    TileConfig(128, 64, 8, 2, max_head_dim_fp32=64),
+    TileConfig(64, 64, 4, 2, max_head_dim_fp32=64),
+    TileConfig(64, 32, 4, 3, max_head_dim_fp32=64),
+    TileConfig(64, 32, 4, 2),
+)
+_ENTMAX_FWD_80 = (
+    TileConfig(128, 64, 8, 2, max_head_dim=64),
+    TileConfig(64, 64, 4, 2, max_head_dim=64),
+    TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
+    TileConfig(64, 32, 4, 2),
+)
+_BWD_DKDV_80 = (
+    TileConfig(32, 64, 4, 2, max_head_dim=64),
+    TileConfig(64, 32, 4, 2),
+    TileConfig(32, 32, 4, 2),
+    TileConfig(64, 32, 4, 3, max_head_dim_fp32=64),
+)
+_BWD_DQ_80 = (
+    TileConfig(64, 64, 4, 2, max_head_dim=64, max_head_dim_masked=0),
+    TileConfig(128, 64, 8, 2, max_head_dim=64, max_head_dim_masked=0),
+    TileConfig(64, 32, 4, 2),
+    TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
+)
 AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
     90: {
         # every tile issues wgmma: 64 rows of the dots' M dimension (queries; keys in dK/dV) per warpgroup
@@ -74,19 +104,9 @@ AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
             # the flash tutorial's pick at head dim 64; with the Gaussian column factors it spills
             TileConfig(128, 64, 4, 3, max_head_dim=64, max_head_dim_gauss=0),
         ),
-        "fwd_entmax15": (
-            TileConfig(128, 64, 8, 3, max_head_dim=64),
-            TileConfig(64, 64, 4, 3, max_head_dim=64),
-            TileConfig(128, 32, 8, 3),
-            TileConfig(64, 32, 4, 3),
-        ),
+        "fwd_entmax15": _ENTMAX_FWD_90,
         # alpha-entmax: the entmax-1.5 tiles (the same loops, three powers per score instead of one square)
-        "fwd_entmax_alpha": (
-            TileConfig(128, 64, 8, 3, max_head_dim=64),
-            TileConfig(64, 64, 4, 3, max_head_dim=64),
-            TileConfig(128, 32, 8, 3),
-            TileConfig(64, 32, 4, 3),
-        ),
+        "fwd_entmax_alpha": _ENTMAX_FWD_90,
         # dK/dV: keys are the M dimension (k qᵀ tiles), so 64 keys per warpgroup; with 8 warps the two
         # warpgroups take 64 keys each (a 128-key block, as the tutorial's 32 x 128). With bound masks at
         # head dim 128 only the 16-query tile stays clear of spills.
@@ -136,55 +156,16 @@ AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
             TileConfig(32, 32, 4, 3),
         ),
     },
+    # sm_80: the list kernels share the grid-aligned kernels' tiles, alpha-entmax entmax-1.5's
     80: {
-        "fwd_softmax": (
-            TileConfig(128, 64, 8, 2, max_head_dim_fp32=64),
-            TileConfig(64, 64, 4, 2, max_head_dim_fp32=64),
-            TileConfig(64, 32, 4, 3, max_head_dim_fp32=64),
-            TileConfig(64, 32, 4, 2),
-        ),
-        "fwd_entmax15": (
-            TileConfig(128, 64, 8, 2, max_head_dim=64),
-            TileConfig(64, 64, 4, 2, max_head_dim=64),
-            TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
-            TileConfig(64, 32, 4, 2),
-        ),
-        "fwd_entmax_alpha": (
-            TileConfig(128, 64, 8, 2, max_head_dim=64),
-            TileConfig(64, 64, 4, 2, max_head_dim=64),
-            TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
-            TileConfig(64, 32, 4, 2),
-        ),
-        "bwd_dkdv": (
-            TileConfig(32, 64, 4, 2, max_head_dim=64),
-            TileConfig(64, 32, 4, 2),
-            TileConfig(32, 32, 4, 2),
-            TileConfig(64, 32, 4, 3, max_head_dim_fp32=64),
-        ),
-        "bwd_dq": (
-            TileConfig(64, 64, 4, 2, max_head_dim=64, max_head_dim_masked=0),
-            TileConfig(128, 64, 8, 2, max_head_dim=64, max_head_dim_masked=0),
-            TileConfig(64, 32, 4, 2),
-            TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
-        ),
-        "fwd_softmax_lists": (
-            TileConfig(128, 64, 8, 2, max_head_dim_fp32=64),
-            TileConfig(64, 64, 4, 2, max_head_dim_fp32=64),
-            TileConfig(64, 32, 4, 3, max_head_dim_fp32=64),
-            TileConfig(64, 32, 4, 2),
-        ),
-        "bwd_dkdv_lists": (
-            TileConfig(32, 64, 4, 2, max_head_dim=64),
-            TileConfig(64, 32, 4, 2),
-            TileConfig(32, 32, 4, 2),
-            TileConfig(64, 32, 4, 3, max_head_dim_fp32=64),
-        ),
-        "bwd_dq_lists": (
-            TileConfig(64, 64, 4, 2, max_head_dim=64, max_head_dim_masked=0),
-            TileConfig(128, 64, 8, 2, max_head_dim=64, max_head_dim_masked=0),
-            TileConfig(64, 32, 4, 2),
-            TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
-        ),
+        "fwd_softmax": _SOFTMAX_FWD_80,
+        "fwd_entmax15": _ENTMAX_FWD_80,
+        "fwd_entmax_alpha": _ENTMAX_FWD_80,
+        "bwd_dkdv": _BWD_DKDV_80,
+        "bwd_dq": _BWD_DQ_80,
+        "fwd_softmax_lists": _SOFTMAX_FWD_80,
+        "bwd_dkdv_lists": _BWD_DKDV_80,
+        "bwd_dq_lists": _BWD_DQ_80,
     },
 }
 DEFAULT_ARCH = 90  # the arch of the lists when no CUDA device tells (fake tensors, no driver)

@@ -26,10 +26,9 @@ import triton.language as tl
 from ._common import (
     LOG2E,
     _dot,
-    _dot_acc,
     _fwd_prologue,
     _load_kv,
-    _mask_tile,
+    _qk_tile,
     _store_tile,
     _tile_ptrs,
     add_outer,
@@ -75,28 +74,10 @@ def _fwd_tile(
     """One key tile (``k``, ``v``) of the online softmax: ``(acc, m, l)`` updated. ``ok``: the tile's valid
     keys (``MASKED``); ``r``, ``c``: the bias factors of :func:`add_outer` (``BIAS``). Scores in units of
     ``q kᵀ`` until the multiply-add ``s * su - m`` (``su = scale * log2(e)``, ``m`` the base-2 row max)."""
-    if HAS_ADD or HAS_KEEP:
-        pen = _mask_tile(
-            offs_m,
-            offs_n,
-            n_q,
-            n_k,
-            scale,
-            add_base,
-            s_am,
-            s_an,
-            keep_base,
-            s_mm,
-            s_mn,
-            HAS_ADD,
-            HAS_KEEP,
-            False,
-            EVEN_M,
-            not MASKED,
-        )
-        s = _dot_acc(q, tl.trans(k), pen, F32_DOT)
-    else:
-        s = _dot(q, tl.trans(k), F32_DOT)
+    s = _qk_tile(
+        q, k, offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+        HAS_ADD, HAS_KEEP, F32_DOT, False, EVEN_M, not MASKED,
+    )  # fmt: skip
     if BIAS:
         s = add_outer(s, r, c, BLOCK_M, NR, TILE_W, False)
     if MASKED:
@@ -108,6 +89,45 @@ def _fwd_tile(
     l_i = l_i * corr + tl.sum(p, 1)
     acc = acc * corr[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _grid_kv(
+    KT,
+    VT,
+    KG,
+    VG,
+    k_ptrs,
+    v_ptrs,
+    ok,
+    d_ok,
+    dv_ok,
+    b_idx,
+    h_idx,
+    tile,
+    col0,
+    GAUSS: tl.constexpr,
+    KV_TMA: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NR: tl.constexpr,
+):
+    """The K and V tiles of key tile ``tile`` of the main loop: by TMA (``KV_TMA``) from the grid view
+    ``KG``, ``VG`` (``NR`` grid rows from row ``tile * NR``, columns from ``col0``; with ``GAUSS``) or the
+    flat ``KT``, ``VT`` (keys from ``tile * BLOCK_N``), else through the pointers (:func:`_load_kv`,
+    ``ok`` masking the keys if ``MASKED``)."""
+    if KV_TMA:
+        if GAUSS:
+            k = tl.reshape(KG.load([b_idx, h_idx, tile * NR, col0, 0]), (BLOCK_N, BLOCK_D))
+            v = tl.reshape(VG.load([b_idx, h_idx, tile * NR, col0, 0]), (BLOCK_N, BLOCK_DV))
+        else:
+            k = tl.reshape(KT.load([b_idx, h_idx, tile * BLOCK_N, 0]), (BLOCK_N, BLOCK_D))
+            v = tl.reshape(VT.load([b_idx, h_idx, tile * BLOCK_N, 0]), (BLOCK_N, BLOCK_DV))
+        return k, v
+    return _load_kv(k_ptrs, v_ptrs, ok, d_ok, dv_ok, MASKED, EVEN_D)
 
 
 @triton.jit
@@ -288,15 +308,10 @@ def _fwd_softmax_kernel(
             r = 0.0
             if GAUSS:
                 r, _t_r = row_factors(qr, cr, fr, a0, NR)
-            if KV_TMA:
-                if GAUSS:
-                    k = tl.reshape(KG.load([b_idx, h_idx, i * NR, ch * TILE_W, 0]), (BLOCK_N, BLOCK_D))
-                    v = tl.reshape(VG.load([b_idx, h_idx, i * NR, ch * TILE_W, 0]), (BLOCK_N, BLOCK_DV))
-                else:
-                    k = tl.reshape(KT.load([b_idx, h_idx, i * BLOCK_N, 0]), (BLOCK_N, BLOCK_D))
-                    v = tl.reshape(VT.load([b_idx, h_idx, i * BLOCK_N, 0]), (BLOCK_N, BLOCK_DV))
-            else:
-                k, v = _load_kv(k_ptrs, v_ptrs, ok, d_ok, dv_ok, PAD_W, EVEN_D)
+            k, v = _grid_kv(
+                KT, VT, KG, VG, k_ptrs, v_ptrs, ok, d_ok, dv_ok, b_idx, h_idx, i, ch * TILE_W,
+                GAUSS, KV_TMA, PAD_W, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, NR,
+            )  # fmt: skip
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k, v, ok, offs_m, offs_n, n_q, n_k, scale, su,
                 add_base, s_am, s_an, keep_base, s_mm, s_mn, r, c,
@@ -312,19 +327,10 @@ def _fwd_softmax_kernel(
                 if GAUSS:
                     r, _t_r = row_factors(qr, cr, fr, a0, NR)
                 ok_t = ok & (offs_n < n_k)
-                if KV_TMA:
-                    if GAUSS:
-                        k = tl.reshape(
-                            KG.load([b_idx, h_idx, n_main * NR, ch * TILE_W, 0]), (BLOCK_N, BLOCK_D)
-                        )
-                        v = tl.reshape(
-                            VG.load([b_idx, h_idx, n_main * NR, ch * TILE_W, 0]), (BLOCK_N, BLOCK_DV)
-                        )
-                    else:
-                        k = tl.reshape(KT.load([b_idx, h_idx, n_main * BLOCK_N, 0]), (BLOCK_N, BLOCK_D))
-                        v = tl.reshape(VT.load([b_idx, h_idx, n_main * BLOCK_N, 0]), (BLOCK_N, BLOCK_DV))
-                else:
-                    k, v = _load_kv(k_ptrs, v_ptrs, ok_t, d_ok, dv_ok, True, EVEN_D)
+                k, v = _grid_kv(
+                    KT, VT, KG, VG, k_ptrs, v_ptrs, ok_t, d_ok, dv_ok, b_idx, h_idx, n_main, ch * TILE_W,
+                    GAUSS, KV_TMA, True, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, NR,
+                )  # fmt: skip
                 acc, m_i, l_i = _fwd_tile(
                     acc, m_i, l_i, q, k, v, ok_t, offs_m, offs_n, n_q, n_k, scale, su,
                     add_base, s_am, s_an, keep_base, s_mm, s_mn, r, c,
