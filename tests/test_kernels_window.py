@@ -125,7 +125,7 @@ def test_kernels_visit_the_window_tiles_only(monkeypatch):
     from dense: 401 tokens (a 20 x 20 grid, a class token), a 3 x 3 window, 32 x 32 tiles."""
     window = WindowMask((20, 20), 3, 1)
     ops.kernels()
-    fwd = _count(monkeypatch, "vitattn.kernels.softmax_lists", "_score_tile")
+    fwd = _count(monkeypatch, "vitattn.kernels.softmax_lists", "listed_scores")
     bwd = _count(monkeypatch, "vitattn.kernels.backward_lists", "_score_tile")
     q, k, v = (torch.randn(1, 1, 401, 16, requires_grad=True) for _ in range(3))
     out = attention(q, k, v, mask=window, backend="triton")
