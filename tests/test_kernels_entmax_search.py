@@ -174,11 +174,11 @@ def test_emulation_is_the_kernel(monkeypatch):
             v = torch.randn(1, 1, n, d, generator=g)
             calls: list[int] = []
 
-            def counted(*args, inner=module._score_tile, calls=calls, **kwargs):
+            def counted(*args, inner=module.listed_scores, calls=calls, **kwargs):
                 calls.append(1)
                 return inner(*args, **kwargs)
 
-            monkeypatch.setattr(module, "_score_tile", counted)
+            monkeypatch.setattr(module, "listed_scores", counted)
             scale = 0.125
             _, stat, *_ = torch.ops.vitattn.attention_fwd(
                 q, k, v, None, None, None, None, None, scale, 0, 1, 0.0, True, False, False

@@ -9,7 +9,7 @@ triton was imported earlier without the flag).
   are dyadic (multiples of 1/2, scale 1/4), so ``q kᵀ * scale + mask`` is exact in float32 for every
   mask value and the reference sees the very scores the kernel sees.
 * The entmax-1.5 threshold search runs on max-shifted scores: a row masked by ``-1e6`` converges in a
-  handful of passes (counted by wrapping the kernel's ``_score_tile``), not at the cap of 32.
+  handful of passes (counted by wrapping the kernel's ``listed_scores``), not at the cap of 32.
 * The gradient of an additive mask that broadcasts over the queries, the keys or both, summed over the
   tile before the atomic adds.
 
@@ -166,7 +166,7 @@ def test_entmax_masked_row_does_not_run_newton_to_the_cap(fill, monkeypatch):
     """One key block (N = 20 < BLOCK_N = 32): score tiles = 1 (row max) + search passes + 1 (output).
     Without the shift, a row at -1e6 has a float32 spacing of 0.06 there, the step never drops below
     the tolerance and the whole query block runs all 32 passes."""
-    counter = _Counter(monkeypatch, _kernel_module("entmax15"), "_score_tile")
+    counter = _Counter(monkeypatch, _kernel_module("entmax15"), "listed_scores")
     g = torch.Generator().manual_seed(0)  # the unshifted search (before) ran 32 passes at -1e6 here
     q, k, v = (torch.randn(1, 1, 20, 16, generator=g) for _ in range(3))
     mask = torch.zeros(1, 1, 20, 20)

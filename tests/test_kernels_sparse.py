@@ -130,3 +130,21 @@ def test_tile_lists_pool_the_live_map():
     assert count.tolist() == [[1, 1, 1]] and order[0, :, 0].tolist() == [1, 2, 0]
     order, count = ops.tile_lists(live, grain, 2 * grain, 5 * grain, 3 * grain, by_cols=False)
     assert count.tolist() == [[1, 0, 0, 1, 1]] and order[0, 0, 0] == 1 and order[0, 3, 0] == 0
+
+
+def test_tile_lists_of_tiles_finer_than_a_cell():
+    """A tile side below the cell's (sm_90's 16-query dK/dV and 16-key dQ tiles) takes the cell it lies in:
+    the list of the map upsampled to that tile, a superset of the live scores, never a subset."""
+    grain = ops.live_grain()
+    half = grain // 2
+    live = torch.zeros(1, 1, 3, 2, dtype=torch.uint8)  # 3 x 2 cells, the keys end inside the second
+    live[0, 0, 0, 1] = live[0, 0, 2, 0] = 1
+    n_q, n_k = 3 * grain - half + 1, 2 * grain - half + 1  # 6 / 4 tiles of half a cell, the last ragged
+    order, count = ops.tile_lists(live, grain, half, n_q, n_k, by_cols=False)  # dQ: 16-key tiles
+    assert count.tolist() == [[2, 0, 2]]
+    assert order[0, 0, :2].tolist() == [2, 3] and order[0, 2, :2].tolist() == [0, 1]
+    order, count = ops.tile_lists(live, half, grain, n_q, n_k, by_cols=True)  # dK/dV: 16-query tiles
+    assert count.tolist() == [[2, 2]]
+    assert order[0, 0, :2].tolist() == [4, 5] and order[0, 1, :2].tolist() == [0, 1]
+    order, count = ops.tile_lists(live, half, half, n_q, n_k, by_cols=False)
+    assert order.shape == (1, 6, 4) and count.tolist() == [[2, 2, 0, 0, 2, 2]]

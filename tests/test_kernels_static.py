@@ -79,8 +79,8 @@ def test_report_covers_every_pickable_build(report):
 
 
 def test_goals_hold_for_every_build_the_autotuner_can_pick_on_sm90(report):
-    """No spills; one tile per loop iteration; every loop on wgmma (HGMMA, no HMMA) but the list kernels'
-    backward (at most ``aot.LIST_KERNEL_HMMA_LIMIT`` builds on HMMA: a goal not met); in every loop of a
+    """No spills; one tile per loop iteration; every loop on wgmma (HGMMA, no HMMA), the list kernels'
+    backward included (``aot.LIST_KERNEL_HMMA_LIMIT``, 0); in every loop of a
     Gaussian build at most 2 MUFU.EX2 and no integer-to-float conversion per score; in every loop of an
     entmax-1.5 build asynchronous loads."""
     rows = [r for r in report["rows"] if r["arch"] == 90 and r["pickable"]]
@@ -97,8 +97,8 @@ def test_goals_hold_for_every_build_the_autotuner_can_pick_on_sm90(report):
     lists = [r for r in without_wgmma if r["kernel"] in list_kernels and r["hgmma"] == 0]
     others = [r for r in without_wgmma if r not in lists]
     assert others == [], [(r["kernel"], r["bias"], r["block_m"], r["block_n"], r["head_dim"]) for r in others]
-    # the goal not met for the list kernels' backward: counted, and not allowed to grow
-    assert len(lists) <= aot.LIST_KERNEL_HMMA_LIMIT
+    # the list kernels' backward: counted on its own (it was 64 builds before issue 33's wgmma tiles)
+    assert len(lists) <= aot.LIST_KERNEL_HMMA_LIMIT == 0
 
 
 def test_ratios_against_plain_and_flash(report):

@@ -125,7 +125,7 @@ def test_kernels_visit_the_window_tiles_only(monkeypatch):
     from dense: 401 tokens (a 20 x 20 grid, a class token), a 3 x 3 window, 32 x 32 tiles."""
     window = WindowMask((20, 20), 3, 1)
     ops.kernels()
-    fwd = _count(monkeypatch, "vitattn.kernels.softmax_lists", "_score_tile")
+    fwd = _count(monkeypatch, "vitattn.kernels.softmax_lists", "listed_scores")
     bwd = _count(monkeypatch, "vitattn.kernels.backward_lists", "_score_tile")
     q, k, v = (torch.randn(1, 1, 401, 16, requires_grad=True) for _ in range(3))
     out = attention(q, k, v, mask=window, backend="triton")
@@ -152,14 +152,19 @@ def cover_ratio(window: WindowMask, block_m: int, block_n: int) -> tuple[float, 
 @pytest.mark.parametrize("prefix", [0, 1])
 def test_tiles_visited_at_a_64x64_grid_with_a_7x7_window(prefix):
     """Visited key tiles per query tile <= 3x the fewest that cover its windows, for the interpreter's tile
-    and every forward / dQ tile of the sm_90 lists (dK/dV visits the transposed lists): measured <= 1.12x."""
+    and every forward / dQ tile of the sm_90 lists (dK/dV visits the transposed lists): measured <= 1.12x,
+    2.0x for dQ's 16-key tile."""
     window = WindowMask((64, 64), 7, prefix)
     tiles = {(configs.INTERPRET.block_m, configs.INTERPRET.block_n)}
     for kernel in ("fwd_softmax_lists", "fwd_entmax15", "bwd_dq_lists"):  # the list kernels windows run on
         tiles |= {(c.block_m, c.block_n) for c in configs.AUTOTUNE_BY_ARCH[90][kernel]}
     for block_m, block_n in sorted(tiles):
         worst, overall = cover_ratio(window, block_m, block_n)
-        assert worst <= 1.15 and overall <= 1.06, (block_m, block_n, worst, overall)
+        if block_n < 32:  # dQ's 16-key tile (head dim 128): a key span of whole grid rows covers 4 tiles a
+            # row where the window's 7 columns lie in 1 or 2 (measured 2.0 at worst, 1.08 overall)
+            assert worst <= 2.0 and overall <= 1.09, (block_m, block_n, worst, overall)
+        else:
+            assert worst <= 1.15 and overall <= 1.06, (block_m, block_n, worst, overall)
 
 
 def test_explain_on_cuda_picks_triton_for_windows():

@@ -1,7 +1,8 @@
 """The key (or query) tiles a kernel's inner loop visits: every tile, or a compact list of live tiles
 (block sparsity: the entmax-1.5 output pass and backward, neighbourhood windows), as a small change to the
 loop header: ``n_iter, row = tile_list(...)`` before the loop, ``tile = tile_index(row, it, ...)`` in it,
-and ``coords_jump`` for the Gaussian coordinates of a tile that does not follow the previous one.
+and ``coords_jump`` for the Gaussian coordinates of a tile that does not follow the previous one; and
+``listed_scores``, the scores of one visited key tile in every pass of the list forward kernels.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import _coords_advance, _kv, _qv
+from ._common import _coords_advance, _kv, _load_tile, _qv, _score_tile
 
 
 @triton.jit
@@ -90,3 +91,55 @@ def window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, TRANS: tl.constexpr, DILATED: 
     if DILATED:
         keep = keep & _on_subgrid(kr_t - r0_t, d_r) & _on_subgrid(kc_t - c0_t, d_c)
     return keep | (kr_t < 0.0)
+
+
+# ---- the list forward kernels' key tile (softmax_lists, entmax15, entmax_alpha) -------------------------
+
+
+@triton.jit
+def listed_scores(
+    q,
+    k_base,
+    start_n,
+    offs_m,
+    offs_d,
+    s_kn,
+    s_kd,
+    n_q,
+    n_k,
+    head_d,
+    scale,
+    unit,
+    masks,
+    gq,
+    kr,
+    kc,
+    win,
+    GAUSS: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DILATED: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``(z, offs_n)``: the key tile of ``BLOCK_N`` keys from ``start_n`` loaded and scored against the query
+    tile ``q`` (:func:`~vitattn.kernels._common._score_tile` in the normalizer's ``unit``), ``-inf`` outside
+    the window (``WINDOW``). ``masks = (add_base, s_am, s_an, keep_base, s_mm, s_mn)``, ``gq = (qr, qc, cr,
+    fr, cc, fc, alpha)`` (alpha in ``unit``), ``win = (r0, r1, c0, c1, d_r, d_c)`` (:func:`window_rows`, the
+    dilations); ``kr, kc`` the tile's key coordinates. Every pass of the list forward kernels calls it once
+    per visited tile."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
+    add_base, s_am, s_an, keep_base, s_mm, s_mn = masks
+    qr, qc, cr, fr, cc, fc, alpha = gq
+    z, _e = _score_tile(q, k, offs_m, offs_n, n_q, n_k, scale, unit, add_base, s_am, s_an, keep_base, s_mm,
+                        s_mn, qr, qc, cr, fr, cc, fc, alpha, kr, kc, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, False,
+                        EVEN_M, EVEN_N)  # fmt: skip
+    if WINDOW:
+        r0, r1, c0, c1, d_r, d_c = win
+        z = tl.where(window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, False, DILATED), z, float("-inf"))
+    return z, offs_n

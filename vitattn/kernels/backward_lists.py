@@ -79,24 +79,8 @@ def _bwd_rows_kernel(
     operations per query, repeated by every key block)."""
     bh, b, h = _program(n_heads)
     offs_m = _block_offsets(BLOCK_M)
-    cr, fr, cc, fc, alpha = gauss_rows(
-        DEN,
-        ALPHA,
-        b,
-        h,
-        s_db,
-        s_dh,
-        s_dp,
-        s_dc,
-        s_alb,
-        s_alh,
-        s_alp,
-        offs_m,
-        n_q,
-        num_prefix,
-        grid_w,
-        clamp,
-    )
+    cr, fr, cc, fc, alpha = gauss_rows(DEN, ALPHA, b, h, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, offs_m,
+                                       n_q, num_prefix, grid_w, clamp)  # fmt: skip
     base = ROWS + bh.to(tl.int64) * 5 * n_q + offs_m
     ok = offs_m < n_q
     tl.store(base, cr, mask=ok)
@@ -239,38 +223,9 @@ def _bwd_dkdv_kernel(
             alpha = tl.load(rows_base + 4 * n_q + offs_m, mask=ok, other=0.0)
         else:
             cr, fr, cc, fc, alpha = 0.0, 0.0, 0.0, 0.0, 0.0
-        z_t, _e = _score_tile(
-            k,
-            q,
-            offs_m,
-            offs_n,
-            n_q,
-            n_k,
-            scale,
-            unit,
-            add_base,
-            s_am,
-            s_an,
-            keep_base,
-            s_mm,
-            s_mn,
-            qr,
-            qc,
-            cr,
-            fr,
-            cc,
-            fc,
-            alpha * unit,
-            kr,
-            kc,
-            GAUSS,
-            HAS_ADD,
-            HAS_KEEP,
-            F32_DOT,
-            True,
-            EVEN_M,
-            EVEN_N,
-        )
+        z_t, _e = _score_tile(k, q, offs_m, offs_n, n_q, n_k, scale, unit, add_base, s_am, s_an, keep_base,
+                              s_mm, s_mn, qr, qc, cr, fr, cc, fc, alpha * unit, kr, kc, GAUSS, HAS_ADD,
+                              HAS_KEEP, F32_DOT, True, EVEN_M, EVEN_N)  # fmt: skip
         if WINDOW:
             wr0, wr1, wc0, wc1 = window_rows(WIN, offs_m, n_q)
             z_t = tl.where(
@@ -444,24 +399,8 @@ def _bwd_dq_kernel(
     qr, qc, cr, fr, cc, fc, alpha = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
     if GAUSS:
         qr, qc = _coords_start(offs_m, num_prefix, grid_w)
-        cr, fr, cc, fc, alpha = gauss_rows(
-            DEN,
-            ALPHA,
-            b,
-            h,
-            s_db,
-            s_dh,
-            s_dp,
-            s_dc,
-            s_alb,
-            s_alh,
-            s_alp,
-            offs_m,
-            n_q,
-            num_prefix,
-            grid_w,
-            clamp,
-        )
+        cr, fr, cc, fc, alpha = gauss_rows(DEN, ALPHA, b, h, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp,
+                                           offs_m, n_q, num_prefix, grid_w, clamp)  # fmt: skip
     a, beta = tl.zeros([BLOCK_M], tl.float32), tl.zeros([BLOCK_M], tl.float32)
     if ENTMAX == 2:
         unit = 1.0
@@ -495,38 +434,9 @@ def _bwd_dq_kernel(
             kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
-        z, e = _score_tile(
-            q,
-            k,
-            offs_m,
-            offs_n,
-            n_q,
-            n_k,
-            scale,
-            unit,
-            add_base,
-            s_am,
-            s_an,
-            keep_base,
-            s_mm,
-            s_mn,
-            qr,
-            qc,
-            cr,
-            fr,
-            cc,
-            fc,
-            alpha * unit,
-            kr,
-            kc,
-            GAUSS,
-            HAS_ADD,
-            HAS_KEEP,
-            F32_DOT,
-            False,
-            EVEN_M,
-            EVEN_N,
-        )
+        z, e = _score_tile(q, k, offs_m, offs_n, n_q, n_k, scale, unit, add_base, s_am, s_an, keep_base, s_mm,
+                           s_mn, qr, qc, cr, fr, cc, fc, alpha * unit, kr, kc, GAUSS, HAS_ADD, HAS_KEEP,
+                           F32_DOT, False, EVEN_M, EVEN_N)  # fmt: skip
         if WINDOW:
             z = tl.where(window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, False, DILATED), z, float("-inf"))
         if ENTMAX == 2:
@@ -543,21 +453,8 @@ def _bwd_dq_kernel(
         if ENT_GRAD:
             e_t += tl.sum(ds * w, 1)
         dq += _dot(ds.to(k.dtype), k, F32_DOT)
-        _add_grad(
-            dadd_base,
-            ds,
-            offs_m,
-            offs_n,
-            n_q,
-            n_k,
-            s_gm,
-            s_gn,
-            ADD_GRAD,
-            DADD_BCAST_M,
-            DADD_BCAST_N,
-            EVEN_M,
-            EVEN_N,
-        )
+        _add_grad(dadd_base, ds, offs_m, offs_n, n_q, n_k, s_gm, s_gn, ADD_GRAD, DADD_BCAST_M, DADD_BCAST_N,
+                  EVEN_M, EVEN_N)  # fmt: skip
         if GAUSS_GRAD:
             # the tile's e is kept; its exponents are recomputed (no exp): fewer live registers
             dse = ds * e

@@ -139,21 +139,28 @@ AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
             TileConfig(128, 64, 8, 4, max_head_dim_fp32=64, max_head_dim_ragged=64),
             TileConfig(64, 32, 4, 3),
         ),
-        # 4 warps: with 8, the M = 64 key rows of the wgmma tiles are split over two warpgroups along the
-        # queries, and Triton recomputes p in the second dot's operand layout (1.33x the exps)
+        # every tile on wgmma: 64 keys per warpgroup in dK/dV (4 warps per 64 keys; with 8 on a 64-key
+        # block the M = 64 key rows would be split over two warpgroups along the queries, and Triton
+        # recomputes p in the second dot's operand layout), 64 queries per warpgroup in dQ. The per-score
+        # Gaussian bias and alpha-entmax's powers hold more registers than the grid-aligned kernels: at
+        # head dim 128 only the 16-query dK/dV and 16-key dQ tiles stay clear of spills in every variant,
+        # and bound masks spill the 64-query dK/dV tiles with a Gaussian bias (tiles finer than the live
+        # map's cells take the cell they lie in: ops.tile_lists)
         "bwd_dkdv_lists": (
             TileConfig(32, 64, 4, 3, max_head_dim=64),
-            TileConfig(64, 32, 4, 3, max_head_dim_ragged=64),
-            TileConfig(32, 32, 4, 3),
-            TileConfig(64, 32, 4, 4, max_head_dim_fp32=64, max_head_dim_ragged=64),
+            TileConfig(64, 64, 4, 3, max_head_dim=64, max_head_dim_ragged=0),
+            TileConfig(64, 128, 8, 3, max_head_dim=64, max_head_dim_ragged=0),
+            TileConfig(32, 64, 4, 4, max_head_dim=64),
+            TileConfig(16, 64, 4, 3),
         ),
         # a mask's gradient tile (its 64-bit pointers, the atomics) spills the 64-key tiles at any head dim;
-        # alpha-entmax with a bias or mask (its alphas' gradient besides) spills them above head dim 64
+        # alpha-entmax with a bias or mask (its alphas' gradient besides) spills the 32-key ones above head
+        # dim 64
         "bwd_dq_lists": (
             TileConfig(64, 64, 4, 3, 64, max_head_dim_masked=0, max_head_dim_ragged=0, max_head_dim_alpha=0),
             TileConfig(64, 32, 4, 3, max_head_dim_ragged=64, max_head_dim_alpha=64),
             TileConfig(128, 32, 8, 3, max_head_dim_fp32=64, max_head_dim_alpha=64),
-            TileConfig(32, 32, 4, 3),
+            TileConfig(64, 16, 4, 3),
         ),
     },
     # sm_80: the list kernels share the grid-aligned kernels' tiles, alpha-entmax entmax-1.5's
@@ -211,7 +218,8 @@ ROW_TERMS_ROWS = 128
 INTERPRET = TileConfig(32, 32, 4, 1)
 
 # The cells of the entmax-1.5 forward's live-tile map (what the backward's tile lists are built from): the
-# smallest tile side of the lists above (16 in the interpreter, whose tests use 16-row tiles too).
+# smallest side of the forward's tiles (16 in the interpreter, whose tests use 16-row tiles too); a backward
+# tile finer than a cell (sm_90's 16-query dK/dV and 16-key dQ tiles) takes the cell it lies in.
 LIVE_GRAIN = 32
 INTERPRET_LIVE_GRAIN = 16
 INTERPRET_DELTA_ROWS = 16

@@ -45,10 +45,9 @@ from ._common import (
     _dot,
     _fwd_prologue,
     _load_tile,
-    _score_tile,
     _store_tile,
 )
-from ._tiles import coords_jump, tile_index, tile_list, window_keep, window_rows
+from ._tiles import coords_jump, listed_scores, tile_index, tile_list, window_rows
 
 # The two levels of the first pass, relative to the first key block's row max (units of z / 2).
 LEVEL_LO: tl.constexpr = tl.constexpr(-0.25)
@@ -198,47 +197,12 @@ def _fwd_entmax15_kernel(
     output pass visits those only and marks them in ``LIVE`` (uint8 ``(B * H, n_cells_q, n_cells_k)``,
     cells of ``GRAIN x GRAIN`` scores, zero-initialized: what the backward's tile lists are built from).
     """
+    prologue = _fwd_prologue(Q, K, V, ADD, KEEP, DEN, ALPHA, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_vb, s_vh,
+                             s_ab, s_ah, s_mb, s_mh, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, n_heads,
+                             n_q, head_d, num_prefix, grid_w, clamp, GAUSS, BLOCK_M, BLOCK_D, BLOCK_DV,
+                             EVEN_M, EVEN_D)  # fmt: skip
     bh, offs_m, offs_d, offs_dv, q, k_base, v_base, add_base, keep_base, qr, qc, cr, fr, cc, fc, alpha = (
-        _fwd_prologue(
-            Q,
-            K,
-            V,
-            ADD,
-            KEEP,
-            DEN,
-            ALPHA,
-            s_qb,
-            s_qh,
-            s_qm,
-            s_qd,
-            s_kb,
-            s_kh,
-            s_vb,
-            s_vh,
-            s_ab,
-            s_ah,
-            s_mb,
-            s_mh,
-            s_db,
-            s_dh,
-            s_dp,
-            s_dc,
-            s_alb,
-            s_alh,
-            s_alp,
-            n_heads,
-            n_q,
-            head_d,
-            num_prefix,
-            grid_w,
-            clamp,
-            GAUSS,
-            BLOCK_M,
-            BLOCK_D,
-            BLOCK_DV,
-            EVEN_M,
-            EVEN_D,
-        )
+        prologue
     )
     # every tile is y = z / 2 (the 1/2 of entmax-1.5 folded into the scale and the Gaussian amplitude)
     alpha_y = alpha * 0.5
@@ -249,6 +213,9 @@ def _fwd_entmax15_kernel(
         r0, r1, c0, c1 = window_rows(WIN, offs_m, n_q)
     n_wit, wrow = tile_list(WLIST, WCNT, n_wcols, 0, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, WINDOW)
     masked = HAS_ADD or HAS_KEEP or WINDOW
+    masks = (add_base, s_am, s_an, keep_base, s_mm, s_mn)  # listed_scores' operands
+    gq = (qr, qc, cr, fr, cc, fc, alpha_y)
+    win = (r0, r1, c0, c1, d_r, d_c)
 
     # 1. row max m of y, the finite keys, and exact sums at two levels fixed by the first block's max
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -266,43 +233,9 @@ def _fwd_entmax15_kernel(
         start_n = tile * BLOCK_N
         if WINDOW:
             kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
-        y, _e = _score_tile(
-            q,
-            k,
-            offs_m,
-            offs_n,
-            n_q,
-            n_k,
-            scale,
-            0.5,
-            add_base,
-            s_am,
-            s_an,
-            keep_base,
-            s_mm,
-            s_mn,
-            qr,
-            qc,
-            cr,
-            fr,
-            cc,
-            fc,
-            alpha_y,
-            kr,
-            kc,
-            GAUSS,
-            HAS_ADD,
-            HAS_KEEP,
-            F32_DOT,
-            False,
-            EVEN_M,
-            EVEN_N,
-        )
-        if WINDOW:
-            keep_w = window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, False, DILATED)
-            y = tl.where(keep_w, y, float("-inf"))
+        y, offs_n = listed_scores(q, k_base, start_n, offs_m, offs_d, s_kn, s_kd, n_q, n_k, head_d, scale,
+                                  0.5, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
+                                  DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N)  # fmt: skip
         m = tl.maximum(m, tl.max(y, 1))
         ref = tl.where(it == 0, tl.where(m == float("-inf"), 0.0, m), ref)
         a = tl.maximum(y - (ref + LEVEL_LO)[:, None], 0.0)
@@ -350,43 +283,9 @@ def _fwd_entmax15_kernel(
             start_n = tile * BLOCK_N
             if WINDOW:
                 kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
-            y, _e = _score_tile(
-                q,
-                k,
-                offs_m,
-                offs_n,
-                n_q,
-                n_k,
-                scale,
-                0.5,
-                add_base,
-                s_am,
-                s_an,
-                keep_base,
-                s_mm,
-                s_mn,
-                qr,
-                qc,
-                cr,
-                fr,
-                cc,
-                fc,
-                alpha_y,
-                kr,
-                kc,
-                GAUSS,
-                HAS_ADD,
-                HAS_KEEP,
-                F32_DOT,
-                False,
-                EVEN_M,
-                EVEN_N,
-            )
-            if WINDOW:
-                keep_w = window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, False, DILATED)
-                y = tl.where(keep_w, y, float("-inf"))
+            y, offs_n = listed_scores(q, k_base, start_n, offs_m, offs_d, s_kn, s_kd, n_q, n_k, head_d, scale,
+                                      0.5, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
+                                      DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N)  # fmt: skip
             d = (y - m[:, None]) - tau[:, None]
             g = tl.maximum(d, 0.0)
             above = tl.sum(_positive(g), 1)
@@ -450,43 +349,9 @@ def _fwd_entmax15_kernel(
             start_n = tile * BLOCK_N
             if WINDOW:
                 kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
-        y, _e = _score_tile(
-            q,
-            k,
-            offs_m,
-            offs_n,
-            n_q,
-            n_k,
-            scale,
-            0.5,
-            add_base,
-            s_am,
-            s_an,
-            keep_base,
-            s_mm,
-            s_mn,
-            qr,
-            qc,
-            cr,
-            fr,
-            cc,
-            fc,
-            alpha_y,
-            kr,
-            kc,
-            GAUSS,
-            HAS_ADD,
-            HAS_KEEP,
-            F32_DOT,
-            False,
-            EVEN_M,
-            EVEN_N,
-        )
-        if WINDOW:
-            keep_w = window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, False, DILATED)
-            y = tl.where(keep_w, y, float("-inf"))
+        y, offs_n = listed_scores(q, k_base, start_n, offs_m, offs_d, s_kn, s_kd, n_q, n_k, head_d, scale,
+                                  0.5, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
+                                  DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N)  # fmt: skip
         g = tl.maximum((y - m[:, None]) - tau_fin[:, None], 0.0)
         v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv, EVEN_N, EVEN_D)
         acc += _dot((g * g).to(v.dtype), v, F32_DOT)

@@ -41,10 +41,9 @@ from ._common import (
     _load_tile,
     _offset,
     _program,
-    _score_tile,
     _store_tile,
 )
-from ._tiles import coords_jump, tile_index, tile_list, window_keep, window_rows
+from ._tiles import coords_jump, listed_scores, tile_index, tile_list, window_rows
 from .env import interpret_requested
 
 # A Newton step below this (2^-21, in units of the row's scale 1) ends the row's search.
@@ -167,47 +166,12 @@ def _fwd_entmax_alpha_kernel(
     Shapes as in the softmax kernel; ``ENT`` float32 alphas ``(B, H, Nq)`` (strides ``s_e*``); OG contiguous
     float32 ``(B, H, Nq, Dv)`` (written if ``STORE_OG``).
     """
+    prologue = _fwd_prologue(Q, K, V, ADD, KEEP, DEN, ALPHA, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_vb, s_vh,
+                             s_ab, s_ah, s_mb, s_mh, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, n_heads,
+                             n_q, head_d, num_prefix, grid_w, clamp, GAUSS, BLOCK_M, BLOCK_D, BLOCK_DV,
+                             EVEN_M, EVEN_D)  # fmt: skip
     bh, offs_m, offs_d, offs_dv, q, k_base, v_base, add_base, keep_base, qr, qc, cr, fr, cc, fc, alpha = (
-        _fwd_prologue(
-            Q,
-            K,
-            V,
-            ADD,
-            KEEP,
-            DEN,
-            ALPHA,
-            s_qb,
-            s_qh,
-            s_qm,
-            s_qd,
-            s_kb,
-            s_kh,
-            s_vb,
-            s_vh,
-            s_ab,
-            s_ah,
-            s_mb,
-            s_mh,
-            s_db,
-            s_dh,
-            s_dp,
-            s_dc,
-            s_alb,
-            s_alh,
-            s_alp,
-            n_heads,
-            n_q,
-            head_d,
-            num_prefix,
-            grid_w,
-            clamp,
-            GAUSS,
-            BLOCK_M,
-            BLOCK_D,
-            BLOCK_DV,
-            EVEN_M,
-            EVEN_D,
-        )
+        prologue
     )
     _bh, b, h = _program(n_heads)
     a, beta = alpha_rows(ENT, b, h, s_eb, s_eh, s_em, offs_m, n_q)
@@ -218,6 +182,9 @@ def _fwd_entmax_alpha_kernel(
         r0, r1, c0, c1 = window_rows(WIN, offs_m, n_q)
     n_wit, wrow = tile_list(WLIST, WCNT, n_wcols, 0, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, WINDOW)
     masked = HAS_ADD or HAS_KEEP or WINDOW
+    masks = (add_base, s_am, s_an, keep_base, s_mm, s_mn)  # listed_scores' operands
+    gq = (qr, qc, cr, fr, cc, fc, alpha)
+    win = (r0, r1, c0, c1, d_r, d_c)
 
     # 1. the row max m (natural units) and the finite keys
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -228,43 +195,9 @@ def _fwd_entmax_alpha_kernel(
         start_n = tile * BLOCK_N
         if WINDOW:
             kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
-        z, _e = _score_tile(
-            q,
-            k,
-            offs_m,
-            offs_n,
-            n_q,
-            n_k,
-            scale,
-            1.0,
-            add_base,
-            s_am,
-            s_an,
-            keep_base,
-            s_mm,
-            s_mn,
-            qr,
-            qc,
-            cr,
-            fr,
-            cc,
-            fc,
-            alpha,
-            kr,
-            kc,
-            GAUSS,
-            HAS_ADD,
-            HAS_KEEP,
-            F32_DOT,
-            False,
-            EVEN_M,
-            EVEN_N,
-        )
-        if WINDOW:
-            keep_w = window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, False, DILATED)
-            z = tl.where(keep_w, z, float("-inf"))
+        z, offs_n = listed_scores(q, k_base, start_n, offs_m, offs_d, s_kn, s_kd, n_q, n_k, head_d, scale,
+                                  1.0, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
+                                  DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N)  # fmt: skip
         m = tl.maximum(m, tl.max(z, 1))
         if masked:
             count += tl.sum(tl.where(z > float("-inf"), 1.0, 0.0), 1)
@@ -298,43 +231,9 @@ def _fwd_entmax_alpha_kernel(
             start_n = tile * BLOCK_N
             if WINDOW:
                 kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
-            z, _e = _score_tile(
-                q,
-                k,
-                offs_m,
-                offs_n,
-                n_q,
-                n_k,
-                scale,
-                1.0,
-                add_base,
-                s_am,
-                s_an,
-                keep_base,
-                s_mm,
-                s_mn,
-                qr,
-                qc,
-                cr,
-                fr,
-                cc,
-                fc,
-                alpha,
-                kr,
-                kc,
-                GAUSS,
-                HAS_ADD,
-                HAS_KEEP,
-                F32_DOT,
-                False,
-                EVEN_M,
-                EVEN_N,
-            )
-            if WINDOW:
-                keep_w = window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, False, DILATED)
-                z = tl.where(keep_w, z, float("-inf"))
+            z, offs_n = listed_scores(q, k_base, start_n, offs_m, offs_d, s_kn, s_kd, n_q, n_k, head_d, scale,
+                                      1.0, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
+                                      DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N)  # fmt: skip
             u = tl.maximum((z - m[:, None]) * a[:, None] - tau[:, None], 0.0)
             p, g, _l = alpha_powers(u, beta[:, None])
             s_p += tl.sum(p, 1)
@@ -369,43 +268,9 @@ def _fwd_entmax_alpha_kernel(
         start_n = tile * BLOCK_N
         if WINDOW:
             kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
-        z, _e = _score_tile(
-            q,
-            k,
-            offs_m,
-            offs_n,
-            n_q,
-            n_k,
-            scale,
-            1.0,
-            add_base,
-            s_am,
-            s_an,
-            keep_base,
-            s_mm,
-            s_mn,
-            qr,
-            qc,
-            cr,
-            fr,
-            cc,
-            fc,
-            alpha,
-            kr,
-            kc,
-            GAUSS,
-            HAS_ADD,
-            HAS_KEEP,
-            F32_DOT,
-            False,
-            EVEN_M,
-            EVEN_N,
-        )
-        if WINDOW:
-            keep_w = window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, False, DILATED)
-            z = tl.where(keep_w, z, float("-inf"))
+        z, offs_n = listed_scores(q, k_base, start_n, offs_m, offs_d, s_kn, s_kd, n_q, n_k, head_d, scale,
+                                  1.0, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
+                                  DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N)  # fmt: skip
         u = tl.maximum((z - m[:, None]) * a[:, None] - tau[:, None], 0.0)
         p, g, _l = alpha_powers(u, beta[:, None])
         v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv, EVEN_N, EVEN_D)

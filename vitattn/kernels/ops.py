@@ -718,15 +718,21 @@ def tile_lists(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(LIST, CNT)`` of the backward's inner loops from the live-tile map ``live`` (uint8 ``(B, H, cells
     of the queries, cells of the keys)``): a tile of ``block_rows`` queries x ``block_cols`` keys is live
-    when a cell it covers is. Per program (query tile, or key tile if ``by_cols``: the dK/dV kernel's
-    transposed list), its live inner tiles in order, int32 ``(B * H, programs, inner tiles)``, and their
-    count, int32 ``(B * H, programs)``."""
+    when a cell it covers is, or (a tile side below the cell's) the cell it lies in. Per program (query
+    tile, or key tile if ``by_cols``: the dK/dV kernel's transposed list), its live inner tiles in order,
+    int32 ``(B * H, programs, inner tiles)``, and their count, int32 ``(B * H, programs)``."""
     grain = live_grain()
     b, h, c_r, c_c = live.shape
-    f_r, f_c = block_rows // grain, block_cols // grain
+    cells = live.reshape(b * h, c_r, c_c)
+    # a tile finer than a cell (the 16-query dK/dV and 16-key dQ tiles): each cell repeated per tile in it
+    r_r, r_c = max(grain // block_rows, 1), max(grain // block_cols, 1)
+    cells = cells.repeat_interleave(r_r, dim=1).repeat_interleave(r_c, dim=2)
+    c_r, c_c = c_r * r_r, c_c * r_c
+    f_r, f_c = max(block_rows // grain, 1), max(block_cols // grain, 1)
     t_r, t_c = -(-n_rows // block_rows), -(-n_cols // block_cols)
-    cells = torch.nn.functional.pad(live.reshape(b * h, c_r, c_c), (0, t_c * f_c - c_c, 0, t_r * f_r - c_r))
-    tiles = cells.view(b * h, t_r, f_r, t_c, f_c).amax(dim=(2, 4)) != 0
+    pad = (0, max(t_c * f_c - c_c, 0), 0, max(t_r * f_r - c_r, 0))
+    cells = torch.nn.functional.pad(cells, pad)[:, : t_r * f_r, : t_c * f_c]
+    tiles = cells.reshape(b * h, t_r, f_r, t_c, f_c).amax(dim=(2, 4)) != 0
     return windows.compact(tiles.transpose(1, 2) if by_cols else tiles)
 
 

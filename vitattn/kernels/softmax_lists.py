@@ -23,11 +23,10 @@ from ._common import (
     _dot,
     _fwd_prologue,
     _load_tile,
-    _score_tile,
     _store_tile,
     exp2_fma,
 )
-from ._tiles import coords_jump, tile_index, tile_list, window_keep, window_rows
+from ._tiles import coords_jump, listed_scores, tile_index, tile_list, window_rows
 
 
 @triton.jit
@@ -108,97 +107,33 @@ def _fwd_softmax_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    prologue = _fwd_prologue(Q, K, V, ADD, KEEP, DEN, ALPHA, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_vb, s_vh,
+                             s_ab, s_ah, s_mb, s_mh, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, n_heads,
+                             n_q, head_d, num_prefix, grid_w, clamp, GAUSS, BLOCK_M, BLOCK_D, BLOCK_DV,
+                             EVEN_M, EVEN_D)  # fmt: skip
     bh, offs_m, offs_d, offs_dv, q, k_base, v_base, add_base, keep_base, qr, qc, cr, fr, cc, fc, alpha = (
-        _fwd_prologue(
-            Q,
-            K,
-            V,
-            ADD,
-            KEEP,
-            DEN,
-            ALPHA,
-            s_qb,
-            s_qh,
-            s_qm,
-            s_qd,
-            s_kb,
-            s_kh,
-            s_vb,
-            s_vh,
-            s_ab,
-            s_ah,
-            s_mb,
-            s_mh,
-            s_db,
-            s_dh,
-            s_dp,
-            s_dc,
-            s_alb,
-            s_alh,
-            s_alp,
-            n_heads,
-            n_q,
-            head_d,
-            num_prefix,
-            grid_w,
-            clamp,
-            GAUSS,
-            BLOCK_M,
-            BLOCK_D,
-            BLOCK_DV,
-            EVEN_M,
-            EVEN_D,
-        )
+        prologue
     )
     # every tile is in base 2: log2(e) folded once into the scale and the Gaussian amplitude
     alpha2 = alpha * LOG2E
     kr, kc = _coords_start(tl.arange(0, BLOCK_N), num_prefix, grid_w)
     step_r, step_c, gw = _coords_step(BLOCK_N, grid_w)
     kr0, kc0 = kr, kc
+    r0, r1, c0, c1 = 0.0, 0.0, 0.0, 0.0
     if WINDOW:
         r0, r1, c0, c1 = window_rows(WIN, offs_m, n_q)
     n_iter, wrow = tile_list(WLIST, WCNT, n_wcols, 0, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, WINDOW)
+    masks = (add_base, s_am, s_an, keep_base, s_mm, s_mn)  # listed_scores' operands
+    gq = (qr, qc, cr, fr, cc, fc, alpha2)
+    win = (r0, r1, c0, c1, d_r, d_c)
     for it in range(0, n_iter):
         tile = tile_index(wrow, it, WINDOW)
         start_n = tile * BLOCK_N
         if WINDOW:
             kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
-        z, _e = _score_tile(
-            q,
-            k,
-            offs_m,
-            offs_n,
-            n_q,
-            n_k,
-            scale,
-            LOG2E,
-            add_base,
-            s_am,
-            s_an,
-            keep_base,
-            s_mm,
-            s_mn,
-            qr,
-            qc,
-            cr,
-            fr,
-            cc,
-            fc,
-            alpha2,
-            kr,
-            kc,
-            GAUSS,
-            HAS_ADD,
-            HAS_KEEP,
-            F32_DOT,
-            False,
-            EVEN_M,
-            EVEN_N,
-        )
-        if WINDOW:
-            z = tl.where(window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, False, DILATED), z, float("-inf"))
+        z, offs_n = listed_scores(q, k_base, start_n, offs_m, offs_d, s_kn, s_kd, n_q, n_k, head_d, scale,
+                                  LOG2E, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
+                                  DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N)  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(z, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
         p = tl.exp2(z - m_safe[:, None])
