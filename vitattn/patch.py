@@ -30,8 +30,8 @@ from .layers import (
     NeighborhoodAttention,
 )
 from .layers._args import check_flag
-from .layers.adaptive import LayerNormalizer, resolve_layer_normalizer
-from .layers.kinds import ATTENTION_KINDS, implied_normalizer
+from .layers.adaptive import LayerNormalizer, patch_normalizer
+from .layers.kinds import ATTENTION_KINDS
 from .layers.locat import GaugInit, check_gaug_init
 from .layers.prr import PRRPool, PRRPoolNHWC
 from .models._grid import attach_grid_sync
@@ -78,20 +78,6 @@ def _attention_name(attention: object) -> str | None:
     if not isinstance(attention, str) or attention not in _LAYERS:
         raise ValueError(f"attention must be one of {sorted(_LAYERS)} or None (keep), got {attention!r}")
     return attention
-
-
-def _layer_normalizer(attention: str | None, normalizer: LayerNormalizer | None) -> str | float | None:
-    """The normalizer the call names: ``normalizer`` resolved, else the one ``attention`` implies
-    (``"softmax"`` / ``"entmax15"``), else None (each block keeps its own)."""
-    if normalizer is None:
-        return implied_normalizer(attention)
-    resolved = resolve_layer_normalizer(normalizer)
-    if attention == "entmax15" and resolved != "entmax15":
-        raise ValueError(
-            f"attention='entmax15' is entmax-1.5 attention, so normalizer={normalizer!r} contradicts it; "
-            "for another normalizer without a bias use attention='softmax', normalizer=..."
-        )
-    return resolved
 
 
 def _unsupported_attention(label: str, attn: object) -> TypeError:
@@ -315,11 +301,12 @@ def patch(
 
 @dataclass(frozen=True)
 class _Options:
-    """What a :func:`patch` call asks for, its names checked (``attention`` a key of ``_LAYERS``)."""
+    """What a :func:`patch` call asks for, its names checked (``attention`` a key of ``_LAYERS``;
+    ``normalizer`` resolved, or the one ``attention`` implies, or None: each block keeps its own)."""
 
     attention: str | None
     prr: bool
-    normalizer: LayerNormalizer | None
+    normalizer: str | float | None
     gaug_init: GaugInit
     window: int | Sequence[int] | None
     dilation: int | Sequence[int] | None
@@ -339,13 +326,12 @@ def _checked_options(
     name = _attention_name(attention)
     check_flag("prr", prr)
     _check_blocks(blocks)
-    if normalizer is not None:
-        resolve_layer_normalizer(normalizer)  # a ValueError naming an unknown one
+    layer_normalizer = patch_normalizer(name, normalizer)  # a ValueError naming an unknown one
     if window is not None:
         grid_pair("window", window)
     if dilation is not None:
         grid_pair("dilation", dilation)
-    return _Options(name, bool(prr), normalizer, init, window, dilation)
+    return _Options(name, bool(prr), layer_normalizer, init, window, dilation)
 
 
 def _patch_transformers(layout: ModelLayout, options: _Options, blocks: int | Iterable[int] | None) -> None:
@@ -376,8 +362,7 @@ def _patch_timm(layout: TimmLayout, options: _Options, blocks: int | Iterable[in
     refusal = _prr_refusal(layout.model, layout.windowed) if options.prr else None
     if refusal is not None:
         raise ValueError(refusal)
-    layer_normalizer = _layer_normalizer(options.attention, options.normalizer)
-    plans = {i: _plan(layout, i, options, layer_normalizer) for i in chosen_blocks(blocks, layout.depth)}
+    plans = {i: _plan(layout, i, options) for i in chosen_blocks(blocks, layout.depth)}
     grid = _grid_options(layout, plans)
     for i, (family, layer, kind, kwargs) in plans.items():
         block = layout.blocks[i]
@@ -393,7 +378,7 @@ def _patch_timm(layout: TimmLayout, options: _Options, blocks: int | Iterable[in
         _add_prr_swin(layout.model, layout.blocks) if layout.windowed else _add_prr(layout.model)
 
 
-def _plan(layout: TimmLayout, index: int, options: _Options, normalizer: str | float | None) -> _Plan:
+def _plan(layout: TimmLayout, index: int, options: _Options) -> _Plan:
     """What block ``index`` becomes: its family, the family's layer name, the kind and the layer kwargs."""
     label, old = layout.block_names[index], layout.attentions[index]
     family = _family(old, layout.windowed)
@@ -401,7 +386,13 @@ def _plan(layout: TimmLayout, index: int, options: _Options, normalizer: str | f
         raise _unsupported_attention(label, old)
     assert old is not None
     layer, kind, kwargs = _target(
-        label, _current(old), options.attention, normalizer, options.window, options.dilation, layout.windowed
+        label,
+        _current(old),
+        options.attention,
+        options.normalizer,
+        options.window,
+        options.dilation,
+        layout.windowed,
     )
     if layer not in family.layers:
         raise ValueError(f"attention={layer!r} is not available for {family.name} ({label})")

@@ -22,7 +22,8 @@ from torch import nn
 
 from ..functional.normalize import Normalizer, resolve_normalizer
 from ..layers import PRR, GaussianAugment
-from ..layers.kinds import HF_PATCH_ATTENTIONS, implied_normalizer
+from ..layers.adaptive import patch_normalizer
+from ..layers.kinds import HF_PATCH_ATTENTIONS
 from ..layers.locat import GaugInit, check_gaug_init
 from ..models.blocks import block_indices, chosen_blocks
 from .functions import (
@@ -208,20 +209,6 @@ def _write_record(layout: HFLayout, prr: bool) -> None:
     setattr(config, RECORD_KEY, {"version": version, "layers": layers, "prr": keep_prr})
 
 
-def _layer_normalizer(attention: str | None, normalizer: Normalizer | None) -> Normalizer | None:
-    """The normalizer the call names (``normalizer``, else the one ``"softmax"`` / ``"entmax15"``
-    imply), or None: each module keeps its own."""
-    if normalizer is None:
-        return implied_normalizer(attention)
-    resolved = resolve_normalizer(normalizer)
-    if attention == "entmax15" and resolved != "entmax15":
-        raise ValueError(
-            f"attention='entmax15' is entmax-1.5 attention, so normalizer={normalizer!r} contradicts it; "
-            "for another normalizer without a bias use attention='softmax', normalizer=..."
-        )
-    return resolved
-
-
 def patch_transformers(
     model: nn.Module,
     attention: str | None = None,
@@ -247,7 +234,8 @@ def patch_transformers(
         )
     gaug_init = check_gaug_init(gaug_init)
     layout = hf_layout(model)
-    patch_layout(layout, attention, prr, chosen_blocks(blocks, layout.depth), normalizer, gaug_init)
+    layer_normalizer = patch_normalizer(attention, normalizer, adaptive=False)
+    patch_layout(layout, attention, prr, chosen_blocks(blocks, layout.depth), layer_normalizer, gaug_init)
     return model
 
 
@@ -259,14 +247,15 @@ def patch_layout(
     normalizer: Normalizer | None,
     gaug_init: GaugInit,
 ) -> None:
-    """:func:`patch_transformers` on a model's layout, its arguments checked (``indices``: the blocks)."""
-    layer_normalizer = _layer_normalizer(attention, normalizer)
+    """:func:`patch_transformers` on a model's layout, its arguments checked (``indices``: the blocks;
+    ``normalizer``: resolved, the one ``attention`` implies or None, as
+    :func:`~vitattn.layers.adaptive.patch_normalizer` gives it)."""
     gaug = None if attention is None else attention == "locat"
     if gaug:
         _check_all_patches(layout)
     register()
     for i in indices:
-        _patch_layer(layout, i, layer_normalizer, gaug, gaug_init)
+        _patch_layer(layout, i, normalizer, gaug, gaug_init)
     _finish(layout, prr)
 
 
