@@ -270,8 +270,9 @@ def hf_attention(
 def _named(
     normalizer: Normalizer | None, name: str
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
-    def fn(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:  # hf_attention's arguments
-        return hf_attention(*args, normalizer=normalizer, **kwargs)
+    def fn(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # hf_attention's arguments up to ``dropout`` (an eighth positional one is a TypeError)
+        return hf_attention(*args, normalizer=normalizer, **kwargs)  # type: ignore[misc]
 
     fn.__name__ = fn.__qualname__ = name
     fn.__doc__ = (

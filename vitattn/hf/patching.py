@@ -36,7 +36,7 @@ from .functions import (
     register,
 )
 from .implementation import set_implementation
-from .layout import HFLayout, attention_head_dim, hf_layout
+from .layout import HFLayout, attention_head_dim, hf_layout, query_weight
 from .weight_init import GAUG_START_ATTR, install_gaug_init
 
 __all__ = [
@@ -150,14 +150,6 @@ def _check_all_patches(layout: HFLayout) -> None:
         )
 
 
-def _projection_weight(attn: nn.Module) -> torch.Tensor:
-    for name in ("q_proj", "query"):
-        layer = getattr(attn, name, None)
-        if isinstance(layer, nn.Linear):
-            return layer.weight
-    raise TypeError(f"{type(attn).__name__} has no q_proj / query linear")  # pragma: no cover
-
-
 def _patch_layer(
     layout: HFLayout, index: int, normalizer: Normalizer | None, gaug: bool | None, gaug_init: GaugInit
 ) -> None:
@@ -175,14 +167,8 @@ def _patch_layer(
         settings.initial_grid_size = settings.initial_grid_size or grid
         settings.grid_size = settings.grid_size or grid
         if not isinstance(getattr(attn, "gaug", None), GaussianAugment):
-            weight = _projection_weight(attn)
-            heads = GaussianAugment(
-                attention_head_dim(attn),
-                weight.device,
-                weight.dtype,
-                init=gaug_init,
-                num_heads=layout.num_heads(index),
-            )
+            weight, head_dim, count = query_weight(attn), attention_head_dim(attn), layout.num_heads(index)
+            heads = GaussianAugment(head_dim, weight.device, weight.dtype, init=gaug_init, num_heads=count)
             attn.gaug = heads.train(attn.training)
             setattr(attn.gaug, GAUG_START_ATTR, gaug_init)  # the model's weight init starts it so again
     elif isinstance(getattr(attn, "gaug", None), nn.Module):
@@ -260,15 +246,19 @@ def patch_layout(
 
 
 def _finish(layout: HFLayout, prr: bool) -> None:
+    """What a patch sets on the model once its modules are set up: the record in the config, the
+    implementation setter, the grid hook (where a module has GAug heads), PRR, the GAug heads' weight
+    init, and vitattn's attention implementation."""
+    _write_record(layout, prr)
+    _install_setter(layout.model)
     gaug = [name for name, a in zip(layout.attention_names, layout.attentions, strict=True) if _has_gaug(a)]
     if gaug:
         _attach_grid_hook(layout)
-        install_gaug_init(layout.model, gaug)
     if prr:
         _attach_prr(layout)
+    if gaug:
+        install_gaug_init(layout.model, gaug)
     set_implementation(layout.model, PATCHED_NAME)
-    _write_record(layout, prr)
-    _install_setter(layout.model)
 
 
 def _has_gaug(attn: nn.Module) -> bool:
