@@ -27,8 +27,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from vitattn.functional import attention
 from vitattn.functional.dispatch import AttentionCall
 from vitattn.kernels import backend as kb
-from vitattn.kernels import configs
-from vitattn.kernels.backend import DOT_IEEE, DOT_NATIVE, DOT_TF32, FLOAT32_REASON, TritonBackend
+from vitattn.kernels import configs, env
+from vitattn.kernels.backend import TritonBackend
+from vitattn.kernels.env import DOT_IEEE, DOT_NATIVE, DOT_TF32, FLOAT32_REASON
 
 pytest.importorskip("triton")
 from vitattn.kernels import ops  # noqa: E402  (imports triton)
@@ -51,7 +52,7 @@ def _call(q, k=None, v=None, **kw) -> AttentionCall:
 @pytest.fixture(autouse=True)
 def _no_tf32(monkeypatch):
     """TF32 off (the default) unless a test turns it on; torch's switch restored afterwards."""
-    monkeypatch.delenv(kb.TF32_ENV, raising=False)
+    monkeypatch.delenv(env.TF32_ENV, raising=False)
     matmul = torch.backends.cuda.matmul
     saved = matmul.fp32_precision
     matmul.fp32_precision = "none"
@@ -162,8 +163,6 @@ def test_every_launch_of_forward_and_backward_is_guarded(monkeypatch, normalizer
 def test_one_reader_of_triton_interpret_and_kernels_resolved_once(monkeypatch):
     """``env.interpret_requested`` is the only reader of ``TRITON_INTERPRET``; the kernel modules are
     imported (or re-imported) once per setting, then served from the cache."""
-    from vitattn.kernels import env
-
     assert ops.interpret_requested is env.interpret_requested is kb.interpret_requested
     assert not hasattr(ops, "interpreting")
     first = ops.kernels()
@@ -205,15 +204,15 @@ def test_one_reader_of_triton_interpret_and_kernels_resolved_once(monkeypatch):
     ],
 )
 def test_launch_dtype_is_autocasts_else_the_common_one(dtypes, autocast, want):
-    assert kb.launch_dtype(dtypes, autocast) == (want, None)
+    assert env.launch_dtype(dtypes, autocast) == (want, None)
 
 
 def test_launch_dtype_declines_what_the_kernels_cannot_compute():
     reason = "dtype torch.float64 is not one of float16, bfloat16, float32"
-    assert kb.launch_dtype([F64, F64, F64]) == (None, reason)
-    dtype, reason = kb.launch_dtype([F32, F64, F32], BF16)  # autocast does not narrow float64
+    assert env.launch_dtype([F64, F64, F64]) == (None, reason)
+    dtype, reason = env.launch_dtype([F32, F64, F32], BF16)  # autocast does not narrow float64
     assert dtype is None and "torch.float64" in reason
-    dtype, reason = kb.launch_dtype([F32, F32, F32], F64)
+    dtype, reason = env.launch_dtype([F32, F32, F32], F64)
     assert dtype is None and reason.startswith("autocast dtype torch.float64")
 
 
@@ -283,11 +282,11 @@ def test_both_backends_follow_the_one_dtype_rule(normalizer, autocast):
 
 
 def test_float32_reason_is_a_function_of_device_dtype_and_flags():
-    assert kb.float32_reason("cuda", F32, explicit=False, tf32=False) == FLOAT32_REASON
-    assert kb.float32_reason("cuda", F32, explicit=False, tf32=True) is None
-    assert kb.float32_reason("cuda", F32, explicit=True, tf32=False) is None  # named: IEEE float32
-    assert kb.float32_reason("cuda", BF16, explicit=False, tf32=False) is None
-    assert kb.float32_reason("cpu", F32, explicit=True, tf32=False) is None  # the interpreter
+    assert env.float32_reason("cuda", F32, explicit=False, tf32=False) == FLOAT32_REASON
+    assert env.float32_reason("cuda", F32, explicit=False, tf32=True) is None
+    assert env.float32_reason("cuda", F32, explicit=True, tf32=False) is None  # named: IEEE float32
+    assert env.float32_reason("cuda", BF16, explicit=False, tf32=False) is None
+    assert env.float32_reason("cpu", F32, explicit=True, tf32=False) is None  # the interpreter
 
 
 def test_float32_cuda_inputs_need_tf32_for_auto(monkeypatch):
@@ -295,12 +294,12 @@ def test_float32_cuda_inputs_need_tf32_for_auto(monkeypatch):
     call = _call(_fake(2, 3, 17, 32, dtype=F32))
     assert backend.unsupported(call) == FLOAT32_REASON
     assert backend.unsupported(_call(_fake(2, 3, 17, 32, dtype=F16))) is None
-    monkeypatch.setenv(kb.TF32_ENV, "1")
+    monkeypatch.setenv(env.TF32_ENV, "1")
     assert backend.unsupported(call) is None
-    monkeypatch.setenv(kb.TF32_ENV, "0")
+    monkeypatch.setenv(env.TF32_ENV, "0")
     assert backend.unsupported(call) == FLOAT32_REASON
     torch.backends.cuda.matmul.allow_tf32 = True  # restored by the fixture
-    assert kb.tf32_allowed() and backend.unsupported(call) is None
+    assert env.tf32_allowed() and backend.unsupported(call) is None
 
 
 @pytest.mark.parametrize(
@@ -316,7 +315,7 @@ def test_float32_cuda_inputs_need_tf32_for_auto(monkeypatch):
     ],
 )
 def test_dot_mode(dtype, device, tf32, interp, want):
-    assert kb.dot_mode(dtype, device, tf32, interp) == want
+    assert env.dot_mode(dtype, device, tf32, interp) == want
 
 
 def test_launch_flags_carry_the_dot_mode(monkeypatch):

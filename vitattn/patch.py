@@ -30,8 +30,8 @@ from .layers import (
     NeighborhoodAttention,
 )
 from .layers._args import check_flag
-from .layers.adaptive import LayerNormalizer, resolve_layer_normalizer
-from .layers.kinds import ATTENTION_KINDS, implied_normalizer
+from .layers.adaptive import LayerNormalizer, patch_normalizer
+from .layers.kinds import ATTENTION_KINDS
 from .layers.locat import GaugInit, check_gaug_init
 from .layers.prr import PRRPool, PRRPoolNHWC
 from .models._grid import attach_grid_sync
@@ -80,20 +80,6 @@ def _attention_name(attention: object) -> str | None:
     return attention
 
 
-def _layer_normalizer(attention: str | None, normalizer: LayerNormalizer | None) -> str | float | None:
-    """The normalizer the call names: ``normalizer`` resolved, else the one ``attention`` implies
-    (``"softmax"`` / ``"entmax15"``), else None (each block keeps its own)."""
-    if normalizer is None:
-        return implied_normalizer(attention)
-    resolved = resolve_layer_normalizer(normalizer)
-    if attention == "entmax15" and resolved != "entmax15":
-        raise ValueError(
-            f"attention='entmax15' is entmax-1.5 attention, so normalizer={normalizer!r} contradicts it; "
-            "for another normalizer without a bias use attention='softmax', normalizer=..."
-        )
-    return resolved
-
-
 def _unsupported_attention(label: str, attn: object) -> TypeError:
     kind = type(attn)
     families = "; ".join(
@@ -132,11 +118,24 @@ def _prr_refusal(model: nn.Module, swin: bool) -> str | None:
     return f"prr=True needs a token- or average-pooled ViT, not one pooling with {type(attn_pool).__name__}"
 
 
-def _add_prr(model: nn.Module) -> None:
-    layer = PRR(int(model.embed_dim), prr_heads(model.get_submodule("blocks")))  # type: ignore[arg-type]
-    if isinstance(model, (LocAtViT, LocAtRoPEViT)):
+def _add_prr(layout: TimmLayout) -> None:
+    """PRR before the model's pooling: a LocAt model's own ``prr``; else around a ViT's token pooling
+    (:class:`PRRPool` as ``attn_pool``), or around a Swin's ``head.global_pool`` (over the last stage's
+    NHWC output, :class:`PRRPoolNHWC`)."""
+    model, swin = layout.model, layout.windowed
+    blocks = layout.blocks if swin else model.get_submodule("blocks")
+    width = model.num_features if swin else model.embed_dim
+    layer = PRR(int(width), prr_heads(blocks))  # type: ignore[arg-type]
+    if isinstance(model, (LocAtViT, LocAtRoPEViT, LocAtSwin)):
         if model.prr is None:
             model.prr = layer
+        return
+    if swin:
+        head = getattr(model, "head", None)
+        pool = getattr(head, "global_pool", None)
+        if not isinstance(pool, PRRPoolNHWC):
+            assert isinstance(pool, nn.Module)  # _prr_refusal
+            head.global_pool = PRRPoolNHWC(layer, pool)  # type: ignore[union-attr]
         return
     attn_pool = getattr(model, "attn_pool", None)
     if isinstance(attn_pool, PRRPool) or type(attn_pool).__name__ == "AttentionPoolPrr":
@@ -146,21 +145,6 @@ def _add_prr(model: nn.Module) -> None:
     model.attn_pool = PRRPool(layer, str(model.global_pool), prefix, include_prefix)
     # timm >= 1.0.2x strips prefix tokens before attn_pool unless this is set
     model.pool_include_prefix = True  # type: ignore[assignment]  # nn.Module types only tensors, modules
-
-
-def _add_prr_swin(model: nn.Module, blocks: list[nn.Module]) -> None:
-    """PRR over the last stage's NHWC output, before the head's pooling (``head.global_pool``)."""
-    layer = PRR(int(model.num_features), prr_heads(blocks))  # type: ignore[arg-type]
-    if isinstance(model, LocAtSwin):
-        if model.prr is None:
-            model.prr = layer
-        return
-    head = getattr(model, "head", None)
-    pool = getattr(head, "global_pool", None)
-    if isinstance(pool, PRRPoolNHWC):
-        return
-    assert isinstance(pool, nn.Module)  # _prr_refusal
-    head.global_pool = PRRPoolNHWC(layer, pool)  # type: ignore[union-attr]
 
 
 @dataclass(frozen=True)
@@ -306,20 +290,27 @@ def patch(
     # every argument is checked before anything changes (a refused call leaves the model as it was)
     options = _checked_options(attention, prr, blocks, normalizer, gaug_init, window, dilation)
     layout = layout_of(model)
+    _check_layout(layout, options)
+    indices = chosen_blocks(blocks, layout.depth)
     if isinstance(layout, TimmLayout):
-        _patch_timm(layout, options, blocks)
-    else:
-        _patch_transformers(layout, options, blocks)
+        _patch_timm(layout, options, indices)
+    else:  # transformers: the modules stay, and compute through vitattn's attention implementation
+        from .hf.layout import HFLayout
+        from .hf.patching import patch_layout
+
+        assert isinstance(layout, HFLayout)  # layout_of gives a transformers model no other layout
+        patch_layout(layout, options.attention, options.prr, indices, options.normalizer, options.gaug_init)
     return model
 
 
 @dataclass(frozen=True)
 class _Options:
-    """What a :func:`patch` call asks for, its names checked (``attention`` a key of ``_LAYERS``)."""
+    """What a :func:`patch` call asks for, its names checked (``attention`` a key of ``_LAYERS``;
+    ``normalizer`` resolved, or the one ``attention`` implies, or None: each block keeps its own)."""
 
     attention: str | None
     prr: bool
-    normalizer: LayerNormalizer | None
+    normalizer: str | float | None
     gaug_init: GaugInit
     window: int | Sequence[int] | None
     dilation: int | Sequence[int] | None
@@ -339,34 +330,24 @@ def _checked_options(
     name = _attention_name(attention)
     check_flag("prr", prr)
     _check_blocks(blocks)
-    if normalizer is not None:
-        resolve_layer_normalizer(normalizer)  # a ValueError naming an unknown one
+    layer_normalizer = patch_normalizer(name, normalizer)  # a ValueError naming an unknown one
     if window is not None:
         grid_pair("window", window)
     if dilation is not None:
         grid_pair("dilation", dilation)
-    return _Options(name, bool(prr), normalizer, init, window, dilation)
+    return _Options(name, bool(prr), layer_normalizer, init, window, dilation)
 
 
-def _patch_transformers(layout: ModelLayout, options: _Options, blocks: int | Iterable[int] | None) -> None:
-    """Set the chosen blocks of a transformers model to compute through vitattn as ``options`` say."""
-    from .hf.layout import HFLayout
-    from .hf.patching import patch_layout
-
-    assert isinstance(layout, HFLayout)  # layout_of gives a transformers model no other layout
-    if options.window is not None or options.dilation is not None or options.attention == "window":
-        raise ValueError("window= / attention='window' is for timm ViTs, not transformers models")
-    if options.normalizer == "adaptive":
-        raise ValueError("normalizer='adaptive' is for timm models, not transformers models")
-    indices = chosen_blocks(blocks, layout.depth)
-    patch_layout(layout, options.attention, options.prr, indices, options.normalizer, options.gaug_init)
-
-
-_Plan = tuple[Family, str, str, dict[str, object]]  # (family, its layer name, kind, layer kwargs)
-
-
-def _patch_timm(layout: TimmLayout, options: _Options, blocks: int | Iterable[int] | None) -> None:
-    """Swap the chosen blocks' attention modules for the vitattn layers ``options`` name."""
+def _check_layout(layout: ModelLayout, options: _Options) -> None:
+    """What ``options`` ask of this kind of model, checked before any block changes: a timm ViT, Eva
+    or Swin (``TypeError`` for another model; PRR only where it can go), or a transformers model (no
+    window, no ``"adaptive"`` normalizer)."""
+    if not isinstance(layout, TimmLayout):  # layout_of gives a transformers model an HFLayout
+        if options.window is not None or options.dilation is not None or options.attention == "window":
+            raise ValueError("window= / attention='window' is for timm ViTs, not transformers models")
+        if options.normalizer == "adaptive":
+            raise ValueError("normalizer='adaptive' is for timm models, not transformers models")
+        return
     if layout.depth == 0 or layout.grid() is None:
         raise TypeError(
             f"model must be a timm VisionTransformer or Eva (patch_embed + blocks) or SwinTransformer "
@@ -376,8 +357,14 @@ def _patch_timm(layout: TimmLayout, options: _Options, blocks: int | Iterable[in
     refusal = _prr_refusal(layout.model, layout.windowed) if options.prr else None
     if refusal is not None:
         raise ValueError(refusal)
-    layer_normalizer = _layer_normalizer(options.attention, options.normalizer)
-    plans = {i: _plan(layout, i, options, layer_normalizer) for i in chosen_blocks(blocks, layout.depth)}
+
+
+_Plan = tuple[Family, str, str, dict[str, object]]  # (family, its layer name, kind, layer kwargs)
+
+
+def _patch_timm(layout: TimmLayout, options: _Options, indices: Sequence[int]) -> None:
+    """Swap the attention modules of blocks ``indices`` for the vitattn layers ``options`` name."""
+    plans = {i: _plan(layout, i, options) for i in indices}
     grid = _grid_options(layout, plans)
     for i, (family, layer, kind, kwargs) in plans.items():
         block = layout.blocks[i]
@@ -387,13 +374,13 @@ def _patch_timm(layout: TimmLayout, options: _Options, blocks: int | Iterable[in
         if isinstance(new, LocAtAttention) and isinstance(old, GridAttention) and old.initial_grid_size:
             new.set_grid(grid["grid_size"], initial_grid_size=old.initial_grid_size)  # type: ignore[arg-type]
         block.attn = new
+    if options.prr:
+        _add_prr(layout)
     if grid:
         attach_grid_sync(layout.model)
-    if options.prr:
-        _add_prr_swin(layout.model, layout.blocks) if layout.windowed else _add_prr(layout.model)
 
 
-def _plan(layout: TimmLayout, index: int, options: _Options, normalizer: str | float | None) -> _Plan:
+def _plan(layout: TimmLayout, index: int, options: _Options) -> _Plan:
     """What block ``index`` becomes: its family, the family's layer name, the kind and the layer kwargs."""
     label, old = layout.block_names[index], layout.attentions[index]
     family = _family(old, layout.windowed)
@@ -401,7 +388,13 @@ def _plan(layout: TimmLayout, index: int, options: _Options, normalizer: str | f
         raise _unsupported_attention(label, old)
     assert old is not None
     layer, kind, kwargs = _target(
-        label, _current(old), options.attention, normalizer, options.window, options.dilation, layout.windowed
+        label,
+        _current(old),
+        options.attention,
+        options.normalizer,
+        options.window,
+        options.dilation,
+        layout.windowed,
     )
     if layer not in family.layers:
         raise ValueError(f"attention={layer!r} is not available for {family.name} ({label})")

@@ -28,13 +28,8 @@ from ..layers.attention import TimmStyleAttention, project_qkv, resolve_attn_mas
 from ..models.blocks import block_indices
 
 __all__ = [
-    "analysis_layout",
     "attention_maps",
-    "evaluating",
-    "layout_layers",
-    "layout_maps",
     "record_attention",
-    "record_layout",
     "resolve_layers",
     "timm_attention_probs",
 ]
@@ -42,13 +37,13 @@ __all__ = [
 MapSink = Callable[[int, torch.Tensor], None]
 
 
-def analysis_layout(model: nn.Module) -> ModelLayout:
+def _analysis_layout(model: nn.Module) -> ModelLayout:
     """``model``'s layout for reading attention maps: a ViT attending over all its tokens (timm-style
     with ``blocks``, or a transformers vision model); a ``TypeError`` otherwise."""
     return layout_of(model, windowed=False)
 
 
-def layout_layers(layout: ModelLayout, layers: int | Iterable[int] | None) -> list[int]:
+def _layout_layers(layout: ModelLayout, layers: int | Iterable[int] | None) -> list[int]:
     """``layers`` as sorted block indices of ``layout`` (all by default)."""
     depth = len(layout.blocks)
     if layers is None:
@@ -60,7 +55,7 @@ def layout_layers(layout: ModelLayout, layers: int | Iterable[int] | None) -> li
 def resolve_layers(model: nn.Module, layers: int | Iterable[int] | None = None) -> list[int]:
     """Sorted, de-duplicated block indices into ``model.blocks`` (or the encoder layers of a
     transformers model); negatives count from the end."""
-    return layout_layers(analysis_layout(model), layers)
+    return _layout_layers(_analysis_layout(model), layers)
 
 
 def _timm_attention_cls() -> type[nn.Module] | None:
@@ -111,16 +106,16 @@ def record_attention(
     ``Attention`` nor calls :func:`vitattn.functional.attention`, and ``RuntimeError`` for one that
     calls it more than once per forward.
     """
-    return record_layout(analysis_layout(model), sink, layers)
+    return _record_layout(_analysis_layout(model), sink, layers)
 
 
 @contextmanager
-def record_layout(
+def _record_layout(
     layout: ModelLayout, sink: MapSink, layers: int | Iterable[int] | None = None
 ) -> Iterator[list[int]]:
     """:func:`record_attention` on a model's layout."""
     modules = list(zip(layout.attention_names, layout.attentions, strict=True))
-    chosen = layout_layers(layout, layers)
+    chosen = _layout_layers(layout, layers)
     state: dict[str, Any] = {"block": None, "probs": []}
     handles = []
 
@@ -172,7 +167,7 @@ def record_layout(
 
 
 @contextmanager
-def evaluating(model: nn.Module, enabled: bool = True) -> Iterator[None]:
+def _evaluating(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     """Put ``model`` in eval mode inside the block, then restore every submodule's own mode."""
     modes = [(m, m.training) for m in model.modules()]
     if enabled:
@@ -206,10 +201,10 @@ def attention_maps(
         on the model's device; rows are queries, ``N`` counts prefix (class/register) tokens too.
         The forward runs under ``torch.no_grad()``; no hook is left behind.
     """
-    return layout_maps(analysis_layout(model), x, layers, eval_mode=eval_mode)
+    return _layout_maps(_analysis_layout(model), x, layers, eval_mode=eval_mode)
 
 
-def layout_maps(
+def _layout_maps(
     layout: ModelLayout, x: torch.Tensor, layers: int | Iterable[int] | None = None, *, eval_mode: bool = True
 ) -> dict[int, torch.Tensor]:
     """:func:`attention_maps` of a model's layout."""
@@ -220,7 +215,8 @@ def layout_maps(
             raise RuntimeError(f"blocks[{i}].attn ran more than once in one forward of the model")
         maps[i] = probs
 
-    with record_layout(layout, sink, layers) as chosen, torch.no_grad(), evaluating(layout.model, eval_mode):
+    recording = _record_layout(layout, sink, layers)
+    with recording as chosen, torch.no_grad(), _evaluating(layout.model, eval_mode):
         layout.forward(x)
     missing = [i for i in chosen if i not in maps]
     if missing:

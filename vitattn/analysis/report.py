@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..adapter import ModelLayout, resolve_layout
-from .maps import analysis_layout, evaluating, record_layout
+from .maps import _analysis_layout, _evaluating, _record_layout
 from .metrics import attention_entropy, grid_diagonal, mean_attention_distance
 
 __all__ = ["LocalityReport", "ReportDiff", "head_alphas", "iter_image_batches", "locality_report"]
@@ -415,7 +415,7 @@ def locality_report(
     """
     if max_images is not None and max_images < 1:
         raise ValueError(f"max_images must be >= 1 or None, got {max_images}")
-    layout = analysis_layout(model)
+    layout = _analysis_layout(model)
     stats: dict[int, _LayerStats] = {}
     grids: set[tuple[int, int]] = set()
     prefixes: set[int] = set()
@@ -435,7 +435,7 @@ def locality_report(
         tokens["grid"] = grid_size if grid_size is not None else grid
         tokens["prefix"] = num_prefix_tokens if num_prefix_tokens is not None else prefix
 
-    with record_layout(layout, sink, layers) as chosen, torch.no_grad(), evaluating(model):
+    with _record_layout(layout, sink, layers) as chosen, torch.no_grad(), _evaluating(model):
         seen = _run_batches(layout, data, max_images, progress, before)
     if seen == 0:
         raise ValueError("data gave no images")

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..adapter import ModelLayout, resolve_layout
 from ..layers.attention import project_qkv
-from .maps import analysis_layout, evaluating, layout_layers, layout_maps, record_layout
+from .maps import _analysis_layout, _evaluating, _layout_layers, _layout_maps, _record_layout
 
 __all__ = [
     "HEAD_FUSIONS",
@@ -265,7 +265,7 @@ def attention_gradients(
         ``∂y/∂A = (∂y/∂O)·Vᵀ``, read from the input of the layer's ``norm`` and its value projection.
         The model runs in eval mode (restored after) with gradients; its parameters get none.
     """
-    return _layout_gradients(analysis_layout(model), x, target, layers)
+    return _layout_gradients(_analysis_layout(model), x, target, layers)
 
 
 def _gradient_modules(layout: ModelLayout, chosen: list[int]) -> dict[int, tuple[nn.Module, nn.Module]]:
@@ -294,7 +294,7 @@ def _layout_gradients(
     inputs: dict[int, torch.Tensor] = {}
     outputs: dict[int, torch.Tensor] = {}
     model = layout.model
-    chosen = layout_layers(layout, layers)
+    chosen = _layout_layers(layout, layers)
     modules = _gradient_modules(layout, chosen)
     handles = []
     for i, (attn, norm) in modules.items():
@@ -302,8 +302,8 @@ def _layout_gradients(
         handles.append(norm.register_forward_pre_hook(lambda m, a, i=i: outputs.__setitem__(i, a[0])))
     try:
         with (
-            record_layout(layout, lambda i, p: maps.__setitem__(i, p), chosen),
-            evaluating(model),
+            _record_layout(layout, lambda i, p: maps.__setitem__(i, p), chosen),
+            _evaluating(model),
             torch.enable_grad(),
         ):
             logits = _output_of(model(x.detach().requires_grad_(True)))
@@ -340,12 +340,12 @@ def model_rollout(
     of :func:`~vitattn.analysis.attention_maps`: a timm / vitattn ViT or a transformers vision model)
     or, with ``gradient=True``, :func:`gradient_rollout` for the class ``target`` (None: each image's
     top class; ``discard_ratio`` and ``head_fusion`` do not apply; timm / vitattn ViTs only)."""
-    layout = analysis_layout(model)
+    layout = _analysis_layout(model)
     prefix = layout.num_prefix_tokens or 0
     if gradient:
         maps, grads = _layout_gradients(layout, x, target)
         return gradient_rollout(maps, grads)
-    return attention_rollout(layout_maps(layout, x), discard_ratio, head_fusion, prefix)
+    return attention_rollout(_layout_maps(layout, x), discard_ratio, head_fusion, prefix)
 
 
 def model_heatmap(model: nn.Module, x: torch.Tensor, rollout: torch.Tensor) -> torch.Tensor:
@@ -353,7 +353,7 @@ def model_heatmap(model: nn.Module, x: torch.Tensor, rollout: torch.Tensor) -> t
     count: ``(B, gh, gw)``. The class token (token 0); the mean of the class tokens when there are
     several (Jumbo's J tokens: prefix tokens that are not registers); the mean of all tokens when
     there is no class token (average pooling)."""
-    layout = analysis_layout(model)
+    layout = _analysis_layout(model)
     grid, prefix = layout.grid(tuple(x.shape[-2:])), layout.num_prefix_tokens or 0
     classes = layout.num_class_tokens
     query: int | str = 0 if classes == 1 else ("prefix" if classes > 1 else "all")

@@ -270,17 +270,9 @@ def hf_attention(
 def _named(
     normalizer: Normalizer | None, name: str
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
-    def fn(
-        module: nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        scaling: float | None = None,
-        dropout: float = 0.0,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return hf_attention(module, query, key, value, attention_mask, scaling, dropout, normalizer, **kwargs)
+    def fn(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # hf_attention's arguments up to ``dropout`` (an eighth positional one is a TypeError)
+        return hf_attention(*args, normalizer=normalizer, **kwargs)  # type: ignore[misc]
 
     fn.__name__ = fn.__qualname__ = name
     fn.__doc__ = (

@@ -257,6 +257,15 @@ def attention_heads(attn: nn.Module) -> int:
     raise TypeError(f"{type(attn).__name__} has neither num_attention_heads nor num_heads")
 
 
+def query_weight(attn: nn.Module) -> torch.Tensor:
+    """The weight of an attention module's query projection (``q_proj`` or ``query``)."""
+    for name in ("q_proj", "query"):
+        layer = getattr(attn, name, None)
+        if isinstance(layer, nn.Linear):
+            return layer.weight
+    raise TypeError(f"{type(attn).__name__} has no q_proj / query linear")  # pragma: no cover
+
+
 def attention_head_dim(attn: nn.Module) -> int:
     """Head dim of a transformers attention module (``head_dim`` or ``attention_head_size``)."""
     for name in ("head_dim", "attention_head_size"):

@@ -22,7 +22,8 @@ from torch import nn
 
 from ..functional.normalize import Normalizer, resolve_normalizer
 from ..layers import PRR, GaussianAugment
-from ..layers.kinds import HF_PATCH_ATTENTIONS, implied_normalizer
+from ..layers.adaptive import patch_normalizer
+from ..layers.kinds import HF_PATCH_ATTENTIONS
 from ..layers.locat import GaugInit, check_gaug_init
 from ..models.blocks import block_indices, chosen_blocks
 from .functions import (
@@ -35,7 +36,7 @@ from .functions import (
     register,
 )
 from .implementation import set_implementation
-from .layout import HFLayout, attention_head_dim, hf_layout
+from .layout import HFLayout, attention_head_dim, hf_layout, query_weight
 from .weight_init import GAUG_START_ATTR, install_gaug_init
 
 __all__ = [
@@ -149,14 +150,6 @@ def _check_all_patches(layout: HFLayout) -> None:
         )
 
 
-def _projection_weight(attn: nn.Module) -> torch.Tensor:
-    for name in ("q_proj", "query"):
-        layer = getattr(attn, name, None)
-        if isinstance(layer, nn.Linear):
-            return layer.weight
-    raise TypeError(f"{type(attn).__name__} has no q_proj / query linear")  # pragma: no cover
-
-
 def _patch_layer(
     layout: HFLayout, index: int, normalizer: Normalizer | None, gaug: bool | None, gaug_init: GaugInit
 ) -> None:
@@ -174,14 +167,8 @@ def _patch_layer(
         settings.initial_grid_size = settings.initial_grid_size or grid
         settings.grid_size = settings.grid_size or grid
         if not isinstance(getattr(attn, "gaug", None), GaussianAugment):
-            weight = _projection_weight(attn)
-            heads = GaussianAugment(
-                attention_head_dim(attn),
-                weight.device,
-                weight.dtype,
-                init=gaug_init,
-                num_heads=layout.num_heads(index),
-            )
+            weight, head_dim, count = query_weight(attn), attention_head_dim(attn), layout.num_heads(index)
+            heads = GaussianAugment(head_dim, weight.device, weight.dtype, init=gaug_init, num_heads=count)
             attn.gaug = heads.train(attn.training)
             setattr(attn.gaug, GAUG_START_ATTR, gaug_init)  # the model's weight init starts it so again
     elif isinstance(getattr(attn, "gaug", None), nn.Module):
@@ -206,20 +193,6 @@ def _write_record(layout: HFLayout, prr: bool) -> None:
     version = 2 if any(entry.get("gate") for entry in layers.values()) else 1
     keep_prr = bool(prr or old.get("prr", False))
     setattr(config, RECORD_KEY, {"version": version, "layers": layers, "prr": keep_prr})
-
-
-def _layer_normalizer(attention: str | None, normalizer: Normalizer | None) -> Normalizer | None:
-    """The normalizer the call names (``normalizer``, else the one ``"softmax"`` / ``"entmax15"``
-    imply), or None: each module keeps its own."""
-    if normalizer is None:
-        return implied_normalizer(attention)
-    resolved = resolve_normalizer(normalizer)
-    if attention == "entmax15" and resolved != "entmax15":
-        raise ValueError(
-            f"attention='entmax15' is entmax-1.5 attention, so normalizer={normalizer!r} contradicts it; "
-            "for another normalizer without a bias use attention='softmax', normalizer=..."
-        )
-    return resolved
 
 
 def patch_transformers(
@@ -247,7 +220,8 @@ def patch_transformers(
         )
     gaug_init = check_gaug_init(gaug_init)
     layout = hf_layout(model)
-    patch_layout(layout, attention, prr, chosen_blocks(blocks, layout.depth), normalizer, gaug_init)
+    layer_normalizer = patch_normalizer(attention, normalizer, adaptive=False)
+    patch_layout(layout, attention, prr, chosen_blocks(blocks, layout.depth), layer_normalizer, gaug_init)
     return model
 
 
@@ -259,27 +233,32 @@ def patch_layout(
     normalizer: Normalizer | None,
     gaug_init: GaugInit,
 ) -> None:
-    """:func:`patch_transformers` on a model's layout, its arguments checked (``indices``: the blocks)."""
-    layer_normalizer = _layer_normalizer(attention, normalizer)
+    """:func:`patch_transformers` on a model's layout, its arguments checked (``indices``: the blocks;
+    ``normalizer``: resolved, the one ``attention`` implies or None, as
+    :func:`~vitattn.layers.adaptive.patch_normalizer` gives it)."""
     gaug = None if attention is None else attention == "locat"
     if gaug:
         _check_all_patches(layout)
     register()
     for i in indices:
-        _patch_layer(layout, i, layer_normalizer, gaug, gaug_init)
+        _patch_layer(layout, i, normalizer, gaug, gaug_init)
     _finish(layout, prr)
 
 
 def _finish(layout: HFLayout, prr: bool) -> None:
+    """What a patch sets on the model once its modules are set up: the record in the config, the
+    implementation setter, the grid hook (where a module has GAug heads), PRR, the GAug heads' weight
+    init, and vitattn's attention implementation."""
+    _write_record(layout, prr)
+    _install_setter(layout.model)
     gaug = [name for name, a in zip(layout.attention_names, layout.attentions, strict=True) if _has_gaug(a)]
     if gaug:
         _attach_grid_hook(layout)
-        install_gaug_init(layout.model, gaug)
     if prr:
         _attach_prr(layout)
+    if gaug:
+        install_gaug_init(layout.model, gaug)
     set_implementation(layout.model, PATCHED_NAME)
-    _write_record(layout, prr)
-    _install_setter(layout.model)
 
 
 def _has_gaug(attn: nn.Module) -> bool:

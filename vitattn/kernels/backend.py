@@ -14,20 +14,7 @@ import torch
 from ..functional.dispatch import AttentionCall, autocast_dtype
 from ..functional.entmax_alpha import _check_alpha
 from ..functional.gaussian import GaussianBias
-from .env import (  # noqa: F401  (re-exported: the environment helpers' former home)
-    DOT_IEEE,
-    DOT_NATIVE,
-    DOT_TF32,
-    DTYPES,
-    FLOAT32_REASON,
-    TF32_ENV,
-    dot_mode,
-    float32_reason,
-    interpret_requested,
-    interpreter_mismatch,
-    launch_dtype,
-    tf32_allowed,
-)
+from .env import DTYPES, float32_reason, interpret_requested, interpreter_mismatch, launch_dtype, tf32_allowed
 
 MAX_HEAD_DIM = 128
 MAX_BATCH_HEADS = 65535  # the launch grid's second axis

@@ -18,8 +18,16 @@ from torch import nn
 from ..functional import compute_dtype
 from ..functional._checks import check_count
 from ..functional.normalize import AttentionNormalizer, Normalizer, normalizer_spec, resolve_normalizer
+from .kinds import implied_normalizer
 
-__all__ = ["ALPHA_FLOOR", "AdaptiveAlpha", "LayerNormalizer", "normalizer_alphas", "resolve_layer_normalizer"]
+__all__ = [
+    "ALPHA_FLOOR",
+    "AdaptiveAlpha",
+    "LayerNormalizer",
+    "normalizer_alphas",
+    "patch_normalizer",
+    "resolve_layer_normalizer",
+]
 
 ALPHA_FLOOR = 1.01  # the smallest alpha a head can learn
 LayerNormalizer = Normalizer | Literal["adaptive"]  # what the layers take: a normalizer, or "adaptive"
@@ -33,6 +41,25 @@ def resolve_layer_normalizer(normalizer: LayerNormalizer) -> Normalizer | Litera
         return resolve_normalizer(normalizer)
     except ValueError as err:
         raise ValueError(f"{err} (or 'adaptive': one learnable alpha per head)") from None
+
+
+def patch_normalizer(
+    attention: str | None, normalizer: LayerNormalizer | None, *, adaptive: bool = True
+) -> Normalizer | Literal["adaptive"] | None:
+    """The normalizer a ``vitattn.patch`` call names: ``normalizer`` resolved (by
+    :func:`resolve_layer_normalizer`, or with ``adaptive=False`` by
+    :func:`~vitattn.functional.normalize.resolve_normalizer`, which refuses ``"adaptive"``), else the
+    one ``attention`` implies (``"softmax"`` / ``"entmax15"``), else None (each block keeps its own).
+    A ``ValueError`` when ``attention="entmax15"`` meets another normalizer."""
+    if normalizer is None:
+        return implied_normalizer(attention)
+    resolved = resolve_layer_normalizer(normalizer) if adaptive else resolve_normalizer(normalizer)
+    if attention == "entmax15" and resolved != "entmax15":
+        raise ValueError(
+            f"attention='entmax15' is entmax-1.5 attention, so normalizer={normalizer!r} contradicts it; "
+            "for another normalizer without a bias use attention='softmax', normalizer=..."
+        )
+    return resolved
 
 
 class AdaptiveAlpha(nn.Module):

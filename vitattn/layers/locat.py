@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
 import torch
@@ -14,7 +13,6 @@ from torch import nn
 
 from ..functional import GaussianBias, compute_dtype
 from ..functional._checks import check_count
-from .adaptive import LayerNormalizer
 from .grid import GridAttention
 
 __all__ = [
@@ -221,23 +219,11 @@ class LocAtAttention(GridAttention):
         dim: int,
         num_heads: int = 8,
         *,
-        grid_size: int | Sequence[int] | None = None,
-        num_prefix_tokens: int = 1,
-        initial_grid_size: int | Sequence[int] | None = None,
-        normalizer: LayerNormalizer = "softmax",
         gaug_init: GaugInit = "paper",
-        **kwargs: Any,
+        **kwargs: Any,  # GridAttention's: the token layout, window, normalizer, ...
     ) -> None:
         gaug_init = check_gaug_init(gaug_init)
-        super().__init__(
-            dim,
-            num_heads,
-            grid_size=grid_size,
-            num_prefix_tokens=num_prefix_tokens,
-            initial_grid_size=initial_grid_size,
-            normalizer=normalizer,
-            **kwargs,
-        )
+        super().__init__(dim, num_heads, **kwargs)
         weight = self.qkv.weight
         self.gaug = GaussianAugment(
             self.head_dim, weight.device, weight.dtype, init=gaug_init, num_heads=self.num_heads

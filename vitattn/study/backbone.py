@@ -2,10 +2,10 @@
 
 A run that starts from weights (``--model NAME`` with ``--pretrained``, or ``--checkpoint PATH``)
 builds the backbone with softmax attention, loads the weights, and only then swaps the attention with
-:func:`vitattn.patch` (``entmax15``, ``locat`` with its ``gaug_init`` start, ``prr``), so that the
-weights land in the layers they were trained in. A checkpoint of an already patched model (its
-``gaug.*`` heads included) loads as well: the patched model is built first and the heads the
-checkpoint lacks keep the start ``gaug_init`` gave them.
+:func:`vitattn.patch` (:func:`vitattn.study.model.patch_backbone`: ``entmax15``, ``locat`` with its
+``gaug_init`` start, ``prr``), so that the weights land in the layers they were trained in. A
+checkpoint of an already patched model (its ``gaug.*`` heads included) loads as well: the patched
+model is built first and the heads the checkpoint lacks keep the start ``gaug_init`` gave them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from ..analysis.checkpoint import read_state_dict
-from ..patch import patch
 
 __all__ = [
     "CheckpointMismatch",
@@ -28,7 +27,6 @@ __all__ = [
     "create_timm_model",
     "fit_weights",
     "load_weights",
-    "patch_backbone",
     "read_weights",
 ]
 
@@ -100,26 +98,6 @@ def classifier_keys(model: nn.Module) -> list[str]:
         return []
     ids = {id(p) for p in head.parameters()}
     return [k for k, p in model.named_parameters() if id(p) in ids]
-
-
-def patch_backbone(
-    model: nn.Module, attention: str, prr: bool, gaug_init: str, window: int = 5, dilation: int = 1
-) -> nn.Module:
-    """``model`` with ``attention`` swapped in (``softmax`` keeps the backbone's own) and PRR if asked.
-
-    ``adaptive`` is softmax attention with one learnable alpha-entmax alpha per head (from 1.5);
-    ``window`` is softmax neighbourhood attention over ``window x window`` patches (every
-    ``dilation``-th patch).
-    """
-    if attention == "softmax" and not prr:
-        return model
-    if attention == "softmax":
-        return patch(model, "softmax", prr=True, blocks=[])  # PRR only, attention untouched
-    if attention == "adaptive":
-        return patch(model, "softmax", prr=prr, normalizer="adaptive")
-    if attention == "window":
-        return patch(model, "window", prr=prr, window=window, dilation=dilation)
-    return patch(model, attention, prr=prr, gaug_init=gaug_init)  # type: ignore[arg-type]
 
 
 def fit_weights(

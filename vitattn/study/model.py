@@ -4,7 +4,7 @@ chosen attention, or, for fine-tuning, any timm backbone from its weights, patch
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypedDict, cast
+from typing import Any, TypedDict, cast
 
 from torch import nn
 
@@ -12,11 +12,18 @@ from ..layers.adaptive import LayerNormalizer
 from ..layers.kinds import implied_normalizer
 from ..models import LocAtViT
 from ..patch import patch
-from .backbone import create_timm_model, load_weights, patch_backbone
+from .backbone import create_timm_model, load_weights
 from .config import STUDY_WINDOW, StudyConfig
 from .init import init_study_vit
 
-__all__ = ["STUDY_WINDOW", "build_backbone", "build_model", "count_parameters", "model_kwargs"]
+__all__ = [
+    "STUDY_WINDOW",
+    "build_backbone",
+    "build_model",
+    "count_parameters",
+    "model_kwargs",
+    "patch_backbone",
+]
 
 
 class ModelKwargs(TypedDict):
@@ -72,6 +79,29 @@ def _study_vit(config: StudyConfig, attention: str) -> LocAtViT:
         patch(model, attention="window", window=config.window_size, dilation=config.dilation)
     init_study_vit(model, config.init, config.pos_embed_std)
     return model
+
+
+def patch_backbone(
+    model: nn.Module, attention: str, prr: bool, gaug_init: str, window: int = 5, dilation: int = 1
+) -> nn.Module:
+    """``model`` with ``attention`` swapped in (``softmax`` keeps the backbone's own) and PRR if asked.
+
+    ``adaptive`` is softmax attention with one learnable alpha-entmax alpha per head (from 1.5);
+    ``window`` is softmax neighbourhood attention over ``window x window`` patches (every
+    ``dilation``-th patch).
+    """
+    if attention == "softmax" and not prr:
+        return model
+    options: dict[str, Any] = {"prr": prr}
+    if attention == "softmax":
+        options["blocks"] = []  # PRR only, attention untouched
+    elif attention == "adaptive":
+        attention, options["normalizer"] = "softmax", "adaptive"
+    elif attention == "window":
+        options.update(window=window, dilation=dilation)
+    else:
+        options["gaug_init"] = gaug_init
+    return patch(model, attention, **options)  # type: ignore[arg-type]
 
 
 def build_model(
