@@ -291,16 +291,21 @@ def patch(
     options = _checked_options(attention, prr, blocks, normalizer, gaug_init, window, dilation)
     layout = layout_of(model)
     _check_layout(layout, options)
-    indices = chosen_blocks(blocks, layout.depth)
+    _patch_layout(layout, options, chosen_blocks(blocks, layout.depth))
+    return model
+
+
+def _patch_layout(layout: ModelLayout, options: _Options, indices: Sequence[int]) -> None:
+    """Patch the checked ``options`` into blocks ``indices`` of a timm or a transformers layout."""
     if isinstance(layout, TimmLayout):
         _patch_timm(layout, options, indices)
-    else:  # transformers: the modules stay, and compute through vitattn's attention implementation
-        from .hf.layout import HFLayout
-        from .hf.patching import patch_layout
+        return
+    # transformers: the modules stay, and compute through vitattn's attention implementation
+    from .hf.layout import HFLayout
+    from .hf.patching import patch_layout
 
-        assert isinstance(layout, HFLayout)  # layout_of gives a transformers model no other layout
-        patch_layout(layout, options.attention, options.prr, indices, options.normalizer, options.gaug_init)
-    return model
+    assert isinstance(layout, HFLayout)  # layout_of gives a transformers model no other layout
+    patch_layout(layout, options.attention, options.prr, indices, options.normalizer, options.gaug_init)
 
 
 @dataclass(frozen=True)

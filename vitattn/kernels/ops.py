@@ -800,31 +800,10 @@ def _forward(
     return out, stat, og, live
 
 
-def _backward(
-    launch: KernelLaunch,
-    grad_out: torch.Tensor,
-    o_or_og: torch.Tensor,
-    stat: torch.Tensor,
-    live: torch.Tensor,
-    add_grad: bool,
-    gauss_grad: bool,
-    ent_grad: bool = False,
-) -> tuple[torch.Tensor, ...]:
-    """``(dq, dk, dv, dadd, dden, dalpha, dent)`` in the shapes of q, k, v (their dtypes) and of add, den,
-    alpha, ent (float32); ``dadd`` / ``dden``, ``dalpha`` / ``dent`` are empty ``(0,)`` tensors unless
-    asked for."""
-    q, k, v, add = launch.q, launch.k, launch.v, launch.add
-    if launch.normalizer != "softmax" and o_or_og.shape[-1] != v.shape[-1]:
-        raise RuntimeError(f"attention_bwd: the {launch.normalizer} forward ran with store_og=False")
-    b, h, n_q, d = q.shape
-    n_k, dv = k.shape[2], v.shape[3]
-    do = grad_out.contiguous()
-    dummy = q.new_empty(1, dtype=torch.float32)
-
-    def empty() -> torch.Tensor:  # a fresh one per output: custom-op outputs must not alias
-        return q.new_empty(0, dtype=torch.float32)
-
-    delta = torch.empty(b, h, n_q, device=q.device, dtype=torch.float32)
+def _row_deltas(o_or_og: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """The backward's per-query ``delta`` (B, H, Nq), float32: the row sums of ``o_or_og * do``."""
+    b, h, n_q, dv = do.shape
+    delta = torch.empty(b, h, n_q, device=do.device, dtype=torch.float32)
     rows = configs.INTERPRET_DELTA_ROWS if interpret_requested() else configs.DELTA_ROWS
     delta_args = (o_or_og, do, delta, b * h * n_q, dv)
     _run_or_warm(
@@ -835,10 +814,17 @@ def _backward(
         BLOCK_M=rows,
         BLOCK_DV=block_dim(dv),
     )
+    return delta
 
-    lists = launch.lists
+
+def _gaussian_terms(launch: KernelLaunch, dummy: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """What dK/dV reads of the Gaussian bias, computed once per query: the list kernels' row terms
+    ``(B·H, 5, Nq)``, or the grid-aligned kernels' factors ``(B·H, n_fr, n_qp)`` with ``n_qp, n_fr``;
+    ``(dummy, 0, 0)`` without a Gaussian bias."""
+    q = launch.q
+    b, h, n_q, _ = q.shape
     fact, n_qp, n_fr = dummy, 0, 0
-    if launch.den is not None and lists:  # the Gaussian row terms, once per query (read by dK/dV)
+    if launch.den is not None and launch.lists:  # the Gaussian row terms, once per query (read by dK/dV)
         assert launch.alpha is not None
         fact = torch.empty(b * h, 5, n_q, device=q.device, dtype=torch.float32)
         block = configs.INTERPRET_DELTA_ROWS if interpret_requested() else configs.ROW_TERMS_ROWS
@@ -884,17 +870,75 @@ def _backward(
             GWP=gwp,
             BLOCK_M=block,
         )
+    return fact, n_qp, n_fr
+
+
+def _list_tile_args(
+    launch: KernelLaunch, live: torch.Tensor, by_keys: bool, dummy: torch.Tensor
+) -> Callable[[configs.TileConfig], list[Any]]:
+    """The list kernels' tile-dependent arguments of a backward pass (dK/dV ``by_keys``, else dQ): the
+    visited tiles (entmax-1.5's ``live`` map turned into per-tile lists, or a window's range) per tile."""
+    n_q, n_k = launch.q.shape[2], launch.k.shape[2]
+
+    def tile_args(tile: configs.TileConfig) -> list[Any]:
+        win = launch.window_args(tile.block_m, tile.block_n, by_keys, dummy)
+        if live.numel() == 0:
+            return [*win[:3], 0, *win[3:]]
+        order, count = tile_lists(live, tile.block_m, tile.block_n, n_q, n_k, by_keys)
+        return [order, count, order.shape[-1], 1, *win[3:]]
+
+    return tile_args
+
+
+def _additive_grad(
+    add: torch.Tensor | None, shape: tuple[int, int, int, int], none: torch.Tensor
+) -> tuple[int, torch.Tensor, list[int], bool, bool]:
+    """dQ's handling of the additive mask's gradient for scores of ``shape`` (B, H, Nq, Nk): the mode
+    (0 none, 1 stored per score, 2 added atomically: ``add`` broadcasts), the zeroed float32 gradient in
+    ``add``'s shape (``none`` without one), its strides, and whether it broadcasts over the queries / the
+    keys."""
+    if add is None:
+        return 0, none, [0] * 4, False, False
+    dadd = torch.zeros(add.shape, device=add.device, dtype=torch.float32)
+    broadcast = [s for s, t in zip(add.shape, shape, strict=True) if s == 1 and t > 1]
+    mode = 2 if broadcast else 1
+    return mode, dadd, _bcast_strides(dadd), mode == 2 and add.shape[2] == 1, mode == 2 and add.shape[3] == 1
+
+
+def _backward(
+    launch: KernelLaunch,
+    grad_out: torch.Tensor,
+    o_or_og: torch.Tensor,
+    stat: torch.Tensor,
+    live: torch.Tensor,
+    add_grad: bool,
+    gauss_grad: bool,
+    ent_grad: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """``(dq, dk, dv, dadd, dden, dalpha, dent)`` in the shapes of q, k, v (their dtypes) and of add, den,
+    alpha, ent (float32); ``dadd`` / ``dden``, ``dalpha`` / ``dent`` are empty ``(0,)`` tensors unless
+    asked for."""
+    q, k, v, add = launch.q, launch.k, launch.v, launch.add
+    if launch.normalizer != "softmax" and o_or_og.shape[-1] != v.shape[-1]:
+        raise RuntimeError(f"attention_bwd: the {launch.normalizer} forward ran with store_og=False")
+    b, h, n_q, d = q.shape
+    n_k, dv = k.shape[2], v.shape[3]
+    do = grad_out.contiguous()
+    dummy = q.new_empty(1, dtype=torch.float32)
+
+    def empty() -> torch.Tensor:  # a fresh one per output: custom-op outputs must not alias
+        return q.new_empty(0, dtype=torch.float32)
+
+    delta = _row_deltas(o_or_og, do)
+    lists = launch.lists
+    fact, n_qp, n_fr = _gaussian_terms(launch, dummy)
 
     dq = torch.empty(b, h, n_q, d, device=q.device, dtype=q.dtype)
     dk = torch.empty(b, h, n_k, d, device=q.device, dtype=k.dtype)
     dvv = torch.empty(b, h, n_k, dv, device=q.device, dtype=v.dtype)
-    add_mode, dadd, g_strides, bcast_m, bcast_n = 0, empty(), [0] * 4, False, False
-    if add is not None and add_grad:
-        dadd = torch.zeros(add.shape, device=q.device, dtype=torch.float32)
-        g_strides = _bcast_strides(dadd)
-        broadcast = [s for s, t in zip(add.shape, (b, h, n_q, n_k), strict=True) if s == 1 and t > 1]
-        add_mode = 2 if broadcast else 1
-        bcast_m, bcast_n = add_mode == 2 and add.shape[2] == 1, add_mode == 2 and add.shape[3] == 1
+    add_mode, dadd, g_strides, bcast_m, bcast_n = _additive_grad(
+        add if add_grad else None, (b, h, n_q, n_k), empty()
+    )
     gauss_grad = gauss_grad and launch.den is not None
     dden, dalpha = empty(), empty()
     if gauss_grad:
@@ -913,22 +957,12 @@ def _backward(
         # the inner loops iterate lists: entmax-1.5's live tiles (per (b, h)), else a window's (shared)
         meta["SPARSE"] = live.numel() > 0 or launch.window is not None
 
-        def list_args(by_keys: bool) -> Callable[[configs.TileConfig], list[Any]]:
-            def tile_args(tile: configs.TileConfig) -> list[Any]:
-                win = launch.window_args(tile.block_m, tile.block_n, by_keys, dummy)
-                if live.numel() == 0:
-                    return [*win[:3], 0, *win[3:]]
-                order, count = tile_lists(live, tile.block_m, tile.block_n, n_q, n_k, by_keys)
-                return [order, count, order.shape[-1], 1, *win[3:]]
-
-            return tile_args
-
         dkdv_args = [q, k, v, do, stat, delta, fact, dk, dvv, *operands, *strides, *scalars, *ent_args]
         dkdv_blocks = lambda bm, bn: (triton.cdiv(n_k, bn), b * h)  # noqa: E731
-        dkdv_extra: dict[str, Any] = dict(tile_args=list_args(by_keys=True))
+        dkdv_extra: dict[str, Any] = dict(tile_args=_list_tile_args(launch, live, True, dummy))
         dq_tail = [ent_args[0], dent if ent_grad else dummy, *ent_args[1:]]
         dq_meta: dict[str, Any] = dict(ENT_GRAD=ent_grad)
-        dq_extra: dict[str, Any] = dict(tile_args=list_args(by_keys=False))
+        dq_extra: dict[str, Any] = dict(tile_args=_list_tile_args(launch, live, False, dummy))
     else:  # plain softmax: grid-aligned Gaussian tiles, no lists
         del meta["WINDOW"], meta["DILATED"]
         meta.update(launch.grid_flags())
@@ -937,49 +971,14 @@ def _backward(
         dkdv_extra = dict(grid_keys=launch.grid_keys)
         dq_tail, dq_meta, dq_extra = [], {}, dict(grid_keys=launch.grid_keys)
     suffix = "_lists" if lists else ""
-    _launch(
-        "bwd_dkdv" + suffix,
-        dkdv_blocks,
-        dkdv_args,
-        meta,
-        launch.shape,
-        launch.even_d,
-        **dkdv_extra,
-    )
-    zero_dadd = dadd.zero_ if add_mode == 2 else None  # atomics accumulate: reset after benchmarking
-    _launch(
-        "bwd_dq" + suffix,
-        lambda bm, bn: (triton.cdiv(n_q, bm), b * h),
-        [
-            q,
-            k,
-            v,
-            do,
-            stat,
-            delta,
-            dq,
-            dadd if add_mode else dummy,
-            dden if gauss_grad else dummy,
-            dalpha if gauss_grad else dummy,
-            *operands,
-            *strides,
-            *g_strides,
-            *scalars,
-            *dq_tail,
-        ],
-        {
-            **meta,
-            **dq_meta,
-            "ADD_GRAD": add_mode,
-            "GAUSS_GRAD": gauss_grad,
-            "DADD_BCAST_M": bcast_m,
-            "DADD_BCAST_N": bcast_n,
-        },
-        launch.shape,
-        launch.even_d,
-        reset=zero_dadd,
-        **dq_extra,
-    )
+    _launch("bwd_dkdv" + suffix, dkdv_blocks, dkdv_args, meta, launch.shape, launch.even_d, **dkdv_extra)
+    dq_extra["reset"] = dadd.zero_ if add_mode == 2 else None  # atomics accumulate: reset after benchmarking
+    grads = (dadd if add_mode else dummy, *((dden, dalpha) if gauss_grad else (dummy, dummy)))
+    dq_args = [q, k, v, do, stat, delta, dq, *grads, *operands, *strides, *g_strides, *scalars, *dq_tail]
+    dq_flags = {**meta, **dq_meta, "ADD_GRAD": add_mode, "GAUSS_GRAD": gauss_grad, "DADD_BCAST_M": bcast_m,
+                "DADD_BCAST_N": bcast_n}  # fmt: skip
+    dq_blocks = lambda bm, bn: (triton.cdiv(n_q, bm), b * h)  # noqa: E731
+    _launch("bwd_dq" + suffix, dq_blocks, dq_args, dq_flags, launch.shape, launch.even_d, **dq_extra)
     return dq, dk, dvv, dadd, dden, dalpha, dent
 
 

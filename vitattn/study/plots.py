@@ -112,9 +112,8 @@ def plot_attention_comparison(
 
     cfg = data["config"]
     config = StudyConfig.from_dict(cfg)
-    sets = (
-        probe_datasets(cfg["dataset"], config.scenes_version) if DATASETS[cfg["dataset"]].has_masks else None
-    )
+    has_masks = DATASETS[cfg["dataset"]].has_masks
+    sets = probe_datasets(cfg["dataset"], config.scenes_version) if has_masks else None
     if sets is None or not data["runs"]:
         return None
     from matplotlib.patches import Rectangle

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import configs
+from ..env import interpret_requested
 from . import compare
 from .jit import jit_source
 
@@ -726,7 +727,8 @@ def reproduce_failures(rows: list[dict[str, Any]], other: dict[str, Any]) -> lis
     return bad
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m vitattn.kernels._build.aot``."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities")
     parser.add_argument("--head-dim", type=int, default=128, help="largest padded head dim (16..128)")
@@ -791,7 +793,44 @@ def main(argv: list[str] | None = None) -> int:
         metavar="VERSION",
         help="exit 2 unless the imported triton is this version (CI's second Triton)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _compile_all(
+    builds: list[Build], flash_builds: list[Any], jobs: int
+) -> tuple[list[Result], list[dict[str, Any]]]:
+    """Compile ``builds`` and the flash tutorial's ``flash_builds`` on ``jobs`` processes, printing a
+    line per build as it comes; the results and the tutorial's rows."""
+    print(_fmt(_HEADER))
+    results: list[Result] = []
+    flash_rows: list[dict[str, Any]] = []
+    with ProcessPoolExecutor(jobs) if jobs > 1 else _Serial() as pool:
+        for r in pool.map(compile_one, builds):
+            results.append(r)
+            print(_row(r), flush=True)
+        for built in pool.map(compare.compile_flash, flash_builds):
+            flash_rows += built
+            for row in built:
+                print(_flash_line(row), flush=True)
+    return results, flash_rows
+
+
+def _print_arch_summaries(real: list[Result], archs: list[int]) -> None:
+    """Per arch: the largest shared memory and register count, and the builds with spills / tensor cores."""
+    for arch in archs:
+        rows = [r for r in real if r.build.arch == arch and not r.error]
+        if rows:
+            print(
+                f"sm_{arch}: max shared {max(r.shared for r in rows) / 1024:.1f} KiB "
+                f"(limit {SMEM_LIMIT.get(arch, 0) / 1024:.0f} KiB), max registers "
+                f"{max(r.registers for r in rows)}, builds with spills "
+                f"{sum(1 for r in rows if r.spill_bytes != 0)}/{len(rows)}, "
+                f"with tensor-core instructions {sum(1 for r in rows if r.tensor_core != 'none')}/{len(rows)}"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.markdown:
         print(markdown_table(json.loads(Path(args.markdown).read_text())))
         return 0
@@ -803,16 +842,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"expected triton {args.expect_triton}, imported {triton.__version__}", file=sys.stderr)
         return 2
 
-    from ..env import interpret_requested
-
     if interpret_requested():
         print("unset TRITON_INTERPRET: the interpreter has nothing to compile", file=sys.stderr)
         return 2
     if args.fresh:
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="vitattn-aot-")
     ragged = [] if args.ragged is None else (args.ragged or args.arch)
-    comparing = bool(args.report) and GOAL_ARCH in args.arch and not args.quick and args.dtype == "bf16"
-    comparing = comparing and not args.window
+    full = not (args.quick or args.window) and args.dtype == "bf16"
+    comparing = bool(args.report) and GOAL_ARCH in args.arch and full
     builds = plan(
         args.arch,
         args.head_dim,
@@ -825,30 +862,10 @@ def main(argv: list[str] | None = None) -> int:
         args.window,
     )
     flash_builds = compare.flash_plan(GOAL_ARCH, _compare_tiles()) if comparing else []
-    print(_fmt(_HEADER))
-    results = []
-    flash_rows: list[dict[str, Any]] = []
-    with ProcessPoolExecutor(args.jobs) if args.jobs > 1 else _Serial() as pool:
-        for r in pool.map(compile_one, builds):
-            results.append(r)
-            print(_row(r), flush=True)
-        for built in pool.map(compare.compile_flash, flash_builds):
-            flash_rows += built
-            for row in built:
-                print(_flash_line(row), flush=True)
-
+    results, flash_rows = _compile_all(builds, flash_builds, args.jobs)
     failed = [r for r in results if not r.ok]
     real = [r for r in results if r.build.pass_ not in ROW_PASSES]
-    for arch in args.arch:
-        rows = [r for r in real if r.build.arch == arch and not r.error]
-        if rows:
-            print(
-                f"sm_{arch}: max shared {max(r.shared for r in rows) / 1024:.1f} KiB "
-                f"(limit {SMEM_LIMIT.get(arch, 0) / 1024:.0f} KiB), max registers "
-                f"{max(r.registers for r in rows)}, builds with spills "
-                f"{sum(1 for r in rows if r.spill_bytes != 0)}/{len(rows)}, "
-                f"with tensor-core instructions {sum(1 for r in rows if r.tensor_core != 'none')}/{len(rows)}"
-            )
+    _print_arch_summaries(real, args.arch)
     rows_json = [report_row(r) for r in results]
     payload: dict[str, Any] = {}
     if args.report:

@@ -289,6 +289,28 @@ def comparison(
         "bwd_dkdv": {"plain": best(kv_p), "gaussian": best(kv_g), "flash": best(flash.get("bwd_dkdv", {}))},
         "bwd_dq": {"plain": best(q_p), "gaussian": best(q_g), "flash": best(flash.get("bwd_dq", {}))},
     }
+    entmax = entmax_comparison(rows, flash, arch)
+    values = _goal_values(same, pairs, bests, entmax)
+    goals = [
+        {
+            "goal": name,
+            "limit": limit,
+            "value": values[name],
+            "met": None if (value := values[name]) is None else value <= limit,
+        }  # fmt: skip
+        for name, limit in RATIO_GOALS.items()
+    ]
+    return {"head_dim": HEAD_DIM, "arch": arch, "same_tile": same, "backward_pairs": pairs, "best": bests,
+            "entmax": entmax, "goals": goals}  # fmt: skip
+
+
+def _goal_values(
+    same: list[dict[str, Any]],
+    pairs: list[dict[str, Any]],
+    bests: dict[str, Any],
+    entmax: list[dict[str, Any]],
+) -> dict[str, float | None]:
+    """The value of each goal of ``RATIO_GOALS`` from :func:`comparison`'s tables (None: not computable)."""
     values: dict[str, float | None] = {
         "gaussian_vs_plain_fwd": max(
             (e["gaussian_vs_plain"] for e in same if e["pass"] == "fwd" and "gaussian_vs_plain" in e),
@@ -302,7 +324,6 @@ def comparison(
             (p["plain_vs_flash"] for p in pairs if "plain_vs_flash" in p), default=None
         ),
     }
-    entmax = entmax_comparison(rows, flash, arch)
     values["entmax_vs_flash_fwd_bwd"] = max((e["entmax_vs_flash"] for e in entmax), default=None)
     g, f = bests["fwd"]["gaussian"], bests["fwd"]["flash"]
     values["gaussian_best_vs_flash_best_fwd"] = round(g[1] / f[1], 4) if g and f else None
@@ -310,17 +331,7 @@ def comparison(
     values["gaussian_best_vs_flash_best_bwd"] = (
         round((parts[0][1] + parts[2][1]) / (parts[1][1] + parts[3][1]), 4) if all(parts) else None
     )
-    goals = [
-        {
-            "goal": name,
-            "limit": limit,
-            "value": values[name],
-            "met": None if (value := values[name]) is None else value <= limit,
-        }  # fmt: skip
-        for name, limit in RATIO_GOALS.items()
-    ]
-    return {"head_dim": HEAD_DIM, "arch": arch, "same_tile": same, "backward_pairs": pairs, "best": bests,
-            "entmax": entmax, "goals": goals}  # fmt: skip
+    return values
 
 
 def entmax_comparison(
