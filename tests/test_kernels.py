@@ -226,6 +226,34 @@ def test_unequal_tiles(normalizer, tiles, monkeypatch):
 
 
 @interpreted
+@pytest.mark.parametrize(
+    ("tile", "widths", "by_rows"),
+    [
+        ((32, 32), {"fwd_softmax": 16, "bwd_dkdv": 32, "bwd_dq": 16}, {}),
+        ((16, 32), {"fwd_softmax": 32, "bwd_dkdv": 16, "bwd_dq": 32}, {("bwd_dkdv", 16): 32}),
+    ],
+    ids=["narrow-fwd-dq", "by-rows"],
+)
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case("softmax", "gaussian", n=122, d=16, prefix=2, grid=(3, 40), b=1),
+        Case("softmax", "gaussian_add", n=77, d=32, prefix=0, grid=(7, 11)),
+    ],
+    ids=_id,
+)
+def test_grid_tile_widths(case, tile, widths, by_rows, monkeypatch):
+    """Grid-aligned key tiles narrower than ``min(GWP, BLOCK_N)`` (several chunks of grid columns per
+    grid row, two or more grid rows per tile) and a width chosen per query-tile height
+    (``configs.GRID_TILE_W_BY_ROWS``): the kernels, the dK/dV program count and the ``EVEN_N`` flags
+    agree, and the numbers are the reference's."""
+    monkeypatch.setattr(configs, "INTERPRET", configs.TileConfig(*tile, 4, 1))
+    monkeypatch.setattr(configs, "GRID_TILE_W", widths)
+    monkeypatch.setattr(configs, "GRID_TILE_W_BY_ROWS", by_rows)
+    check(case)
+
+
+@interpreted
 @pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
 def test_cross_attention_strides_and_value_dim(normalizer):
     g = torch.Generator().manual_seed(3)

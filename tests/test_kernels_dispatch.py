@@ -341,7 +341,7 @@ _TF32_PTX = textwrap.dedent(
         build = aot.Build(80, "entmax15", "gaussian", pass_, configs.TileConfig(32, 32, 4, 1), 32, "fp32")
         rec = recs[build.kernel]
         for mode in (1, 2):
-            consts = {**rec.meta, "F32_DOT": mode, "BLOCK_M": 32, "BLOCK_N": 32, **rec.even(32, 32)}
+            consts = {**rec.meta, "F32_DOT": mode, "BLOCK_M": 32, "BLOCK_N": 32, **rec.tile_flags(32, 32)}
             src = aot.jit_source(rec.fn, rec.args_at(32, 32), consts, 80)
             ptx = triton.compile(src, target=GPUTarget("cuda", 80, 32), options={"num_warps": 4}).asm["ptx"]
             kind = "tf32-mma" if ".tf32.tf32" in ptx else "mma" if "mma.sync" in ptx else "no-mma"
@@ -393,7 +393,7 @@ _NO_I32_MULTIPLY = textwrap.dedent(
         for rec in recorded:
             kw = dict(rec.meta)
             if "BLOCK_N" not in kw and rec.shape[1]:
-                kw.update(BLOCK_M=32, BLOCK_N=32, **rec.even(32, 32))
+                kw.update(BLOCK_M=32, BLOCK_N=32, **rec.tile_flags(32, 32))
             src = aot.jit_source(rec.fn, rec.args_at(32, 32) if rec.shape[1] else rec.args, kw, 80)
             ttir = triton.compile(src, target=GPUTarget("cuda", 80, 32), options={"num_warps": 4}).asm["ttir"]
             bad += [f"{rec.name}/{entmax}: {line.strip()[:120]}" for line in ttir.splitlines()

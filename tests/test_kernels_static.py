@@ -242,7 +242,8 @@ def test_builds_carry_the_jits_specialization():
     pytest.importorskip("triton")
     for even, marked in ((True, True), (False, False)):
         rec = aot.launches("softmax", "gaussian", even, 64 if even else 48, "bf16")["bwd_dkdv"]
-        src = aot.jit_source(rec.fn, rec.args, dict(rec.meta, BLOCK_M=32, BLOCK_N=64, **rec.even(32, 64)), 90)
+        flags = dict(rec.meta, BLOCK_M=32, BLOCK_N=64, **rec.tile_flags(32, 64))
+        src = aot.jit_source(rec.fn, rec.args, flags, 90)
         names = [p.name for p in rec.fn.params]
         divisible = {names[path[0]] for path, attr in src.attrs.items() if ["tt.divisibility", 16] in attr}
         assert ("n_q" in divisible) == marked and ("n_k" in divisible) == marked

@@ -575,10 +575,11 @@ def _fwd_prologue(
 #
 # With a Gaussian bias, the patch keys are visited in tiles that cover whole rows of a grid whose width is
 # padded to ``GWP`` (a power of two >= the grid width): a tile is ``NR = BLOCK_N // TILE_W`` grid rows of
-# ``TILE_W = min(GWP, BLOCK_N)`` slots each, slot ``(j, b)`` of the tile at rows ``a0 + j`` and column
-# ``c * TILE_W + b`` (chunk ``c`` of ``CH = GWP // TILE_W``), i.e. token
-# ``P + (a0 + j) * gw + c * TILE_W + b``;
-# slots past the grid width are masked. The bias of a score factorises per axis,
+# ``TILE_W = min(GWP, BLOCK_N, widest chunk)`` slots each (the kernel's constexpr ``GRID_TW``, chosen
+# per kernel and tile by ``configs.grid_tile_w``),
+# slot ``(j, b)`` of the tile at rows ``a0 + j`` and column ``c * TILE_W + b`` (chunk ``c`` of
+# ``CH = GWP // TILE_W``), i.e. token ``P + (a0 + j) * gw + c * TILE_W + b``; slots past the grid width are
+# masked. The bias of a score factorises per axis,
 # ``alpha e = alpha 2^(t_row) 2^(t_col)``: the column factors ``C`` of a query block depend on the chunk only
 # (computed once per chunk, outside the key loop), the row factors ``R`` on the tile's rows (one ``exp2``
 # per query row and tile row), and the bias adds ``R ⊗ C`` to the ``q kᵀ`` accumulator: one multiply-add

@@ -201,6 +201,7 @@ def _bwd_dkdv_kernel(
     EVEN_D: tl.constexpr,
     GWP: tl.constexpr,
     PAD_W: tl.constexpr,
+    GRID_TW: tl.constexpr = 16,
 ):
     """``DK``, ``DV`` (contiguous, like K and V) for one block of keys. DO contiguous ``(B, H, Nq, Dv)``.
 
@@ -210,7 +211,7 @@ def _bwd_dkdv_kernel(
     one chunk of ``TILE_W`` columns) and each query tile's factors are loaded from ``FACT``
     (:func:`_bwd_factors_kernel`, ``n_fr`` rows of ``n_qp`` queries). Keys outside the grid or past
     ``Nk`` load zeros and are never stored: their scores need no mask (each key's gradient reads only
-    its own scores). ``GWP``, ``PAD_W``, ``EVEN_N`` as in the softmax forward.
+    its own scores). ``GWP``, ``PAD_W``, ``GRID_TW``, ``EVEN_N`` as in the softmax forward.
     """
     WHOLE: tl.constexpr = EVEN_N and not PAD_W  # every key of every block is valid
     bh, b, h = _program(n_heads)
@@ -221,7 +222,7 @@ def _bwd_dkdv_kernel(
         Q, K, V, ADD, KEEP, b, h, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_ab, s_ah, s_mb, s_mh
     )
     if GAUSS:
-        TILE_W: tl.constexpr = GWP if GWP < BLOCK_N else BLOCK_N
+        TILE_W: tl.constexpr = GRID_TW
         CH: tl.constexpr = GWP // TILE_W
         NR: tl.constexpr = BLOCK_N // TILE_W
         n_pre = (num_prefix + BLOCK_N - 1) // BLOCK_N
@@ -402,7 +403,8 @@ def _dq_tile(
 ):
     """One key tile (``k``, ``v``) of dQ: ``(dq, w, w2)`` updated. ``r`` (``R``), ``c`` (``C alpha / scale``):
     the bias factors of :func:`add_outer` (``BIAS``); with ``GRAD`` the Gaussian gradient accumulators
-    ``w = sum_rows R dZ`` and ``w2 = sum_rows t_row R dZ`` per query and grid column (``r_t = t_row R``)."""
+    ``w = sum_rows R dZ`` and ``w2 = sum_rows t_row R dZ``, ``(BLOCK_M, TILE_W)``: per query and grid
+    column, summed over the tile's grid rows (``r_t = t_row R``)."""
     s = _qk_tile(
         q, k, offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_mm, s_mn,
         HAS_ADD, HAS_KEEP, F32_DOT, False, EVEN_M, not MASKED,
@@ -430,11 +432,17 @@ def _dq_tile(
         EVEN_M,
         MASKED,
     )
-    if GRAD:
+    if GRAD:  # per grid column: the sums over the tile's grid rows of dZ R and dZ t_row R
         ds3 = tl.reshape(ds, (BLOCK_M, NR, TILE_W))
-        w += tl.sum(ds3 * r[:, :, None], 1)
-        # t_row R times the sum over the tile's columns of dZ C alpha / scale (c carries alpha / scale)
-        w2 += tl.sum(tl.sum(ds3 * c[:, None, :], 2) * r_t, 1)
+        if NR == 2:  # the two rows apart: one multiply-add per score into each accumulator
+            d0, d1 = tl.split(tl.permute(ds3, (0, 2, 1)))
+            r0, r1 = tl.split(r)
+            u0, u1 = tl.split(r_t)
+            w = (w + d0 * r0[:, None]) + d1 * r1[:, None]
+            w2 = (w2 + d0 * u0[:, None]) + d1 * u1[:, None]
+        else:
+            w += tl.sum(ds3 * r[:, :, None], 1)
+            w2 += tl.sum(ds3 * r_t[:, :, None], 1)
     return dq, w, w2
 
 
@@ -512,6 +520,7 @@ def _bwd_dq_kernel(
     DADD_BCAST_N: tl.constexpr,
     GWP: tl.constexpr,
     PAD_W: tl.constexpr,
+    GRID_TW: tl.constexpr = 16,
 ):
     """``DQ`` (contiguous like Q) for one block of queries, plus the bias gradients.
 
@@ -519,8 +528,9 @@ def _bwd_dq_kernel(
     mask broadcasts over some dim, whose stride is 0; ``DADD_BCAST_M`` / ``_N``: over the query rows /
     the keys, summed over the tile first). ``GAUSS_GRAD``: write DDEN contiguous float32
     ``(B, H, Np, 2)`` and DALPHA contiguous float32 ``(B, H, Np)``. The keys are visited as in the
-    softmax forward (``GWP``, ``PAD_W``, ``EVEN_N`` as there), its K / V tiles through pointers (on sm_90
-    TMA descriptors cost more instructions here than they save: the loads are not its registers' problem).
+    softmax forward (``GWP``, ``PAD_W``, ``GRID_TW``, ``EVEN_N`` as there), its K / V tiles through
+    pointers (on sm_90 TMA descriptors cost more instructions here than they save: the loads are not its
+    registers' problem).
     """
     bh, b, h = _program(n_heads)
     offs_m = _block_offsets(BLOCK_M)
@@ -544,7 +554,7 @@ def _bwd_dq_kernel(
         unit = LOG2E
     su = scale * unit
     if GAUSS:
-        TILE_W: tl.constexpr = GWP if GWP < BLOCK_N else BLOCK_N
+        TILE_W: tl.constexpr = GRID_TW
         CH: tl.constexpr = GWP // TILE_W
         row_w = grid_w
         n_rows = (n_k - num_prefix) // grid_w
@@ -607,7 +617,7 @@ def _bwd_dq_kernel(
             c = c * amp[:, None]  # the bias in units of q kᵀ: alpha / scale R C
             if GAUSS_GRAD:
                 w = tl.zeros([BLOCK_M, TILE_W], tl.float32)
-                w2 = tl.zeros([BLOCK_M], tl.float32)
+                w2 = tl.zeros([BLOCK_M, TILE_W], tl.float32)
         ok = (ch * TILE_W + col) < row_w
         offs_n = first + ch * TILE_W + slot_off
         k_ptrs = _tile_ptrs(k_base, offs_n, offs_d, s_kn, s_kd)
@@ -653,7 +663,7 @@ def _bwd_dq_kernel(
             cw = c * w
             g_alpha += tl.sum(cw, 1)
             g_col += tl.sum(cw * t_c, 1)
-            g_row += w2
+            g_row += tl.sum(c * w2, 1)
 
     _store_tile(DQ + row * head_d, dq * scale, offs_m, offs_d, head_d, 1, n_q, head_d, EVEN_M, EVEN_D)
     if GAUSS_GRAD:
@@ -665,6 +675,5 @@ def _bwd_dq_kernel(
         # the exponents are in log2 units: a_m = t_m / log2(e); d den_m = -alpha / den_m sum dZ e a_m,
         # with 1 / den_m = -2 coef_m / log2(e)
         tl.store(DALPHA + patch, g_alpha, mask=ok_p)
-        # g_row carries alpha / scale (the column factors of the loop include it)
-        tl.store(DDEN + 2 * patch, scale * cr * g_row * (2.0 / (LOG2E * LOG2E)), mask=ok_p)
+        tl.store(DDEN + 2 * patch, alpha * cr * g_row * (2.0 / (LOG2E * LOG2E)), mask=ok_p)
         tl.store(DDEN + 2 * patch + 1, alpha * cc * g_col * (2.0 / (LOG2E * LOG2E)), mask=ok_p)

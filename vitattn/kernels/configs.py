@@ -117,14 +117,14 @@ AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
             TileConfig(32, 64, 4, 4, max_head_dim_ragged=64),
             TileConfig(16, 64, 4, 3),
         ),
-        # the Gaussian gradients' per-query accumulators spill the 64-key tiles at head dim 128; a mask's
-        # gradient tile with bound masks spills the 64-key tiles at any head dim, every tile but the
-        # 16-key one at head dim 128
+        # the Gaussian gradients' per-query accumulators spill the 64-query tiles of 32 or more keys at
+        # head dim 128 (the 128-query 32-key one, 8 warps, stays clear); a mask's gradient tile with bound
+        # masks spills the 64-key tiles at any head dim, every tile but the 16-key one at head dim 128
         "bwd_dq": (
             TileConfig(
                 64, 64, 4, 3, max_head_dim_fp32=64, max_head_dim_gauss=64, max_head_dim_masked_ragged=0
             ),
-            TileConfig(64, 32, 4, 3, max_head_dim_masked_ragged=64),
+            TileConfig(64, 32, 4, 3, max_head_dim_gauss=64, max_head_dim_masked_ragged=64),
             TileConfig(
                 128, 64, 8, 3, max_head_dim_fp32=64, max_head_dim_gauss=64, max_head_dim_masked_ragged=0
             ),
@@ -208,6 +208,24 @@ def autotune_list(
     ``gauss``, for alpha-entmax or a window with a bias or a mask if ``alpha``: :func:`heavy_alpha`)."""
     tiles = AUTOTUNE_BY_ARCH[arch_of(arch)][kernel]
     return tuple(c for c in tiles if block_d <= c.head_dim_limit(masked, fp32, ragged, gauss, alpha))
+
+
+# The widest chunk of grid columns a grid-aligned key tile covers (the Gaussian kernels: ``_common``,
+# "grid-aligned key tiles"), per kernel, and per (kernel, BLOCK_M) where a tile differs. A narrower chunk
+# holds fewer column factors per thread (the forward and dQ keep ``BLOCK_M x TILE_W`` of them in registers,
+# dK/dV loads ``TILE_W + NR`` factor rows per query tile) at the cost of more row factors
+# (``NR = BLOCK_N / TILE_W`` per query and tile); the widths are the ones with the fewest instructions per
+# score in the static report (docs/kernels.md).
+GRID_TILE_W: dict[str, int] = {"fwd_softmax": 32, "bwd_dkdv": 16, "bwd_dq": 32}
+GRID_TILE_W_BY_ROWS: dict[tuple[str, int], int] = {("bwd_dkdv", 16): 32, ("fwd_softmax", 128): 64}
+
+
+def grid_tile_w(gwp: int, block_m: int, block_n: int, kernel: str) -> int:
+    """``TILE_W``, the grid columns of one grid-aligned key tile of ``kernel`` at a ``block_m x block_n``
+    tile and padded grid width ``gwp``: the least of ``gwp``, ``block_n`` and the kernel's widest chunk
+    (all powers of two, so it divides both)."""
+    cap = GRID_TILE_W_BY_ROWS.get((kernel, block_m), GRID_TILE_W[kernel])
+    return min(gwp, block_n, cap)
 
 
 # The row-term kernels of the backward (delta, the Gaussian row terms) need no tuning.

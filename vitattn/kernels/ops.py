@@ -345,7 +345,7 @@ def kv_tma(launch: KernelLaunch) -> bool:
 def kv_descriptors(launch: KernelLaunch) -> list[Any]:
     """``[KT, VT, KG, VG]`` (:class:`PerTile` tensor descriptors, see the softmax forward): K and V as
     ``(B, H, Nk, D)`` in blocks of ``BLOCK_N`` keys and, with a Gaussian bias, their patch keys as
-    ``(B, H, gh, gw, D)`` in blocks of ``NR`` grid rows x ``min(GWP, BLOCK_N)`` columns."""
+    ``(B, H, gh, gw, D)`` in blocks of ``NR`` grid rows x ``TILE_W`` columns (:func:`configs.grid_tile_w`)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     out: list[Any] = []
@@ -365,7 +365,7 @@ def kv_descriptors(launch: KernelLaunch) -> list[Any]:
             shape = [t.shape[0], t.shape[1], (t.shape[2] - p) // gw, gw, t.shape[3]]
 
             def grid_desc(bm: int, bn: int, t=t, shape=shape, s=(s_b, s_h, gw * s_n, s_n, 1), bd=bd) -> Any:
-                tile_w = min(grid_pad(gw), bn)
+                tile_w = configs.grid_tile_w(grid_pad(gw), bm, bn, "fwd_softmax")
                 return TensorDescriptor(t[:, :, p:], shape, list(s), [1, 1, bn // tile_w, tile_w, bd])
 
             out.append(PerTile(grid_desc))
@@ -380,22 +380,30 @@ def factor_rows(n_q: int, num_prefix: int, grid_w: int) -> tuple[int, int]:
     return triton.cdiv(n_q, 128) * 128, grid_pad(grid_w) + triton.cdiv(rows, 8) * 8 + 8
 
 
-def even_flags(
-    tile_m: int, tile_n: int, n_q: int, n_k: int, even_d: bool, grid: tuple[int, int] | None = None
-) -> dict[str, bool]:
-    """``EVEN_M`` / ``EVEN_N`` / ``EVEN_D`` of a launch: the queries are whole tiles, the keys are whole
-    tiles, the head dims their padded size (the kernels then leave those bound masks out).
+# ``(num_prefix, grid_w, kernel)`` of a kernel that visits the keys in grid-aligned tiles (a Gaussian bias)
+GridKeys = tuple[int, int, str]
 
-    ``grid = (num_prefix, grid_w)`` for the kernels that visit the keys in grid-aligned tiles (a Gaussian
-    bias, see ``_common``): the keys are whole tiles when there are no prefix keys and the grid rows
-    fill whole tiles of ``BLOCK_N // min(GWP, BLOCK_N)`` rows."""
+
+def tile_flags(
+    tile_m: int, tile_n: int, n_q: int, n_k: int, even_d: bool, grid: GridKeys | None = None
+) -> dict[str, Any]:
+    """The constexpr flags of a launch that depend on the tile: ``EVEN_M`` / ``EVEN_N`` / ``EVEN_D`` (the
+    queries are whole tiles, the keys are whole tiles, the head dims their padded size: the kernels then
+    leave those bound masks out) and, for a kernel with grid-aligned key tiles, ``GRID_TW`` (their
+    ``TILE_W``, :func:`configs.grid_tile_w`).
+
+    ``grid = (num_prefix, grid_w, kernel)`` for the kernels that visit the keys in grid-aligned tiles (a
+    Gaussian bias, see ``_common``): the keys are whole tiles when there are no prefix keys and the grid
+    rows fill whole tiles of ``BLOCK_N // TILE_W`` rows (:func:`configs.grid_tile_w`)."""
+    flags: dict[str, Any] = dict(EVEN_M=n_q % tile_m == 0, EVEN_D=even_d)
     if grid is None:
-        even_n = n_k % tile_n == 0
+        flags["EVEN_N"] = n_k % tile_n == 0
     else:
-        num_prefix, grid_w = grid
-        rows = tile_n // min(grid_pad(grid_w), tile_n)
-        even_n = num_prefix == 0 and ((n_k - num_prefix) // grid_w) % rows == 0
-    return dict(EVEN_M=n_q % tile_m == 0, EVEN_N=even_n, EVEN_D=even_d)
+        num_prefix, grid_w, kernel = grid
+        tile_w = configs.grid_tile_w(grid_pad(grid_w), tile_m, tile_n, kernel)
+        flags["EVEN_N"] = num_prefix == 0 and ((n_k - num_prefix) // grid_w) % (tile_n // tile_w) == 0
+        flags["GRID_TW"] = tile_w
+    return flags
 
 
 def _launch(
@@ -406,16 +414,16 @@ def _launch(
     shape: tuple[int, int, int],
     even_d: bool,
     reset: Callable[[], object] | None = None,
-    grid_keys: tuple[int, int] | None = None,
+    grid_keys: GridKeys | None = None,
     tile_args: Callable[[configs.TileConfig], list[Any]] | None = None,
 ) -> None:
     """Launch kernel ``name`` over ``grid(BLOCK_M, BLOCK_N)`` under the arguments' CUDA device.
 
-    ``shape`` is ``(B·H, Nq, Nk)`` for the tuning key and the ``EVEN_*`` flags (:func:`even_flags`);
+    ``shape`` is ``(B·H, Nq, Nk)`` for the tuning key and the tile's flags (:func:`tile_flags`);
     ``reset`` restores an accumulated output (the additive mask's gradient, the live-tile map) after
-    benchmarking; ``grid_keys``: ``(num_prefix, grid_w)`` where the kernel visits grid-aligned key tiles;
-    ``tile_args(tile)`` are arguments that depend on the tile (the live-tile lists), after ``args``. The
-    interpreter runs ``configs.INTERPRET``.
+    benchmarking; ``grid_keys``: ``(num_prefix, grid_w, kernel)`` where the kernel visits grid-aligned key
+    tiles; ``tile_args(tile)`` are arguments that depend on the tile (the live-tile lists), after
+    ``args``. The interpreter runs ``configs.INTERPRET``.
     """
     fn = kernels()[name]
     _, n_q, n_k = shape
@@ -427,14 +435,14 @@ def _launch(
             if compile_only():  # nothing to compile in the interpreter
                 return
             c = configs.INTERPRET
-            even = even_flags(c.block_m, c.block_n, n_q, n_k, even_d, grid_keys)
+            even = tile_flags(c.block_m, c.block_n, n_q, n_k, even_d, grid_keys)
             fn[grid(c.block_m, c.block_n)](
                 *args_at(args, tile_args, c), BLOCK_M=c.block_m, BLOCK_N=c.block_n, **meta, **even
             )
             return
 
         def run(tile: configs.TileConfig, warm: bool = False) -> None:
-            even = even_flags(tile.block_m, tile.block_n, n_q, n_k, even_d, grid_keys)
+            even = tile_flags(tile.block_m, tile.block_n, n_q, n_k, even_d, grid_keys)
             kw = dict(
                 BLOCK_M=tile.block_m,
                 BLOCK_N=tile.block_n,
@@ -479,7 +487,7 @@ def _launch(
 @dataclass
 class Captured:
     """One launch recorded by :func:`capture` instead of run: the kernel, its arguments and constexpr
-    flags (without the tile's), and what its tile-dependent ``EVEN_*`` flags need."""
+    flags (without the tile's), and what its tile-dependent flags need."""
 
     name: str
     fn: Any
@@ -487,13 +495,13 @@ class Captured:
     meta: dict[str, Any]
     shape: tuple[int, int, int]
     even_d: bool
-    grid_keys: tuple[int, int] | None
+    grid_keys: GridKeys | None
     tile_args: Callable[[configs.TileConfig], list[Any]] | None = None
 
-    def even(self, block_m: int, block_n: int) -> dict[str, bool]:
-        """The ``EVEN_*`` flags of this launch at a tile (:func:`even_flags`)."""
+    def tile_flags(self, block_m: int, block_n: int) -> dict[str, Any]:
+        """The tile-dependent flags of this launch at a tile (:func:`tile_flags`)."""
         _, n_q, n_k = self.shape
-        return even_flags(block_m, block_n, n_q, n_k, self.even_d, self.grid_keys)
+        return tile_flags(block_m, block_n, n_q, n_k, self.even_d, self.grid_keys)
 
     def args_at(self, block_m: int, block_n: int) -> list[Any]:
         """The arguments at a tile of ``block_m x block_n`` (:func:`args_at`)."""
@@ -636,19 +644,19 @@ class KernelLaunch:
         """Both head dims are their padded size (no head-dim masks)."""
         return block_dim(self.q.shape[3]) == self.q.shape[3] and block_dim(self.v.shape[3]) == self.v.shape[3]
 
-    @property
-    def grid_keys(self) -> tuple[int, int] | None:
-        """``(num_prefix, grid_w)`` with a Gaussian bias (the keys are visited in grid-aligned tiles)."""
-        return (self.num_prefix, self.grid_w) if self.den is not None else None
+    def grid_keys(self, kernel: str) -> GridKeys | None:
+        """``(num_prefix, grid_w, kernel)`` with a Gaussian bias (``kernel`` visits the keys in grid-aligned
+        tiles), else ``None``."""
+        return (self.num_prefix, self.grid_w, kernel) if self.den is not None else None
 
-    def key_blocks(self, block_n: int) -> int:
+    def key_blocks(self, block_m: int, block_n: int) -> int:
         """The dK/dV programs per ``(b, h)`` for key blocks of ``block_n``: plain blocks of the keys, or
         with a Gaussian bias the prefix keys' blocks and the grid-aligned blocks (``NR`` grid rows of
-        one chunk of ``min(GWP, block_n)`` columns)."""
+        one chunk of ``TILE_W`` columns, :func:`configs.grid_tile_w`)."""
         n_k = self.k.shape[2]
         if self.den is None:
             return triton.cdiv(n_k, block_n)
-        tile_w = min(grid_pad(self.grid_w), block_n)
+        tile_w = configs.grid_tile_w(grid_pad(self.grid_w), block_m, block_n, "bwd_dkdv")
         rows = (n_k - self.num_prefix) // self.grid_w
         chunks = grid_pad(self.grid_w) // tile_w
         return triton.cdiv(self.num_prefix, block_n) + chunks * triton.cdiv(rows, block_n // tile_w)
@@ -794,7 +802,7 @@ def _forward(
         launch.shape,
         launch.even_d,
         reset=live.zero_,
-        grid_keys=launch.grid_keys if name == "fwd_softmax" else None,
+        grid_keys=launch.grid_keys(name) if name == "fwd_softmax" else None,
         tile_args=tile_args,
     )
     return out, stat, og, live
@@ -967,9 +975,9 @@ def _backward(
         del meta["WINDOW"], meta["DILATED"]
         meta.update(launch.grid_flags())
         dkdv_args = [q, k, v, do, stat, delta, fact, dk, dvv, *operands, *strides, *scalars, n_qp, n_fr]
-        dkdv_blocks = lambda bm, bn: (launch.key_blocks(bn), b * h)  # noqa: E731
-        dkdv_extra = dict(grid_keys=launch.grid_keys)
-        dq_tail, dq_meta, dq_extra = [], {}, dict(grid_keys=launch.grid_keys)
+        dkdv_blocks = lambda bm, bn: (launch.key_blocks(bm, bn), b * h)  # noqa: E731
+        dkdv_extra = dict(grid_keys=launch.grid_keys("bwd_dkdv"))
+        dq_tail, dq_meta, dq_extra = [], {}, dict(grid_keys=launch.grid_keys("bwd_dq"))
     suffix = "_lists" if lists else ""
     _launch("bwd_dkdv" + suffix, dkdv_blocks, dkdv_args, meta, launch.shape, launch.even_d, **dkdv_extra)
     dq_extra["reset"] = dadd.zero_ if add_mode == 2 else None  # atomics accumulate: reset after benchmarking

@@ -195,13 +195,15 @@ def _fwd_softmax_kernel(
     GWP: tl.constexpr,
     PAD_W: tl.constexpr,
     KV_TMA: tl.constexpr,
+    GRID_TW: tl.constexpr = 16,
 ):
     """``O[b, h, rows] = softmax(z) V`` and ``STAT = lse`` for one block of query rows.
 
     Shapes: Q ``(B, H, Nq, D)``, K ``(B, H, Nk, D)``, V ``(B, H, Nk, Dv)`` (any strides); O contiguous
     ``(B, H, Nq, Dv)``; STAT contiguous float32 ``(B, H, Nq)``. ``GWP``: the padded grid width of the
     Gaussian bias (a power of two >= ``grid_w``); ``PAD_W``: ``grid_w < GWP`` (slots past the grid width
-    are masked). ``EVEN_N``: no prefix keys and no partial tile (the grid rows fill whole tiles; without
+    are masked); ``GRID_TW``: ``TILE_W``, the grid columns of a key tile (``configs.grid_tile_w``; unused
+    without a bias). ``EVEN_N``: no prefix keys and no partial tile (the grid rows fill whole tiles; without
     a bias, ``Nk`` is a multiple of ``BLOCK_N``). ``KV_TMA``: K and V tiles by TMA (sm_90) through the
     tensor descriptors ``KT``, ``VT`` (``(B, H, Nk, D)``, blocks of ``TILE_W`` keys) and, with a Gaussian
     bias, ``KG``, ``VG`` (the patch keys as ``(B, H, gh, gw, D)``, blocks of ``NR`` grid rows x ``TILE_W``
@@ -256,7 +258,7 @@ def _fwd_softmax_kernel(
     d_ok = offs_d < head_d
     dv_ok = offs_dv < head_dv
     if GAUSS:
-        TILE_W: tl.constexpr = GWP if GWP < BLOCK_N else BLOCK_N
+        TILE_W: tl.constexpr = GRID_TW
         CH: tl.constexpr = GWP // TILE_W
         row_w = grid_w
         n_rows = (n_k - num_prefix) // grid_w
