@@ -235,7 +235,17 @@ def test_sass_reader_counts_one_iteration_per_score_element():
 # ---- what the report compiles: the launches of a real call, specialized as the JIT would ----------------
 
 
-def test_builds_carry_the_jits_specialization():
+@pytest.fixture
+def compiled_kernels(monkeypatch):
+    """The compiled (not interpreted) kernels for :func:`aot.launches`, whichever test file set
+    ``TRITON_INTERPRET`` earlier in this worker: the flag unset and the captured launches dropped."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    aot.launches.cache_clear()
+    yield
+    aot.launches.cache_clear()
+
+
+def test_builds_carry_the_jits_specialization(compiled_kernels):
     """The report compiles each kernel with the arguments ``ops`` passes on a real call (captured on meta
     tensors) through the JIT's own binder: at N = 4096 the lengths and strides are marked divisible by 16
     and the unit head-dim stride is a constant, at N = 197 (ViT's 224 px input) the lengths are not."""
@@ -249,6 +259,28 @@ def test_builds_carry_the_jits_specialization():
         assert ("n_q" in divisible) == marked and ("n_k" in divisible) == marked
         assert "s_qm" in divisible and "Q" in divisible  # 16-byte aligned pointers and strides (D = 64, 48)
         assert src.signature["s_qd"] == "constexpr"  # a unit stride, as the JIT specializes it
+
+
+@pytest.mark.parametrize(
+    ("arch", "head_dim", "kernel", "tile", "width"),
+    [
+        (90, 64, "fwd_softmax", (64, 64), 32),  # narrower chunks: the goals' builds
+        (90, 64, "fwd_softmax", (128, 64), 64),  # per tile height
+        (90, 128, "fwd_softmax", (64, 64), 64),  # the forward above head dim 64: whole-tile chunks
+        (80, 64, "fwd_softmax", (64, 64), 64),  # and on sm_80
+        (80, 64, "bwd_dkdv", (32, 64), 16),  # dK/dV narrows on both archs
+        (90, 128, "bwd_dkdv", (16, 64), 32),
+        (90, 64, "bwd_dq", (64, 64), 32),
+    ],
+)
+def test_grid_chunk_width_follows_the_arch_and_head_dim(
+    arch, head_dim, kernel, tile, width, compiled_kernels
+):
+    """The chunk width a real call passes (``GRID_TW``, captured on meta tensors at N = 4096 on a 64-wide
+    grid) is :func:`configs.grid_tile_w`'s for the launch's arch and padded head dim."""
+    pytest.importorskip("triton")
+    rec = aot.launches("softmax", "gaussian", True, head_dim, "bf16", arch)[kernel]
+    assert rec.tile_flags(*tile)["GRID_TW"] == width
 
 
 def test_flash_rows_say_why_when_the_tutorial_is_absent(monkeypatch, tmp_path):

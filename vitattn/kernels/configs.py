@@ -218,13 +218,20 @@ def autotune_list(
 # score in the static report (docs/kernels.md).
 GRID_TILE_W: dict[str, int] = {"fwd_softmax": 32, "bwd_dkdv": 16, "bwd_dq": 32}
 GRID_TILE_W_BY_ROWS: dict[tuple[str, int], int] = {("bwd_dkdv", 16): 32, ("fwd_softmax", 128): 64}
+# The forward's narrower chunks pay on sm_90 at padded head dims up to this only: at head dim 128, and on
+# sm_80, the forward's 64 x 64 tile issues fewer instructions with whole-tile chunks (docs/kernels.md).
+FWD_NARROW_MAX_HEAD_DIM = 64
 
 
-def grid_tile_w(gwp: int, block_m: int, block_n: int, kernel: str) -> int:
+def grid_tile_w(
+    gwp: int, block_m: int, block_n: int, kernel: str, arch: int = DEFAULT_ARCH, block_d: int = 64
+) -> int:
     """``TILE_W``, the grid columns of one grid-aligned key tile of ``kernel`` at a ``block_m x block_n``
-    tile and padded grid width ``gwp``: the least of ``gwp``, ``block_n`` and the kernel's widest chunk
-    (all powers of two, so it divides both)."""
+    tile, padded grid width ``gwp``, on ``arch`` at padded head dim ``block_d``: the least of ``gwp``,
+    ``block_n`` and the kernel's widest chunk (all powers of two, so it divides both)."""
     cap = GRID_TILE_W_BY_ROWS.get((kernel, block_m), GRID_TILE_W[kernel])
+    if kernel == "fwd_softmax" and (arch_of(arch) < 90 or block_d > FWD_NARROW_MAX_HEAD_DIM):
+        cap = block_n
     return min(gwp, block_n, cap)
 
 

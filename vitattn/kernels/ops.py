@@ -345,11 +345,10 @@ def kv_tma(launch: KernelLaunch) -> bool:
 def kv_descriptors(launch: KernelLaunch) -> list[Any]:
     """``[KT, VT, KG, VG]`` (:class:`PerTile` tensor descriptors, see the softmax forward): K and V as
     ``(B, H, Nk, D)`` in blocks of ``BLOCK_N`` keys and, with a Gaussian bias, their patch keys as
-    ``(B, H, gh, gw, D)`` in blocks of ``NR`` grid rows x ``TILE_W`` columns (:func:`configs.grid_tile_w`)."""
+    ``(B, H, gh, gw, D)`` in blocks of ``NR`` grid rows x ``TILE_W`` columns (:meth:`GridKeys.tile_w`)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     out: list[Any] = []
-    gaussian = launch.den is not None
     for t, bd in ((launch.k, block_dim(launch.q.shape[3])), (launch.v, block_dim(launch.v.shape[3]))):
         strides = tma_strides(t)
         assert strides is not None
@@ -358,14 +357,17 @@ def kv_descriptors(launch: KernelLaunch) -> list[Any]:
             return TensorDescriptor(t, list(t.shape), s, [1, 1, bn, bd])
 
         out.append(PerTile(flat_desc))
-    if gaussian:
+    keys = launch.grid_keys("fwd_softmax")
+    if keys is not None:
         p, gw = launch.num_prefix, launch.grid_w
         for t, bd in ((launch.k, block_dim(launch.q.shape[3])), (launch.v, block_dim(launch.v.shape[3]))):
             s_b, s_h, s_n, _ = tma_strides(t)  # type: ignore[misc]
             shape = [t.shape[0], t.shape[1], (t.shape[2] - p) // gw, gw, t.shape[3]]
 
-            def grid_desc(bm: int, bn: int, t=t, shape=shape, s=(s_b, s_h, gw * s_n, s_n, 1), bd=bd) -> Any:
-                tile_w = configs.grid_tile_w(grid_pad(gw), bm, bn, "fwd_softmax")
+            def grid_desc(
+                bm: int, bn: int, t=t, shape=shape, s=(s_b, s_h, gw * s_n, s_n, 1), bd=bd, keys=keys
+            ) -> Any:
+                tile_w = keys.tile_w(bm, bn)
                 return TensorDescriptor(t[:, :, p:], shape, list(s), [1, 1, bn // tile_w, tile_w, bd])
 
             out.append(PerTile(grid_desc))
@@ -380,8 +382,22 @@ def factor_rows(n_q: int, num_prefix: int, grid_w: int) -> tuple[int, int]:
     return triton.cdiv(n_q, 128) * 128, grid_pad(grid_w) + triton.cdiv(rows, 8) * 8 + 8
 
 
-# ``(num_prefix, grid_w, kernel)`` of a kernel that visits the keys in grid-aligned tiles (a Gaussian bias)
-GridKeys = tuple[int, int, str]
+@dataclass(frozen=True)
+class GridKeys:
+    """How ``kernel`` visits the keys in grid-aligned tiles (a Gaussian bias, see ``_common``): the prefix
+    keys, the grid width, and what its chunk width depends on (the config lists' ``arch``, the padded
+    head dim ``block_d``)."""
+
+    num_prefix: int
+    grid_w: int
+    kernel: str
+    arch: int
+    block_d: int
+
+    def tile_w(self, block_m: int, block_n: int) -> int:
+        """``TILE_W`` at a ``block_m x block_n`` tile (:func:`configs.grid_tile_w`)."""
+        gwp = grid_pad(self.grid_w)
+        return configs.grid_tile_w(gwp, block_m, block_n, self.kernel, self.arch, self.block_d)
 
 
 def tile_flags(
@@ -392,16 +408,16 @@ def tile_flags(
     leave those bound masks out) and, for a kernel with grid-aligned key tiles, ``GRID_TW`` (their
     ``TILE_W``, :func:`configs.grid_tile_w`).
 
-    ``grid = (num_prefix, grid_w, kernel)`` for the kernels that visit the keys in grid-aligned tiles (a
+    ``grid`` (:class:`GridKeys`) for the kernels that visit the keys in grid-aligned tiles (a
     Gaussian bias, see ``_common``): the keys are whole tiles when there are no prefix keys and the grid
     rows fill whole tiles of ``BLOCK_N // TILE_W`` rows (:func:`configs.grid_tile_w`)."""
     flags: dict[str, Any] = dict(EVEN_M=n_q % tile_m == 0, EVEN_D=even_d)
     if grid is None:
         flags["EVEN_N"] = n_k % tile_n == 0
     else:
-        num_prefix, grid_w, kernel = grid
-        tile_w = configs.grid_tile_w(grid_pad(grid_w), tile_m, tile_n, kernel)
-        flags["EVEN_N"] = num_prefix == 0 and ((n_k - num_prefix) // grid_w) % (tile_n // tile_w) == 0
+        tile_w = grid.tile_w(tile_m, tile_n)
+        rows = (n_k - grid.num_prefix) // grid.grid_w
+        flags["EVEN_N"] = grid.num_prefix == 0 and rows % (tile_n // tile_w) == 0
         flags["GRID_TW"] = tile_w
     return flags
 
@@ -421,9 +437,9 @@ def _launch(
 
     ``shape`` is ``(B·H, Nq, Nk)`` for the tuning key and the tile's flags (:func:`tile_flags`);
     ``reset`` restores an accumulated output (the additive mask's gradient, the live-tile map) after
-    benchmarking; ``grid_keys``: ``(num_prefix, grid_w, kernel)`` where the kernel visits grid-aligned key
-    tiles; ``tile_args(tile)`` are arguments that depend on the tile (the live-tile lists), after
-    ``args``. The interpreter runs ``configs.INTERPRET``.
+    benchmarking; ``grid_keys``: :class:`GridKeys` where the kernel visits grid-aligned key tiles;
+    ``tile_args(tile)`` are arguments that depend on the tile (the live-tile lists), after ``args``. The
+    interpreter runs ``configs.INTERPRET``.
     """
     fn = kernels()[name]
     _, n_q, n_k = shape
@@ -645,9 +661,11 @@ class KernelLaunch:
         return block_dim(self.q.shape[3]) == self.q.shape[3] and block_dim(self.v.shape[3]) == self.v.shape[3]
 
     def grid_keys(self, kernel: str) -> GridKeys | None:
-        """``(num_prefix, grid_w, kernel)`` with a Gaussian bias (``kernel`` visits the keys in grid-aligned
-        tiles), else ``None``."""
-        return (self.num_prefix, self.grid_w, kernel) if self.den is not None else None
+        """With a Gaussian bias, how ``kernel`` visits the keys in grid-aligned tiles; else ``None``."""
+        if self.den is None:
+            return None
+        block_d = block_dim(max(self.q.shape[3], self.v.shape[3]))
+        return GridKeys(self.num_prefix, self.grid_w, kernel, device_arch([self.q]), block_d)
 
     def key_blocks(self, block_m: int, block_n: int) -> int:
         """The dK/dV programs per ``(b, h)`` for key blocks of ``block_n``: plain blocks of the keys, or
@@ -656,7 +674,9 @@ class KernelLaunch:
         n_k = self.k.shape[2]
         if self.den is None:
             return triton.cdiv(n_k, block_n)
-        tile_w = configs.grid_tile_w(grid_pad(self.grid_w), block_m, block_n, "bwd_dkdv")
+        keys = self.grid_keys("bwd_dkdv")
+        assert keys is not None
+        tile_w = keys.tile_w(block_m, block_n)
         rows = (n_k - self.num_prefix) // self.grid_w
         chunks = grid_pad(self.grid_w) // tile_w
         return triton.cdiv(self.num_prefix, block_n) + chunks * triton.cdiv(rows, block_n // tile_w)

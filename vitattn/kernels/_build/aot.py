@@ -130,7 +130,8 @@ class Build:
             call = EVEN_CALL if self.even else RAGGED_CALL
             gwp = max(16, 1 << (int(call["grid"][1]) - 1).bit_length())
             # a single prefix token is specialized to a constant by the JIT: its "loop" is straight code
-            tile_w = configs.grid_tile_w(gwp, self.config.block_m, self.config.block_n, self.kernel)
+            cfg = self.config
+            tile_w = configs.grid_tile_w(gwp, cfg.block_m, cfg.block_n, self.kernel, self.arch, self.head_dim)
             loops = gwp // tile_w + (1 if int(call["prefix"]) > 1 else 0)
         return [per] * loops
 
