@@ -283,6 +283,11 @@ def test_grid_chunk_width_follows_the_arch_and_head_dim(
     assert rec.tile_flags(*tile)["GRID_TW"] == width
 
 
+def test_grid_chunk_width_names_a_kernel_without_grid_tiles():
+    with pytest.raises(ValueError, match="kernel='fwd_entmax15' has no grid-aligned key tiles"):
+        configs.grid_tile_w(64, 64, 64, "fwd_entmax15")
+
+
 def test_flash_rows_say_why_when_the_tutorial_is_absent(monkeypatch, tmp_path):
     monkeypatch.setenv(compare.FLASH_ENV, str(tmp_path / "missing.py"))
     rows = compare.compile_flash(compare.FlashBuild(90, "bwd", 32, 64, 4, 3, 64, 64))

@@ -229,6 +229,9 @@ def grid_tile_w(
     """``TILE_W``, the grid columns of one grid-aligned key tile of ``kernel`` at a ``block_m x block_n``
     tile, padded grid width ``gwp``, on ``arch`` at padded head dim ``block_d``: the least of ``gwp``,
     ``block_n`` and the kernel's widest chunk (all powers of two, so it divides both)."""
+    if kernel not in GRID_TILE_W:
+        known = sorted(GRID_TILE_W)
+        raise ValueError(f"kernel={kernel!r} has no grid-aligned key tiles; expected one of {known}")
     cap = GRID_TILE_W_BY_ROWS.get((kernel, block_m), GRID_TILE_W[kernel])
     if kernel == "fwd_softmax" and (arch_of(arch) < 90 or block_d > FWD_NARROW_MAX_HEAD_DIM):
         cap = block_n
