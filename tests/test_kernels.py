@@ -162,8 +162,10 @@ F32_CASES = [
     # the grid-aligned key tiles of the Gaussian bias (interpreter tiles: 32 keys): whole tiles (no prefix,
     # the grid width a power of two, whole rows per tile), grid rows wider than a tile (two chunks of
     # columns), prefix keys filling tiles of their own, a padded grid width with an additive mask whose
-    # gradient is stored (per (b, h)) or added atomically (broadcast over the batch)
+    # gradient is stored (per (b, h)) or added atomically (broadcast over the batch), tiles of one whole
+    # grid row of an unpadded grid after prefix keys (the forward's flat K / V descriptors)
     Case("softmax", "gaussian", n=64, d=16, prefix=0, grid=(4, 16), b=1),
+    Case("softmax", "gaussian", n=98, d=16, prefix=2, grid=(3, 32), b=1),
     Case("softmax", "gaussian", n=122, d=16, prefix=2, grid=(3, 40), b=1),
     Case("softmax", "gaussian", n=60, d=16, prefix=40, grid=(4, 5), b=1),
     Case("softmax", "gaussian_add_full", n=37, d=16, prefix=1, grid=(6, 6)),

@@ -97,7 +97,7 @@ def _outer_kernel(QR, QC, DEN, OUT, clamp, a0, b0, BM: tl.constexpr, NR: tl.cons
     qc = tl.load(QC + i)
     cr, fr = _common.axis_coefs(tl.load(DEN + 2 * i), clamp)
     cc, fc = _common.axis_coefs(tl.load(DEN + 2 * i + 1), clamp)
-    r, _tr = _common.row_factors(qr, cr, fr, a0, NR)
+    r, _tr = _common.row_factors(qr - a0, cr, fr, NR)
     slot = tl.arange(0, NR * TW)
     if TRANS:
         c, _tc = _common.col_factors(qc, cc, fc, b0, TW, True)

@@ -71,6 +71,20 @@ def _dot_acc(a, b, acc, F32_DOT: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
+# The running row sums of online softmax are kept as ``(BLOCK_M, ROW_PARTS)`` partial sums, one per
+# column residue mod ``ROW_PARTS``: the MMA layouts (mma.sync and wgmma alike) give each thread two
+# adjacent columns of every eight, so a tile adds into the partial sums inside the thread — no shuffles
+# per tile, one reduction at the end (:func:`row_partial_sums`).
+ROW_PARTS: tl.constexpr = tl.constexpr(8)
+
+
+@triton.jit
+def row_partial_sums(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(BLOCK_M, ROW_PARTS)``: ``p`` ``(BLOCK_M, BLOCK_N)`` summed over the columns of each residue mod
+    ``ROW_PARTS`` (``BLOCK_N`` a multiple of it); ``tl.sum(., 1)`` of it is the row sum."""
+    return tl.sum(tl.reshape(p, (BLOCK_M, BLOCK_N // ROW_PARTS, ROW_PARTS)), 1)
+
+
 @triton.jit
 def exp2_fma(x):
     """``2^x`` for ``x <= 0`` (``-inf`` included) without the special-function unit: Cody-Waite
@@ -601,11 +615,12 @@ def col_factors(qc, cc, fc, b0, TILE_W: tl.constexpr, TRANS: tl.constexpr):
 
 
 @triton.jit
-def row_factors(qr, cr, fr, a0, NR: tl.constexpr):
-    """``(R, t)``, the row factors ``R = 2^t``, ``t = max(cr (qr - a)^2, fr)`` of grid rows
-    ``a = a0 + arange(NR)`` (``a0`` a float): ``(BLOCK_M, NR)``."""
-    a = a0 + tl.arange(0, NR).to(tl.float32)
-    t = axis_exponent(qr[:, None] - a[None, :], cr[:, None], fr[:, None])
+def row_factors(dr, cr, fr, NR: tl.constexpr):
+    """``(R, t)``, the row factors ``R = 2^t``, ``t = max(cr (dr - j)^2, fr)`` of the tile's grid rows
+    ``j = 0 .. NR - 1``, ``dr = qr - a0`` the query rows' offsets from its first grid row ``a0`` (floats
+    holding integers, so ``dr - j`` equals ``qr - (a0 + j)`` exactly): ``(BLOCK_M, NR)``."""
+    d = dr[:, None] - tl.arange(0, NR).to(tl.float32)[None, :]
+    t = axis_exponent(d, cr[:, None], fr[:, None])
     return tl.exp2(t), t
 
 

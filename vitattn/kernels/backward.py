@@ -629,7 +629,7 @@ def _bwd_dq_kernel(
             r = 0.0
             r_t = 0.0
             if GAUSS:
-                r, t_r = row_factors(qr, cr, fr, a0, NR)
+                r, t_r = row_factors(qr - a0, cr, fr, NR)
                 r_t = r * t_r
             k, v = _load_kv(k_ptrs, v_ptrs, ok, d_ok, dv_ok, PAD_W, EVEN_D)
             dq, w, w2 = _dq_tile(
@@ -647,7 +647,7 @@ def _bwd_dq_kernel(
                 r = 0.0
                 r_t = 0.0
                 if GAUSS:
-                    r, t_r = row_factors(qr, cr, fr, a0, NR)
+                    r, t_r = row_factors(qr - a0, cr, fr, NR)
                     r_t = r * t_r
                 ok_t = ok & (offs_n < n_k)
                 k, v = _load_kv(k_ptrs, v_ptrs, ok_t, d_ok, dv_ok, True, EVEN_D)

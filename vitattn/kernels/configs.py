@@ -212,29 +212,22 @@ def autotune_list(
 
 # The widest chunk of grid columns a grid-aligned key tile covers (the Gaussian kernels: ``_common``,
 # "grid-aligned key tiles"), per kernel, and per (kernel, BLOCK_M) where a tile differs. A narrower chunk
-# holds fewer column factors per thread (the forward and dQ keep ``BLOCK_M x TILE_W`` of them in registers,
-# dK/dV loads ``TILE_W + NR`` factor rows per query tile) at the cost of more row factors
-# (``NR = BLOCK_N / TILE_W`` per query and tile); the widths are the ones with the fewest instructions per
-# score in the static report (docs/kernels.md).
-GRID_TILE_W: dict[str, int] = {"fwd_softmax": 32, "bwd_dkdv": 16, "bwd_dq": 32}
-GRID_TILE_W_BY_ROWS: dict[tuple[str, int], int] = {("bwd_dkdv", 16): 32, ("fwd_softmax", 128): 64}
-# The forward's narrower chunks pay on sm_90 at padded head dims up to this only: at head dim 128, and on
-# sm_80, the forward's 64 x 64 tile issues fewer instructions with whole-tile chunks (docs/kernels.md).
-FWD_NARROW_MAX_HEAD_DIM = 64
+# holds fewer column factors per thread (dQ keeps ``BLOCK_M x TILE_W`` of them in registers, dK/dV loads
+# ``TILE_W + NR`` factor rows per query tile) at the cost of more row factors (``NR = BLOCK_N / TILE_W``
+# per query and tile); the widths are the ones with the fewest instructions per score in the static
+# report (docs/kernels.md). The forward takes whole-tile chunks: one row factor per query row and tile.
+GRID_TILE_W: dict[str, int] = {"fwd_softmax": 64, "bwd_dkdv": 16, "bwd_dq": 32}
+GRID_TILE_W_BY_ROWS: dict[tuple[str, int], int] = {("bwd_dkdv", 16): 32}
 
 
-def grid_tile_w(
-    gwp: int, block_m: int, block_n: int, kernel: str, arch: int = DEFAULT_ARCH, block_d: int = 64
-) -> int:
+def grid_tile_w(gwp: int, block_m: int, block_n: int, kernel: str) -> int:
     """``TILE_W``, the grid columns of one grid-aligned key tile of ``kernel`` at a ``block_m x block_n``
-    tile, padded grid width ``gwp``, on ``arch`` at padded head dim ``block_d``: the least of ``gwp``,
-    ``block_n`` and the kernel's widest chunk (all powers of two, so it divides both)."""
+    tile and padded grid width ``gwp``: the least of ``gwp``, ``block_n`` and the kernel's widest chunk
+    (all powers of two, so it divides both)."""
     if kernel not in GRID_TILE_W:
         known = sorted(GRID_TILE_W)
         raise ValueError(f"kernel={kernel!r} has no grid-aligned key tiles; expected one of {known}")
     cap = GRID_TILE_W_BY_ROWS.get((kernel, block_m), GRID_TILE_W[kernel])
-    if kernel == "fwd_softmax" and (arch_of(arch) < 90 or block_d > FWD_NARROW_MAX_HEAD_DIM):
-        cap = block_n
     return min(gwp, block_n, cap)
 
 

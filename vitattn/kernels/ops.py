@@ -385,19 +385,15 @@ def factor_rows(n_q: int, num_prefix: int, grid_w: int) -> tuple[int, int]:
 @dataclass(frozen=True)
 class GridKeys:
     """How ``kernel`` visits the keys in grid-aligned tiles (a Gaussian bias, see ``_common``): the prefix
-    keys, the grid width, and what its chunk width depends on (the config lists' ``arch``, the padded
-    head dim ``block_d``)."""
+    keys and the grid width."""
 
     num_prefix: int
     grid_w: int
     kernel: str
-    arch: int
-    block_d: int
 
     def tile_w(self, block_m: int, block_n: int) -> int:
         """``TILE_W`` at a ``block_m x block_n`` tile (:func:`configs.grid_tile_w`)."""
-        gwp = grid_pad(self.grid_w)
-        return configs.grid_tile_w(gwp, block_m, block_n, self.kernel, self.arch, self.block_d)
+        return configs.grid_tile_w(grid_pad(self.grid_w), block_m, block_n, self.kernel)
 
 
 def tile_flags(
@@ -655,6 +651,10 @@ class KernelLaunch:
             self.clamp,
         ]
 
+    def grid_rows(self) -> int:
+        """The grid rows of the patch keys, ``(Nk - num_prefix) // grid_w`` (0 without a layout)."""
+        return (self.k.shape[2] - self.num_prefix) // self.grid_w if self.grid_w > 0 else 0
+
     @property
     def even_d(self) -> bool:
         """Both head dims are their padded size (no head-dim masks)."""
@@ -664,8 +664,7 @@ class KernelLaunch:
         """With a Gaussian bias, how ``kernel`` visits the keys in grid-aligned tiles; else ``None``."""
         if self.den is None:
             return None
-        block_d = block_dim(max(self.q.shape[3], self.v.shape[3]))
-        return GridKeys(self.num_prefix, self.grid_w, kernel, device_arch([self.q]), block_d)
+        return GridKeys(self.num_prefix, self.grid_w, kernel)
 
     def key_blocks(self, block_m: int, block_n: int) -> int:
         """The dK/dV programs per ``(b, h)`` for key blocks of ``block_n``: plain blocks of the keys, or
@@ -677,7 +676,7 @@ class KernelLaunch:
         keys = self.grid_keys("bwd_dkdv")
         assert keys is not None
         tile_w = keys.tile_w(block_m, block_n)
-        rows = (n_k - self.num_prefix) // self.grid_w
+        rows = self.grid_rows()
         chunks = grid_pad(self.grid_w) // tile_w
         return triton.cdiv(self.num_prefix, block_n) + chunks * triton.cdiv(rows, block_n // tile_w)
 
@@ -795,6 +794,8 @@ def _forward(
         descs = kv_descriptors(launch) if tma else []
         head += descs + [dummy] * (4 - len(descs))
     args = [*head, *launch.strides(), *launch.scalars()]
+    if name == "fwd_softmax":
+        args.append(launch.grid_rows())
     if launch.ent is not None:
         args += launch.ent_args(dummy)
     live = q.new_empty(0, dtype=torch.uint8)

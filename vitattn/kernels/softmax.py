@@ -25,6 +25,7 @@ import triton.language as tl
 
 from ._common import (
     LOG2E,
+    ROW_PARTS,
     _dot,
     _fwd_prologue,
     _load_kv,
@@ -35,6 +36,7 @@ from ._common import (
     col_factors,
     key_slots,
     row_factors,
+    row_partial_sums,
 )
 
 
@@ -86,7 +88,7 @@ def _fwd_tile(
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
     p = tl.exp2(s * su - m_safe[:, None])
     corr = tl.exp2(m_i - m_safe)  # m_i = -inf gives 0
-    l_i = l_i * corr + tl.sum(p, 1)
+    l_i = l_i * corr[:, None] + row_partial_sums(p, BLOCK_M, NR * TILE_W)
     acc = acc * corr[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
     return acc, m_new, l_i
 
@@ -106,6 +108,8 @@ def _grid_kv(
     h_idx,
     tile,
     col0,
+    key0,
+    row_w,
     GAUSS: tl.constexpr,
     KV_TMA: tl.constexpr,
     MASKED: tl.constexpr,
@@ -118,9 +122,14 @@ def _grid_kv(
     """The K and V tiles of key tile ``tile`` of the main loop: by TMA (``KV_TMA``) from the grid view
     ``KG``, ``VG`` (``NR`` grid rows from row ``tile * NR``, columns from ``col0``; with ``GAUSS``) or the
     flat ``KT``, ``VT`` (keys from ``tile * BLOCK_N``), else through the pointers (:func:`_load_kv`,
-    ``ok`` masking the keys if ``MASKED``)."""
+    ``ok`` masking the keys if ``MASKED``). A Gaussian tile of one whole grid row of an unpadded grid
+    (``NR == 1``, not ``MASKED``) is ``BLOCK_N`` consecutive keys from ``key0 + tile * row_w`` (``key0``
+    the chunk's first key): it takes the flat descriptors, whose 4-D loads take fewer instructions."""
     if KV_TMA:
-        if GAUSS:
+        if GAUSS and NR == 1 and not MASKED:
+            k = tl.reshape(KT.load([b_idx, h_idx, key0 + tile * row_w, 0]), (BLOCK_N, BLOCK_D))
+            v = tl.reshape(VT.load([b_idx, h_idx, key0 + tile * row_w, 0]), (BLOCK_N, BLOCK_DV))
+        elif GAUSS:
             k = tl.reshape(KG.load([b_idx, h_idx, tile * NR, col0, 0]), (BLOCK_N, BLOCK_D))
             v = tl.reshape(VG.load([b_idx, h_idx, tile * NR, col0, 0]), (BLOCK_N, BLOCK_DV))
         else:
@@ -181,6 +190,7 @@ def _fwd_softmax_kernel(
     num_prefix,
     grid_w,
     clamp,
+    grid_h,
     GAUSS: tl.constexpr,
     HAS_ADD: tl.constexpr,
     HAS_KEEP: tl.constexpr,
@@ -202,15 +212,18 @@ def _fwd_softmax_kernel(
     Shapes: Q ``(B, H, Nq, D)``, K ``(B, H, Nk, D)``, V ``(B, H, Nk, Dv)`` (any strides); O contiguous
     ``(B, H, Nq, Dv)``; STAT contiguous float32 ``(B, H, Nq)``. ``GWP``: the padded grid width of the
     Gaussian bias (a power of two >= ``grid_w``); ``PAD_W``: ``grid_w < GWP`` (slots past the grid width
-    are masked); ``GRID_TW``: ``TILE_W``, the grid columns of a key tile (``configs.grid_tile_w``; unused
-    without a bias). ``EVEN_N``: no prefix keys and no partial tile (the grid rows fill whole tiles; without
-    a bias, ``Nk`` is a multiple of ``BLOCK_N``). ``KV_TMA``: K and V tiles by TMA (sm_90) through the
-    tensor descriptors ``KT``, ``VT`` (``(B, H, Nk, D)``, blocks of ``TILE_W`` keys) and, with a Gaussian
-    bias, ``KG``, ``VG`` (the patch keys as ``(B, H, gh, gw, D)``, blocks of ``NR`` grid rows x ``TILE_W``
-    columns; past the grid width or height they read zeros); else through pointers (``K``, ``V``).
+    are masked); ``grid_h``: the grid rows of the patch keys, ``(Nk - num_prefix) // grid_w`` (given: a
+    division is no uniform-register operation, and a loop bound in a vector register makes every TMA
+    load's address a vector one); ``GRID_TW``: ``TILE_W``, the grid columns of a key tile
+    (``configs.grid_tile_w``; unused without a bias). ``EVEN_N``: no prefix keys and no partial tile (the
+    grid rows fill whole tiles; without a bias, ``Nk`` is a multiple of ``BLOCK_N``). ``KV_TMA``: K and V
+    tiles by TMA (sm_90) through the tensor descriptors ``KT``, ``VT`` (``(B, H, Nk, D)``, blocks of
+    ``BLOCK_N`` keys) and, with a Gaussian bias, ``KG``, ``VG`` (the patch keys as ``(B, H, gh, gw, D)``,
+    blocks of ``NR`` grid rows x ``TILE_W`` columns; past the grid width or height they read zeros); else
+    through pointers (``K``, ``V``). The row sums are kept as partial sums (:func:`row_partial_sums`).
     """
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    l_i = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)  # the row sums' partial sums (row_partial_sums)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     bh, offs_m, offs_d, offs_dv, q, k_base, v_base, add_base, keep_base, qr, qc, cr, fr, cc, fc, alpha = (
         _fwd_prologue(
@@ -261,7 +274,7 @@ def _fwd_softmax_kernel(
         TILE_W: tl.constexpr = GRID_TW
         CH: tl.constexpr = GWP // TILE_W
         row_w = grid_w
-        n_rows = (n_k - num_prefix) // grid_w
+        n_rows = grid_h  # given, not (n_k - num_prefix) // grid_w: a division is no uniform-register op
         first = num_prefix
         amp = alpha / scale
     else:
@@ -309,10 +322,10 @@ def _fwd_softmax_kernel(
         for i in range(n_main):
             r = 0.0
             if GAUSS:
-                r, _t_r = row_factors(qr, cr, fr, a0, NR)
+                r, _t_r = row_factors(qr - a0, cr, fr, NR)
             k, v = _grid_kv(
                 KT, VT, KG, VG, k_ptrs, v_ptrs, ok, d_ok, dv_ok, b_idx, h_idx, i, ch * TILE_W,
-                GAUSS, KV_TMA, PAD_W, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, NR,
+                first + ch * TILE_W, row_w, GAUSS, KV_TMA, PAD_W, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, NR,
             )  # fmt: skip
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k, v, ok, offs_m, offs_n, n_q, n_k, scale, su,
@@ -327,11 +340,11 @@ def _fwd_softmax_kernel(
             if first + n_main * step < n_k:
                 r = 0.0
                 if GAUSS:
-                    r, _t_r = row_factors(qr, cr, fr, a0, NR)
+                    r, _t_r = row_factors(qr - a0, cr, fr, NR)
                 ok_t = ok & (offs_n < n_k)
                 k, v = _grid_kv(
                     KT, VT, KG, VG, k_ptrs, v_ptrs, ok_t, d_ok, dv_ok, b_idx, h_idx, n_main, ch * TILE_W,
-                    GAUSS, KV_TMA, True, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, NR,
+                    first + ch * TILE_W, row_w, GAUSS, KV_TMA, True, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, NR,
                 )  # fmt: skip
                 acc, m_i, l_i = _fwd_tile(
                     acc, m_i, l_i, q, k, v, ok_t, offs_m, offs_n, n_q, n_k, scale, su,
@@ -339,6 +352,7 @@ def _fwd_softmax_kernel(
                     GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, True, EVEN_M, BLOCK_M, NR, TILE_W,
                 )  # fmt: skip
 
+    l_i = tl.sum(l_i, 1)  # the row sums
     dead = l_i == 0.0
     out = acc / tl.where(dead, 1.0, l_i)[:, None]
     # the log-sum-exp in base 2 (the unit of the backward's exp2(s * su - lse))

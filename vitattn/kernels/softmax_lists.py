@@ -17,6 +17,7 @@ import triton.language as tl
 
 from ._common import (
     LOG2E,
+    ROW_PARTS,
     _coords_advance,
     _coords_start,
     _coords_step,
@@ -25,6 +26,7 @@ from ._common import (
     _load_tile,
     _store_tile,
     exp2_fma,
+    row_partial_sums,
 )
 from ._tiles import coords_jump, listed_scores, tile_index, tile_list, window_rows
 
@@ -105,7 +107,7 @@ def _fwd_softmax_kernel(
     the scores inside a kept tile (:func:`~vitattn.kernels._tiles.window_keep`).
     """
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    l_i = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)  # the row sums' partial sums (row_partial_sums)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     prologue = _fwd_prologue(Q, K, V, ADD, KEEP, DEN, ALPHA, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_vb, s_vh,
                              s_ab, s_ah, s_mb, s_mh, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, n_heads,
@@ -138,13 +140,14 @@ def _fwd_softmax_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
         p = tl.exp2(z - m_safe[:, None])
         corr = exp2_fma(m_i - m_safe)  # per row, off the exp unit (m_i = -inf gives 0)
-        l_i = l_i * corr + tl.sum(p, 1)
+        l_i = l_i * corr[:, None] + row_partial_sums(p, BLOCK_M, BLOCK_N)
         v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv, EVEN_N, EVEN_D)
         acc = acc * corr[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
         m_i = m_new
         if GAUSS and not WINDOW:
             kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
 
+    l_i = tl.sum(l_i, 1)
     dead = l_i == 0.0
     out = acc / tl.where(dead, 1.0, l_i)[:, None]
     # the natural log-sum-exp: m_i is in base 2
