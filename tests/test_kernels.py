@@ -37,6 +37,7 @@ from vitattn.kernels import configs
 from vitattn.kernels.backend import TritonBackend
 
 triton = pytest.importorskip("triton")
+from vitattn.kernels import ops  # noqa: E402  (imports triton)
 
 # in this process if triton is interpreted here, else in the interpreter child run (see conftest.py)
 interpreted = pytest.mark.triton_interpreter
@@ -217,6 +218,24 @@ def test_pointer_loads_match_reference(case, monkeypatch):
     tensor descriptors the interpreter runs by default (sm_90's path)."""
     monkeypatch.setenv("VITATTN_KV_TMA", "0")
     check(case)
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case("softmax", "gaussian", n=98, d=16, prefix=2, grid=(3, 32), b=1),
+        Case("softmax", "keep", n=77, d=32),
+        Case("entmax15", "gaussian_keep", n=77, d=32, prefix=0, grid=(7, 11)),
+    ],
+    ids=_id,
+)
+def test_sm80_forwards_sum_whole_rows(case):
+    """On sm_80 the forwards sum each tile's rows (``configs.ROW_PARTS_BY_ARCH``: one part, the
+    ``PARTS = 1`` path of ``row_partial_sums``) instead of keeping partial sums."""
+    assert configs.ROW_PARTS_BY_ARCH[80] == 1
+    with ops.assume_arch(80):
+        check(case)
 
 
 @interpreted

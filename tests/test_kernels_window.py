@@ -106,6 +106,14 @@ def test_window_matches_reference(case):
     check(case)
 
 
+@interpreted
+@pytest.mark.parametrize("case", [CASES[3], CASES[4], CASES[5]], ids=_id)
+def test_window_matches_reference_on_sm80(case):
+    """sm_80's forwards sum each tile's rows (``configs.ROW_PARTS_BY_ARCH``) instead of partial sums."""
+    with ops.assume_arch(80):
+        check(case)
+
+
 def _count(monkeypatch, module_name: str, name: str) -> list[int]:
     module = importlib.import_module(module_name)
     calls: list[int] = []

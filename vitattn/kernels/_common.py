@@ -71,18 +71,23 @@ def _dot_acc(a, b, acc, F32_DOT: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
-# The running row sums of online softmax are kept as ``(BLOCK_M, ROW_PARTS)`` partial sums, one per
-# column residue mod ``ROW_PARTS``: the MMA layouts (mma.sync and wgmma alike) give each thread two
-# adjacent columns of every eight, so a tile adds into the partial sums inside the thread — no shuffles
-# per tile, one reduction at the end (:func:`row_partial_sums`).
-ROW_PARTS: tl.constexpr = tl.constexpr(8)
+@triton.jit
+def row_partial_sums(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr):
+    """``(BLOCK_M, PARTS)``: ``p`` ``(BLOCK_M, BLOCK_N)`` summed over the columns of each residue mod
+    ``PARTS`` (``BLOCK_N`` a multiple of it); ``tl.sum(., 1)`` of it is the row sum.
+
+    The forwards keep their running row sums as such partial sums (``PARTS = 8``,
+    ``configs.ROW_PARTS_BY_ARCH``): the MMA layouts give each thread two adjacent columns of every eight,
+    so a tile adds into its partial sums inside the thread (no shuffles across the threads of a row per
+    tile) and the rows are summed once after the key loop. ``PARTS = 1`` is the plain row sum."""
+    return tl.sum(tl.reshape(p, (BLOCK_M, BLOCK_N // PARTS, PARTS)), 1)
 
 
 @triton.jit
-def row_partial_sums(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``(BLOCK_M, ROW_PARTS)``: ``p`` ``(BLOCK_M, BLOCK_N)`` summed over the columns of each residue mod
-    ``ROW_PARTS`` (``BLOCK_N`` a multiple of it); ``tl.sum(., 1)`` of it is the row sum."""
-    return tl.sum(tl.reshape(p, (BLOCK_M, BLOCK_N // ROW_PARTS, ROW_PARTS)), 1)
+def row_partial_mins(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr):
+    """``(BLOCK_M, PARTS)``: the minima of ``x`` ``(BLOCK_M, BLOCK_N)`` over the columns of each residue mod
+    ``PARTS``, as :func:`row_partial_sums`."""
+    return tl.min(tl.reshape(x, (BLOCK_M, BLOCK_N // PARTS, PARTS)), 1)
 
 
 @triton.jit

@@ -231,6 +231,13 @@ def grid_tile_w(gwp: int, block_m: int, block_n: int, kernel: str) -> int:
     return min(gwp, block_n, cap)
 
 
+# The forwards keep each row's running sum as partial sums, one per column residue mod this many
+# (``_common.row_partial_sums``: no shuffles per tile), per arch: on sm_90 every forward issues fewer
+# instructions with them; on sm_80 the entmax passes and the 4-warp head-dim-128 softmax tiles issue more
+# (ptxas gives those loops more registers), so it sums each tile's rows there (1). docs/kernels.md.
+ROW_PARTS_BY_ARCH: dict[int, int] = {80: 1, 90: 8}
+
+
 # The row-term kernels of the backward (delta, the Gaussian row terms) need no tuning.
 DELTA_ROWS = 64
 ROW_TERMS_ROWS = 128

@@ -46,6 +46,8 @@ from ._common import (
     _fwd_prologue,
     _load_tile,
     _store_tile,
+    row_partial_mins,
+    row_partial_sums,
 )
 from ._tiles import coords_jump, listed_scores, tile_index, tile_list, window_rows
 
@@ -188,6 +190,7 @@ def _fwd_entmax15_kernel(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
+    ROW_PARTS: tl.constexpr = 8,
 ):
     """``O[b, h, rows] = entmax15(z) V``, ``STAT = tau`` (and ``OG``) for one block of query rows.
 
@@ -218,15 +221,16 @@ def _fwd_entmax15_kernel(
     win = (r0, r1, c0, c1, d_r, d_c)
 
     # 1. row max m of y, the finite keys, and exact sums at two levels fixed by the first block's max
+    # (the sums as partial sums per row: row_partial_sums)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     ref = tl.zeros([BLOCK_M], tl.float32)
-    k_lo = tl.zeros([BLOCK_M], tl.float32)
-    s1_lo = tl.zeros([BLOCK_M], tl.float32)
-    s2_lo = tl.zeros([BLOCK_M], tl.float32)
-    k_hi = tl.zeros([BLOCK_M], tl.float32)
-    s1_hi = tl.zeros([BLOCK_M], tl.float32)
-    s2_hi = tl.zeros([BLOCK_M], tl.float32)
-    count = tl.zeros([BLOCK_M], tl.float32)
+    k_lo = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)
+    s1_lo = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)
+    s2_lo = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)
+    k_hi = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)
+    s1_hi = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)
+    s2_hi = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)
+    count_p = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)
     kr, kc = kr0, kc0
     for it in range(0, n_wit):
         tile = tile_index(wrow, it, WINDOW)
@@ -239,18 +243,21 @@ def _fwd_entmax15_kernel(
         m = tl.maximum(m, tl.max(y, 1))
         ref = tl.where(it == 0, tl.where(m == float("-inf"), 0.0, m), ref)
         a = tl.maximum(y - (ref + LEVEL_LO)[:, None], 0.0)
-        k_lo += tl.sum(_positive(a), 1)
-        s1_lo += tl.sum(a, 1)
-        s2_lo += tl.sum(a * a, 1)
+        k_lo += row_partial_sums(_positive(a), BLOCK_M, BLOCK_N, ROW_PARTS)
+        s1_lo += row_partial_sums(a, BLOCK_M, BLOCK_N, ROW_PARTS)
+        s2_lo += row_partial_sums(a * a, BLOCK_M, BLOCK_N, ROW_PARTS)
         a = tl.maximum(y - (ref + LEVEL_HI)[:, None], 0.0)
-        k_hi += tl.sum(_positive(a), 1)
-        s1_hi += tl.sum(a, 1)
-        s2_hi += tl.sum(a * a, 1)
+        k_hi += row_partial_sums(_positive(a), BLOCK_M, BLOCK_N, ROW_PARTS)
+        s1_hi += row_partial_sums(a, BLOCK_M, BLOCK_N, ROW_PARTS)
+        s2_hi += row_partial_sums(a * a, BLOCK_M, BLOCK_N, ROW_PARTS)
         if masked:
-            count += tl.sum(tl.where(y > float("-inf"), 1.0, 0.0), 1)
+            count_p += row_partial_sums(tl.where(y > float("-inf"), 1.0, 0.0), BLOCK_M, BLOCK_N, ROW_PARTS)
         if GAUSS and not WINDOW:
             kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
+    k_lo, s1_lo, s2_lo = tl.sum(k_lo, 1), tl.sum(s1_lo, 1), tl.sum(s2_lo, 1)
+    k_hi, s1_hi, s2_hi = tl.sum(k_hi, 1), tl.sum(s1_hi, 1), tl.sum(s2_hi, 1)
     if masked:
+        count = tl.sum(count_p, 1)
         dead = m == float("-inf")
     else:
         count = tl.full([BLOCK_M], 1.0, tl.float32) * n_k
@@ -273,9 +280,9 @@ def _fwd_entmax15_kernel(
     list_row = LIST + (bh.to(tl.int64) * tl.cdiv(n_q, BLOCK_M) + tl.program_id(0)) * tl.cdiv(n_k, BLOCK_N)
     while going:
         s0 = tl.zeros([BLOCK_M], tl.float32)
-        s1 = tl.zeros([BLOCK_M], tl.float32)
-        s2 = tl.zeros([BLOCK_M], tl.float32)
-        near = tl.full([BLOCK_M], float("inf"), tl.float32)
+        s1 = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)  # partial sums and minima (row_partial_sums)
+        s2 = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)
+        near = tl.full([BLOCK_M, ROW_PARTS], float("inf"), tl.float32)
         n_list = tl.full([], 0, tl.int32)
         kr, kc = kr0, kc0
         for it in range(0, n_wit):
@@ -297,11 +304,12 @@ def _fwd_entmax15_kernel(
                     live = tl.max(tl.where(offs_m < n_q, above, 0.0), 0) > 0.0
                 tl.store(list_row + n_list, start_n // BLOCK_N, mask=live)
                 n_list += live.to(tl.int32)
-            s1 += tl.sum(g, 1)
-            s2 += tl.sum(g * g, 1)
-            near = tl.minimum(near, tl.min(tl.abs(d), 1))
+            s1 += row_partial_sums(g, BLOCK_M, BLOCK_N, ROW_PARTS)
+            s2 += row_partial_sums(g * g, BLOCK_M, BLOCK_N, ROW_PARTS)
+            near = tl.minimum(near, row_partial_mins(tl.abs(d), BLOCK_M, BLOCK_N, ROW_PARTS))
             if GAUSS and not WINDOW:
                 kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
+        s1, s2, near = tl.sum(s1, 1), tl.sum(s2, 1), tl.min(near, 1)
         steps += 1
         live = ~done
         inc, valid = _closed_form(s0, s1, s2)
@@ -323,7 +331,7 @@ def _fwd_entmax15_kernel(
     tau_fin = tl.where(dead, float("inf"), tau_fin)
 
     # 3. output pass
-    g_sum = tl.zeros([BLOCK_M], tl.float32)
+    g_sum = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     acc_g = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     kr, kc = kr0, kc0
@@ -357,7 +365,7 @@ def _fwd_entmax15_kernel(
         acc += _dot((g * g).to(v.dtype), v, F32_DOT)
         if STORE_OG:
             acc_g += _dot(g.to(v.dtype), v, F32_DOT)
-            g_sum += tl.sum(g, 1)
+            g_sum += row_partial_sums(g, BLOCK_M, BLOCK_N, ROW_PARTS)
         if GAUSS and not SPARSE and not WINDOW:
             kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
 
@@ -369,5 +377,6 @@ def _fwd_entmax15_kernel(
     else:
         tl.store(STAT + row + offs_m, m + tau_fin, mask=offs_m < n_q)
     if STORE_OG:
-        og = acc_g / tl.where(g_sum > 0.0, g_sum, 1.0)[:, None]
+        og_den = tl.sum(g_sum, 1)
+        og = acc_g / tl.where(og_den > 0.0, og_den, 1.0)[:, None]
         _store_tile(OG + row * head_dv, og, offs_m, offs_dv, head_dv, 1, n_q, head_dv, EVEN_M, EVEN_D)

@@ -784,6 +784,8 @@ def _forward(
     og = torch.empty(b, h, n_q, dv if store_og else 0, device=q.device, dtype=torch.float32)
     head = [q, launch.k, v, out, stat, *launch.operands(dummy)]
     meta = launch.flags()
+    if name != "fwd_entmax_alpha":  # alpha-entmax sums each tile's rows (docs/kernels.md)
+        meta["ROW_PARTS"] = configs.ROW_PARTS_BY_ARCH[device_arch([q])]
     if sparse:
         head.append(og if store_og else dummy)
         meta["STORE_OG"] = store_og

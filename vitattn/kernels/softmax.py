@@ -25,7 +25,6 @@ import triton.language as tl
 
 from ._common import (
     LOG2E,
-    ROW_PARTS,
     _dot,
     _fwd_prologue,
     _load_kv,
@@ -72,6 +71,7 @@ def _fwd_tile(
     BLOCK_M: tl.constexpr,
     NR: tl.constexpr,
     TILE_W: tl.constexpr,
+    ROW_PARTS: tl.constexpr,
 ):
     """One key tile (``k``, ``v``) of the online softmax: ``(acc, m, l)`` updated. ``ok``: the tile's valid
     keys (``MASKED``); ``r``, ``c``: the bias factors of :func:`add_outer` (``BIAS``). Scores in units of
@@ -88,7 +88,7 @@ def _fwd_tile(
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
     p = tl.exp2(s * su - m_safe[:, None])
     corr = tl.exp2(m_i - m_safe)  # m_i = -inf gives 0
-    l_i = l_i * corr[:, None] + row_partial_sums(p, BLOCK_M, NR * TILE_W)
+    l_i = l_i * corr[:, None] + row_partial_sums(p, BLOCK_M, NR * TILE_W, ROW_PARTS)
     acc = acc * corr[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
     return acc, m_new, l_i
 
@@ -206,6 +206,7 @@ def _fwd_softmax_kernel(
     PAD_W: tl.constexpr,
     KV_TMA: tl.constexpr,
     GRID_TW: tl.constexpr = 16,
+    ROW_PARTS: tl.constexpr = 8,
 ):
     """``O[b, h, rows] = softmax(z) V`` and ``STAT = lse`` for one block of query rows.
 
@@ -220,7 +221,7 @@ def _fwd_softmax_kernel(
     tiles by TMA (sm_90) through the tensor descriptors ``KT``, ``VT`` (``(B, H, Nk, D)``, blocks of
     ``BLOCK_N`` keys) and, with a Gaussian bias, ``KG``, ``VG`` (the patch keys as ``(B, H, gh, gw, D)``,
     blocks of ``NR`` grid rows x ``TILE_W`` columns; past the grid width or height they read zeros); else
-    through pointers (``K``, ``V``). The row sums are kept as partial sums (:func:`row_partial_sums`).
+    through pointers (``K``, ``V``). ``ROW_PARTS``: the row sums' partial sums (:func:`row_partial_sums`).
     """
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)  # the row sums' partial sums (row_partial_sums)
@@ -302,7 +303,7 @@ def _fwd_softmax_kernel(
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k, v, offs_n < num_prefix, offs_m, offs_n, n_q, n_k, scale, su,
                 add_base, s_am, s_an, keep_base, s_mm, s_mn, 0.0, 0.0,
-                False, HAS_ADD, HAS_KEEP, F32_DOT, True, EVEN_M, BLOCK_M, NR, TILE_W,
+                False, HAS_ADD, HAS_KEEP, F32_DOT, True, EVEN_M, BLOCK_M, NR, TILE_W, ROW_PARTS,
             )  # fmt: skip
 
     n_main = n_rows // NR  # tiles of whole rows
@@ -330,7 +331,7 @@ def _fwd_softmax_kernel(
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k, v, ok, offs_m, offs_n, n_q, n_k, scale, su,
                 add_base, s_am, s_an, keep_base, s_mm, s_mn, r, c,
-                GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, PAD_W, EVEN_M, BLOCK_M, NR, TILE_W,
+                GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, PAD_W, EVEN_M, BLOCK_M, NR, TILE_W, ROW_PARTS,
             )  # fmt: skip
             k_ptrs += k_step
             v_ptrs += v_step
@@ -349,7 +350,7 @@ def _fwd_softmax_kernel(
                 acc, m_i, l_i = _fwd_tile(
                     acc, m_i, l_i, q, k, v, ok_t, offs_m, offs_n, n_q, n_k, scale, su,
                     add_base, s_am, s_an, keep_base, s_mm, s_mn, r, c,
-                    GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, True, EVEN_M, BLOCK_M, NR, TILE_W,
+                    GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, True, EVEN_M, BLOCK_M, NR, TILE_W, ROW_PARTS,
                 )  # fmt: skip
 
     l_i = tl.sum(l_i, 1)  # the row sums

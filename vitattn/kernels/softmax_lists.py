@@ -17,7 +17,6 @@ import triton.language as tl
 
 from ._common import (
     LOG2E,
-    ROW_PARTS,
     _coords_advance,
     _coords_start,
     _coords_step,
@@ -97,6 +96,7 @@ def _fwd_softmax_kernel(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
+    ROW_PARTS: tl.constexpr = 8,
 ):
     """``O[b, h, rows] = softmax(z) V`` and ``STAT = lse`` for one block of query rows.
 
@@ -140,7 +140,7 @@ def _fwd_softmax_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
         p = tl.exp2(z - m_safe[:, None])
         corr = exp2_fma(m_i - m_safe)  # per row, off the exp unit (m_i = -inf gives 0)
-        l_i = l_i * corr[:, None] + row_partial_sums(p, BLOCK_M, BLOCK_N)
+        l_i = l_i * corr[:, None] + row_partial_sums(p, BLOCK_M, BLOCK_N, ROW_PARTS)
         v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv, EVEN_N, EVEN_D)
         acc = acc * corr[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
         m_i = m_new
