@@ -291,3 +291,35 @@ def test_flash_rows_say_why_when_the_tutorial_is_absent(monkeypatch, tmp_path):
     assert all(not r["ok"] and "absent" in r["error"] for r in rows)
     rows = compare.compile_flash(compare.FlashBuild(90, "bwd", 64, 32, 4, 3, 64, 64))
     assert all("BLOCK_N1 % BLOCK_M1" in r["error"] for r in rows)  # a tile the tutorial cannot compile
+
+
+def _loop_opcodes(build: aot.Build) -> list[dict[str, int]]:
+    """Per inner loop with tensor-core instructions (program order): the count of each opcode base."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    cfg = build.config
+    compiled = triton.compile(
+        aot.build_source(build),
+        target=GPUTarget("cuda", build.arch, 32),
+        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+    )
+    instrs, labels = sass.parse(sass.disassemble(compiled.asm["cubin"]))
+    loops = []
+    for start, end in sass.innermost_loops(instrs, labels):
+        body = [i for i in instrs if start <= i.addr <= end]
+        if any(i.base in ("HGMMA", "HMMA") for i in body):
+            counts: dict[str, int] = {}
+            for i in body:
+                counts[i.base] = counts.get(i.base, 0) + 1
+            loops.append(counts)
+    return loops
+
+
+def test_a_live_list_loop_keeps_its_descriptors_uniform(compiled_kernels):
+    """The entmax-1.5 output pass iterates the live tiles its last search pass counted: a count computed
+    in the kernel, marked warp-uniform (``_common.warp_uniform``), so that the loop's pipeline stages and
+    wgmma descriptors stay in uniform registers: no ``R2UR`` in the loop (24 per iteration unmarked)."""
+    build = aot.Build(90, "entmax15", "none", "fwd", configs.TileConfig(64, 64, 4, 3), 64, "bf16")
+    *_, output_pass = _loop_opcodes(build)
+    assert output_pass.get("R2UR", 0) == 0 and output_pass["HGMMA"] == 12

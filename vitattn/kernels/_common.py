@@ -91,6 +91,21 @@ def row_partial_mins(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.
 
 
 @triton.jit
+def warp_uniform(x, ASM: tl.constexpr):
+    """``x``, an int32 scalar every thread holds the same value of (a loaded count, a reduction), marked
+    warp-uniform for ptxas with ``ASM``: a loop bound ptxas cannot prove uniform makes the loop divergent,
+    and then every pipeline stage index and wgmma descriptor in it lives in vector registers and is moved
+    back (``R2UR``) per iteration. A shuffle from lane 0 is an identity it can prove uniform. Without ``ASM``
+    (the interpreter, which runs no PTX) ``x`` itself."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "shfl.sync.idx.b32 $0, $1, 0, 0x1f, -1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        return x
+
+
+@triton.jit
 def exp2_fma(x):
     """``2^x`` for ``x <= 0`` (``-inf`` included) without the special-function unit: Cody-Waite
     reduction ``x = n + f`` (``n`` an integer by float rounding, ``|f| <= 1/2``), a degree-6 polynomial

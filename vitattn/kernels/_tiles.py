@@ -10,17 +10,28 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import _coords_advance, _kv, _load_tile, _qv, _score_tile
+from ._common import _coords_advance, _kv, _load_tile, _qv, _score_tile, warp_uniform
 
 
 @triton.jit
-def tile_list(LIST, CNT, n_list_cols, bh, n_programs, n_inner, BLOCK: tl.constexpr, SPARSE: tl.constexpr):
+def tile_list(
+    LIST,
+    CNT,
+    n_list_cols,
+    bh,
+    n_programs,
+    n_inner,
+    BLOCK: tl.constexpr,
+    SPARSE: tl.constexpr,
+    UNIFORM: tl.constexpr = False,
+):
     """``(n_iter, list_row)`` of this program's inner loop: with ``SPARSE`` its live tiles (``CNT[bh,
-    program]`` of them, listed in ``LIST[bh, program, :]``, int32 ``(B * H, n_programs, n_list_cols)``),
-    else every tile of ``n_inner`` rows or keys."""
+    program]`` of them, listed in ``LIST[bh, program, :]``, int32 ``(B * H, n_programs, n_list_cols)``;
+    the count marked warp-uniform with ``UNIFORM``: :func:`warp_uniform`), else every tile of ``n_inner``
+    rows or keys."""
     if SPARSE:
         slot = (n_programs * bh + tl.program_id(0)).to(tl.int64)
-        return tl.load(CNT + slot), LIST + slot * n_list_cols
+        return warp_uniform(tl.load(CNT + slot), UNIFORM), LIST + slot * n_list_cols
     else:
         return tl.cdiv(n_inner, BLOCK), LIST
 

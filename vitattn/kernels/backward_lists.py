@@ -167,6 +167,7 @@ def _bwd_dkdv_kernel(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
+    UNIFORM: tl.constexpr = False,
 ):
     """``DK``, ``DV`` (contiguous, like K and V) for one block of keys. DO contiguous ``(B, H, Nq, Dv)``.
 
@@ -203,7 +204,7 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     n_iter, list_row = tile_list(
-        LIST, CNT, n_list_cols, bh * list_bh, tl.cdiv(n_k, BLOCK_N), n_q, BLOCK_M, SPARSE
+        LIST, CNT, n_list_cols, bh * list_bh, tl.cdiv(n_k, BLOCK_N), n_q, BLOCK_M, SPARSE, UNIFORM
     )
     qr0, qc0 = qr, qc
     for it in range(0, n_iter):
@@ -376,6 +377,7 @@ def _bwd_dq_kernel(
     EVEN_D: tl.constexpr,
     DADD_BCAST_M: tl.constexpr,
     DADD_BCAST_N: tl.constexpr,
+    UNIFORM: tl.constexpr = False,
 ):
     """``DQ`` (contiguous like Q) for one block of queries, plus the bias gradients.
 
@@ -422,7 +424,7 @@ def _bwd_dq_kernel(
     e_s = tl.zeros([BLOCK_M], tl.float32)  # alpha's gradient: sum p, sum dZ u (1 - ln2 log2 u)
     e_t = tl.zeros([BLOCK_M], tl.float32)
     n_iter, list_row = tile_list(
-        LIST, CNT, n_list_cols, bh * list_bh, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, SPARSE
+        LIST, CNT, n_list_cols, bh * list_bh, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, SPARSE, UNIFORM
     )
     if WINDOW:
         r0, r1, c0, c1 = window_rows(WIN, offs_m, n_q)

@@ -48,6 +48,7 @@ from ._common import (
     _store_tile,
     row_partial_mins,
     row_partial_sums,
+    warp_uniform,
 )
 from ._tiles import coords_jump, listed_scores, tile_index, tile_list, window_rows
 
@@ -191,6 +192,7 @@ def _fwd_entmax15_kernel(
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     ROW_PARTS: tl.constexpr = 8,
+    UNIFORM: tl.constexpr = False,
 ):
     """``O[b, h, rows] = entmax15(z) V``, ``STAT = tau`` (and ``OG``) for one block of query rows.
 
@@ -214,7 +216,7 @@ def _fwd_entmax15_kernel(
     r0, r1, c0, c1 = 0.0, 0.0, 0.0, 0.0
     if WINDOW:  # the window's key tiles (every tile without one) and its bounds per query
         r0, r1, c0, c1 = window_rows(WIN, offs_m, n_q)
-    n_wit, wrow = tile_list(WLIST, WCNT, n_wcols, 0, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, WINDOW)
+    n_wit, wrow = tile_list(WLIST, WCNT, n_wcols, 0, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, WINDOW, UNIFORM)
     masked = HAS_ADD or HAS_KEEP or WINDOW
     masks = (add_base, s_am, s_an, keep_base, s_mm, s_mn)  # listed_scores' operands
     gq = (qr, qc, cr, fr, cc, fc, alpha_y)
@@ -336,7 +338,7 @@ def _fwd_entmax15_kernel(
     acc_g = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     kr, kc = kr0, kc0
     if SPARSE:
-        n_iter = n_list
+        n_iter = warp_uniform(n_list, UNIFORM)
         tl.debug_barrier()  # the list's stores are seen by every thread
         cells_q = tl.program_id(0) * (BLOCK_M // GRAIN) + tl.arange(0, BLOCK_M // GRAIN)
         live_base = LIVE + bh.to(tl.int64) * n_cells_q * n_cells_k

@@ -160,6 +160,7 @@ def _fwd_entmax_alpha_kernel(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
+    UNIFORM: tl.constexpr = False,
 ):
     """``O[b, h, rows] = alpha-entmax(z) V``, ``STAT`` (and ``OG``) for one block of query rows.
 
@@ -180,7 +181,7 @@ def _fwd_entmax_alpha_kernel(
     r0, r1, c0, c1 = 0.0, 0.0, 0.0, 0.0
     if WINDOW:  # the window's key tiles (every tile without one) and its bounds per query
         r0, r1, c0, c1 = window_rows(WIN, offs_m, n_q)
-    n_wit, wrow = tile_list(WLIST, WCNT, n_wcols, 0, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, WINDOW)
+    n_wit, wrow = tile_list(WLIST, WCNT, n_wcols, 0, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, WINDOW, UNIFORM)
     masked = HAS_ADD or HAS_KEEP or WINDOW
     masks = (add_base, s_am, s_an, keep_base, s_mm, s_mn)  # listed_scores' operands
     gq = (qr, qc, cr, fr, cc, fc, alpha)

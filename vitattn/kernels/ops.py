@@ -786,6 +786,8 @@ def _forward(
     meta = launch.flags()
     if name != "fwd_entmax_alpha":  # alpha-entmax sums each tile's rows (docs/kernels.md)
         meta["ROW_PARTS"] = configs.ROW_PARTS_BY_ARCH[device_arch([q])]
+    if name != "fwd_softmax":  # the list kernels: their counts marked warp-uniform (_common.warp_uniform)
+        meta["UNIFORM"] = not interpret_requested()
     if sparse:
         head.append(og if store_og else dummy)
         meta["STORE_OG"] = store_og
@@ -987,6 +989,7 @@ def _backward(
     if lists:
         # the inner loops iterate lists: entmax-1.5's live tiles (per (b, h)), else a window's (shared)
         meta["SPARSE"] = live.numel() > 0 or launch.window is not None
+        meta["UNIFORM"] = not interpret_requested()  # the counts marked warp-uniform (_common.warp_uniform)
 
         dkdv_args = [q, k, v, do, stat, delta, fact, dk, dvv, *operands, *strides, *scalars, *ent_args]
         dkdv_blocks = lambda bm, bn: (triton.cdiv(n_k, bn), b * h)  # noqa: E731

@@ -97,6 +97,7 @@ def _fwd_softmax_kernel(
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     ROW_PARTS: tl.constexpr = 8,
+    UNIFORM: tl.constexpr = False,
 ):
     """``O[b, h, rows] = softmax(z) V`` and ``STAT = lse`` for one block of query rows.
 
@@ -124,7 +125,7 @@ def _fwd_softmax_kernel(
     r0, r1, c0, c1 = 0.0, 0.0, 0.0, 0.0
     if WINDOW:
         r0, r1, c0, c1 = window_rows(WIN, offs_m, n_q)
-    n_iter, wrow = tile_list(WLIST, WCNT, n_wcols, 0, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, WINDOW)
+    n_iter, wrow = tile_list(WLIST, WCNT, n_wcols, 0, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, WINDOW, UNIFORM)
     masks = (add_base, s_am, s_an, keep_base, s_mm, s_mn)  # listed_scores' operands
     gq = (qr, qc, cr, fr, cc, fc, alpha2)
     win = (r0, r1, c0, c1, d_r, d_c)
