@@ -231,11 +231,13 @@ def grid_tile_w(gwp: int, block_m: int, block_n: int, kernel: str) -> int:
     return min(gwp, block_n, cap)
 
 
-# The forwards keep each row's running sum as partial sums, one per column residue mod this many
-# (``_common.row_partial_sums``: no shuffles per tile), per arch: on sm_90 every forward issues fewer
+# The forwards of PARTIAL_ROW_SUMS keep each row's running sums as partial sums, one per column residue
+# mod this many (``_common.row_partial_sums``: no shuffles per tile), per arch: on sm_90 they issue fewer
 # instructions with them; on sm_80 the entmax passes and the 4-warp head-dim-128 softmax tiles issue more
-# (ptxas gives those loops more registers), so it sums each tile's rows there (1). docs/kernels.md.
+# (ptxas gives those loops more registers), so they sum each tile's rows there (1). alpha-entmax sums each
+# tile's rows on both (with partial sums its masked sm_90 builds issued more). docs/kernels.md.
 ROW_PARTS_BY_ARCH: dict[int, int] = {80: 1, 90: 8}
+PARTIAL_ROW_SUMS = ("fwd_softmax", "fwd_softmax_lists", "fwd_entmax15")
 
 
 # The row-term kernels of the backward (delta, the Gaussian row terms) need no tuning.

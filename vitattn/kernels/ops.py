@@ -784,7 +784,7 @@ def _forward(
     og = torch.empty(b, h, n_q, dv if store_og else 0, device=q.device, dtype=torch.float32)
     head = [q, launch.k, v, out, stat, *launch.operands(dummy)]
     meta = launch.flags()
-    if name != "fwd_entmax_alpha":  # alpha-entmax sums each tile's rows (docs/kernels.md)
+    if name in configs.PARTIAL_ROW_SUMS:
         meta["ROW_PARTS"] = configs.ROW_PARTS_BY_ARCH[device_arch([q])]
     if name != "fwd_softmax":  # the list kernels: their counts marked warp-uniform (_common.warp_uniform)
         meta["UNIFORM"] = not interpret_requested()
