@@ -132,3 +132,27 @@ def test_tile_factors_are_the_gaussian_bias(rows, width, trans):
     # float32: the exponents reach ~60 in log2 units, so a few ulps of them are ~4e-6 of the factor
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     assert want.min() < 1e-8 < want.max()  # far and near slots both present
+
+
+@triton.jit
+def _row_parts_kernel(X, SUMS, MINS, BM: tl.constexpr, BN: tl.constexpr, PARTS: tl.constexpr):
+    """``row_partial_sums`` / ``row_partial_mins`` of one ``(BM, BN)`` tile, stored ``(BM, PARTS)``."""
+    i = tl.arange(0, BM)
+    j = tl.arange(0, BN)
+    x = tl.load(X + i[:, None] * BN + j[None, :])
+    p = tl.arange(0, PARTS)
+    tl.store(SUMS + i[:, None] * PARTS + p[None, :], _common.row_partial_sums(x, BM, BN, PARTS))
+    tl.store(MINS + i[:, None] * PARTS + p[None, :], _common.row_partial_mins(x, BM, BN, PARTS))
+
+
+@interpreted
+@pytest.mark.parametrize(("bn", "parts"), [(16, 8), (64, 8), (32, 1)])
+def test_row_partial_sums_are_sums_per_column_residue(bn, parts):
+    """Column ``c`` of a row goes to part ``c mod parts``; the parts add up to the row sum."""
+    x = torch.randn(16, bn, generator=torch.Generator().manual_seed(bn + parts))
+    sums, mins = torch.empty(16, parts), torch.empty(16, parts)
+    _row_parts_kernel[(1,)](x, sums, mins, BM=16, BN=bn, PARTS=parts)
+    residues = x.reshape(16, bn // parts, parts)  # [m, g, r] = column g * parts + r
+    torch.testing.assert_close(sums, residues.sum(1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(mins, residues.amin(1))
+    torch.testing.assert_close(sums.sum(1), x.sum(1), rtol=1e-5, atol=1e-5)
