@@ -224,6 +224,47 @@ def test_pointer_loads_match_reference(case, monkeypatch):
 @pytest.mark.parametrize(
     "case",
     [
+        Case("softmax", "gaussian", n=130, d=64, prefix=2, grid=(8, 16), b=1),
+        Case("softmax", "gaussian_add", n=122, d=16, prefix=2, grid=(3, 40), b=1),
+        Case("softmax", "add", n=77, d=24, prefix=0),
+    ],
+    ids=_id,
+)
+def test_backward_64_bit_offsets_match_reference(case, monkeypatch):
+    """The backward's tile offsets in 64 bits (``OFFS32`` off: tensors whose offsets pass 2^31) instead of
+    the 32-bit offsets every test tensor fits."""
+    assert ops.offsets_fit_i32(_launch_of(case))
+    monkeypatch.setattr(ops, "I32_LIMIT", 1)
+    assert not ops.offsets_fit_i32(_launch_of(case))
+    check(case)
+
+
+def _launch_of(case: Case) -> ops.KernelLaunch:
+    """A launch of ``case``'s shapes on meta tensors (q, k, v contiguous; no bias: the offsets' check
+    reads only the shapes, strides and the grid width)."""
+    q, k, v = (torch.empty(case.b, case.h, case.n, case.d, device="meta") for _ in range(3))
+    args = (None, None, None, None, case.d**-0.5, case.prefix, case.grid[1], 0.0, False, False)
+    return ops.KernelLaunch(q, k, v, *args)
+
+
+def test_offsets_fit_i32_sees_large_strides():
+    """A query tensor whose row stride passes 2^31 over its rows (a strided view) needs 64-bit offsets."""
+    q = torch.empty(1, 1, 64, 16, device="meta")
+    big = torch.empty_strided((1, 1, 64, 16), (0, 0, 2**26, 1), device="meta")
+    assert ops.offsets_fit_i32(
+        ops.KernelLaunch(q, q, q, None, None, None, None, 0.25, 0, 1, 0.0, False, False)
+    )
+    launch = ops.KernelLaunch(big, q, q, None, None, None, None, 0.25, 0, 1, 0.0, False, False)
+    assert not ops.offsets_fit_i32(launch)
+    assert not ops.offsets_fit_i32(
+        ops.KernelLaunch(q, q, q, None, None, None, None, 0.25, 0, 1, 0.0, False, False), 2**31
+    )
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "case",
+    [
         Case("softmax", "gaussian", n=98, d=16, prefix=2, grid=(3, 32), b=1),
         Case("softmax", "keep", n=77, d=32),
         Case("entmax15", "gaussian_keep", n=77, d=32, prefix=0, grid=(7, 11)),
@@ -272,6 +313,18 @@ def test_grid_tile_widths(case, tile, widths, by_rows, monkeypatch):
     monkeypatch.setattr(configs, "GRID_TILE_W", widths)
     monkeypatch.setattr(configs, "GRID_TILE_W_BY_ROWS", by_rows)
     check(case)
+
+
+@interpreted
+@pytest.mark.parametrize("pair", [True, False], ids=["pair", "no-pair"])
+def test_dq_two_grid_rows_per_tile(pair, monkeypatch):
+    """dQ's key tiles of two grid rows: taken apart (two vectors of row factors, sm_90's path) or as one
+    ``(BLOCK_M, 2)`` tensor (sm_80's, ``configs.DQ_ROW_PAIR_BY_ARCH``), with prefix keys and a last partial
+    tile: the numbers are the reference's either way."""
+    monkeypatch.setattr(configs, "INTERPRET", configs.TileConfig(32, 32, 4, 1))
+    monkeypatch.setattr(configs, "GRID_TILE_W", {"fwd_softmax": 32, "bwd_dkdv": 32, "bwd_dq": 16})
+    monkeypatch.setattr(configs, "DQ_ROW_PAIR_BY_ARCH", dict.fromkeys(configs.DQ_ROW_PAIR_BY_ARCH, pair))
+    check(Case("softmax", "gaussian_add", n=102, d=16, prefix=2, grid=(5, 20), b=1))
 
 
 @interpreted

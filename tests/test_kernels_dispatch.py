@@ -377,6 +377,7 @@ _NO_I32_MULTIPLY = textwrap.dedent(
     def meta(*shape, dt=torch.bfloat16):
         return torch.empty(*shape, device="meta", dtype=dt)
 
+    ops.I32_LIMIT = 1  # as if every offset passed 2^31: no launch may take 32-bit tile offsets (OFFS32)
     bad = []
     for entmax in (False, True):
         # every operand at once: a Gaussian bias on a 14 x 14 grid after one prefix token, an additive
@@ -404,6 +405,8 @@ _NO_I32_MULTIPLY = textwrap.dedent(
 
 
 def test_pointer_offsets_are_multiplied_in_64_bits():
-    """No kernel multiplies a tensor of offsets by a stride in int32 (the TTIR for sm_80, every operand
-    present): flat row indices over B * H * Nq rows and permuted layouts pass 2^31."""
+    """Where offsets may pass 2^31 (flat row indices over B * H * Nq rows, permuted layouts: here every
+    launch is told so, ``ops.I32_LIMIT``), no kernel multiplies a tensor of offsets by a stride in int32
+    (the TTIR for sm_80, every operand present). Where they fit, the kernels hold 32-bit tile offsets
+    (``OFFS32``; ``tests/test_kernels.py`` runs both forms)."""
     assert _compile_check(_NO_I32_MULTIPLY) == "ok"

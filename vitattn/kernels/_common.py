@@ -141,6 +141,20 @@ def _tile_ptrs(base, offs_r, offs_c, stride_r, stride_c):
 
 
 @triton.jit
+def tile_offsets(offs_r, offs_c, stride_r, stride_c, OFFS32: tl.constexpr):
+    """A tile's addressing ``(offs, stride_r, stride_c)`` for :func:`load_tile_at`: with ``OFFS32`` ``offs``
+    is the ``(R, C)`` tile of 32-bit element offsets ``offs_r * stride_r + offs_c * stride_c`` from the
+    tile's first row, computed once per program (each load's address is then one add to a scalar pointer,
+    where a 64-bit pointer per element takes a register pair and two adds); without it ``0`` (the loads
+    build 64-bit pointers per tile: tensors whose offsets pass 2^31, ``ops.offsets_fit_i32``, and the
+    builds where holding the offsets costs registers, ``ops.tile_offsets_pay``)."""
+    if OFFS32:
+        return offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, stride_r, stride_c
+    else:
+        return 0, stride_r, stride_c
+
+
+@triton.jit
 def _bounds(offs_r, offs_c, n_r, n_c, EVEN_R: tl.constexpr, EVEN_C: tl.constexpr):
     """The in-bounds mask of a tile whose rows or columns (or both) are ragged (never both even)."""
     if EVEN_R:
@@ -165,6 +179,43 @@ def _load_tile(
 ):
     """``(len(offs_r), len(offs_c))`` tile with zeros outside ``n_r x n_c`` (no mask on even dims)."""
     ptrs = _tile_ptrs(base, offs_r, offs_c, stride_r, stride_c)
+    if EVEN_R and EVEN_C:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=_bounds(offs_r, offs_c, n_r, n_c, EVEN_R, EVEN_C), other=0.0)
+
+
+@triton.jit
+def tile_ptrs_at(at, tile, offs_r, offs_c, OFFS32: tl.constexpr):
+    """The pointers of a tile whose first row is at the scalar pointer ``at``: ``tile`` its
+    :func:`tile_offsets`, ``offs_r`` / ``offs_c`` its rows (from 0) and columns."""
+    offs, stride_r, stride_c = tile
+    if OFFS32:
+        return at + offs
+    else:
+        return _tile_ptrs(at, offs_r, offs_c, stride_r, stride_c)
+
+
+@triton.jit
+def load_tile_at(
+    base,
+    start,
+    tile,
+    offs_r,
+    offs_c,
+    n_r,
+    n_c,
+    EVEN_R: tl.constexpr,
+    EVEN_C: tl.constexpr,
+    OFFS32: tl.constexpr,
+):
+    """The tile of rows ``offs_r = start + arange(R)``, columns ``offs_c`` of ``base`` (``tile`` its
+    :func:`tile_offsets`): zeros outside ``n_r x n_c`` (no mask on even dims)."""
+    offs, stride_r, stride_c = tile
+    if OFFS32:
+        ptrs = base + tl.cast(start, tl.int64) * stride_r + offs
+    else:
+        ptrs = _tile_ptrs(base, offs_r, offs_c, stride_r, stride_c)
     if EVEN_R and EVEN_C:
         return tl.load(ptrs)
     else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import _coords_advance, _kv, _load_tile, _qv, _score_tile, warp_uniform
+from ._common import _coords_advance, _kv, _qv, _score_tile, load_tile_at, warp_uniform
 
 
 @triton.jit
@@ -111,11 +111,10 @@ def window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, TRANS: tl.constexpr, DILATED: 
 def listed_scores(
     q,
     k_base,
+    k_tile,
     start_n,
     offs_m,
     offs_d,
-    s_kn,
-    s_kd,
     n_q,
     n_k,
     head_d,
@@ -136,6 +135,7 @@ def listed_scores(
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    OFFS32: tl.constexpr,
 ):
     """``(z, offs_n)``: the key tile of ``BLOCK_N`` keys from ``start_n`` loaded and scored against the query
     tile ``q`` (:func:`~vitattn.kernels._common._score_tile` in the normalizer's ``unit``), ``-inf`` outside
@@ -144,7 +144,7 @@ def listed_scores(
     dilations); ``kr, kc`` the tile's key coordinates. Every pass of the list forward kernels calls it once
     per visited tile."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
+    k = load_tile_at(k_base, start_n, k_tile, offs_n, offs_d, n_k, head_d, EVEN_N, EVEN_D, OFFS32)
     add_base, s_am, s_an, keep_base, s_mm, s_mn = masks
     qr, qc, cr, fr, cc, fc, alpha = gq
     z, _e = _score_tile(q, k, offs_m, offs_n, n_q, n_k, scale, unit, add_base, s_am, s_an, keep_base, s_mm,

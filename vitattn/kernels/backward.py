@@ -52,6 +52,8 @@ from ._common import (
     gauss_rows,
     key_slots,
     row_factors,
+    tile_offsets,
+    tile_ptrs_at,
 )
 
 
@@ -202,6 +204,7 @@ def _bwd_dkdv_kernel(
     GWP: tl.constexpr,
     PAD_W: tl.constexpr,
     GRID_TW: tl.constexpr = 16,
+    OFFS32: tl.constexpr = False,
 ):
     """``DK``, ``DV`` (contiguous, like K and V) for one block of keys. DO contiguous ``(B, H, Nq, Dv)``.
 
@@ -235,9 +238,15 @@ def _bwd_dkdv_kernel(
         ok_n = tl.where(pid < n_pre, pre < num_prefix, ((ch * TILE_W + col) < grid_w) & (tok < n_k))
         # this block's factor rows: its chunk's columns, its grid rows (the last, all-zero rows: prefix keys)
         r_row = tl.where(pid < n_pre, n_fr - NR, GWP + (g // CH) * NR)
-        fact = FACT + bh.to(tl.int64) * n_fr * n_qp + tl.arange(0, BLOCK_M)[None, :]
-        c_ptrs = fact + (ch * TILE_W + tl.arange(0, TILE_W)).to(tl.int64)[:, None] * n_qp
-        r_ptrs = fact + (r_row + tl.arange(0, NR)).to(tl.int64)[:, None] * n_qp
+        fact = FACT + bh.to(tl.int64) * n_fr * n_qp
+        offs_f = tl.arange(0, BLOCK_M)
+        c_rows = ch * TILE_W + tl.arange(0, TILE_W)
+        r_rows = r_row + tl.arange(0, NR)
+        c_tile = tile_offsets(c_rows, offs_f, n_qp, 1, OFFS32)
+        r_tile = tile_offsets(r_rows, offs_f, n_qp, 1, OFFS32)
+        # without OFFS32: 64-bit pointer tiles, advanced per query tile
+        c_ptrs = _tile_ptrs(fact, c_rows, offs_f, n_qp, 1)
+        r_ptrs = _tile_ptrs(fact, r_rows, offs_f, n_qp, 1)
     else:
         TILE_W: tl.constexpr = BLOCK_N  # type: ignore[no-redef]
         NR: tl.constexpr = 1  # type: ignore[no-redef]
@@ -265,8 +274,14 @@ def _bwd_dkdv_kernel(
         unit = LOG2E
     su = scale * unit
     offs_mb = tl.arange(0, BLOCK_M)
+    # one query tile's offsets; the loop advances the scalar pointers q_at, do_at (and the factors' start_m)
+    q_tile = tile_offsets(offs_mb, offs_d, s_qm, s_qd, OFFS32)
+    do_tile = tile_offsets(offs_mb, offs_dv, head_dv, 1, OFFS32)
+    q_at = q_base
+    do_at = DO + row * head_dv
+    # without OFFS32: 64-bit pointer tiles, advanced per tile
     q_ptrs = _tile_ptrs(q_base, offs_mb, offs_d, s_qm, s_qd)
-    do_ptrs = _tile_ptrs(DO + row * head_dv, offs_mb, offs_dv, head_dv, 1)
+    do_ptrs = _tile_ptrs(do_at, offs_mb, offs_dv, head_dv, 1)
     q_step = tl.cast(BLOCK_M, tl.int64) * s_qm
     do_step = tl.cast(BLOCK_M, tl.int64) * head_dv
 
@@ -274,31 +289,47 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for start_m in range(0, n_q, BLOCK_M):
         offs_m = start_m + offs_mb
-        if EVEN_M and EVEN_D:
-            q = tl.load(q_ptrs)
-            do = tl.load(do_ptrs)
-        elif EVEN_M:
-            q = tl.load(q_ptrs, mask=(offs_d < head_d)[None, :], other=0.0)
-            do = tl.load(do_ptrs, mask=(offs_dv < head_dv)[None, :], other=0.0)
+        if OFFS32:
+            q_ld = tile_ptrs_at(q_at, q_tile, offs_mb, offs_d, OFFS32)
+            do_ld = tile_ptrs_at(do_at, do_tile, offs_mb, offs_dv, OFFS32)
         else:
-            q = tl.load(q_ptrs, mask=(offs_m < n_q)[:, None] & (offs_d < head_d)[None, :], other=0.0)
-            do = tl.load(do_ptrs, mask=(offs_m < n_q)[:, None] & (offs_dv < head_dv)[None, :], other=0.0)
+            q_ld = q_ptrs
+            do_ld = do_ptrs
+        if EVEN_M and EVEN_D:
+            q = tl.load(q_ld)
+            do = tl.load(do_ld)
+        elif EVEN_M:
+            q = tl.load(q_ld, mask=(offs_d < head_d)[None, :], other=0.0)
+            do = tl.load(do_ld, mask=(offs_dv < head_dv)[None, :], other=0.0)
+        else:
+            q = tl.load(q_ld, mask=(offs_m < n_q)[:, None] & (offs_d < head_d)[None, :], other=0.0)
+            do = tl.load(do_ld, mask=(offs_m < n_q)[:, None] & (offs_dv < head_dv)[None, :], other=0.0)
         stat, delta = _row_stats(STAT, DELTA, row, offs_m, n_q, EVEN_M)
         s_t = _qk_tile(
             k, q, offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_mm, s_mn,
             HAS_ADD, HAS_KEEP, F32_DOT, True, EVEN_M, WHOLE,
         )  # fmt: skip
         if GAUSS:
-            s_t = add_outer(s_t, tl.load(r_ptrs), tl.load(c_ptrs), BLOCK_M, NR, TILE_W, True)
-            r_ptrs += BLOCK_M
-            c_ptrs += BLOCK_M
+            if OFFS32:
+                r_f = tl.load(tile_ptrs_at(fact + start_m, r_tile, r_rows, offs_f, OFFS32))
+                c_f = tl.load(tile_ptrs_at(fact + start_m, c_tile, c_rows, offs_f, OFFS32))
+            else:
+                r_f = tl.load(r_ptrs)
+                c_f = tl.load(c_ptrs)
+                r_ptrs += BLOCK_M
+                c_ptrs += BLOCK_M
+            s_t = add_outer(s_t, r_f, c_f, BLOCK_M, NR, TILE_W, True)
         p_t, g_t = _probs(s_t * su, stat, ENTMAX, True)
         dv += _dot(p_t.to(do.dtype), do, F32_DOT)
         dp_t = _dot(v, tl.trans(do), F32_DOT)
         ds_t = g_t * (dp_t - delta[None, :])
         dk += _dot(ds_t.to(q.dtype), q, F32_DOT)
-        q_ptrs += q_step
-        do_ptrs += do_step
+        if OFFS32:
+            q_at += q_step
+            do_at += do_step
+        else:
+            q_ptrs += q_step
+            do_ptrs += do_step
 
     out_row = bh.to(tl.int64) * n_k
     dk_ptrs = _tile_ptrs(DK + out_row * head_d, offs_n, offs_d, head_d, 1)
@@ -357,6 +388,23 @@ def _add_grad(
 
 
 @triton.jit
+def _dq_row_terms(dr, cr, fr, NR: tl.constexpr, ROW_PAIR: tl.constexpr):
+    """``(R, t_row R)`` of a dQ key tile's ``NR`` grid rows (:func:`row_factors`, ``dr = qr - a0``): two
+    ``(BLOCK_M,)`` vectors each for ``NR == 2`` with ``ROW_PAIR`` (a pair: :func:`_dq_tile` adds and reduces
+    the two grid rows apart; on sm_90 a ``(BLOCK_M, 2)`` tensor took a trip through shared memory per tile
+    to be split), else ``(BLOCK_M, NR)`` tensors (sm_80: the pair spills, ``configs.DQ_ROW_PAIR_BY_ARCH``)."""
+    if NR == 2 and ROW_PAIR:
+        t0 = axis_exponent(dr, cr, fr)
+        t1 = axis_exponent(dr - 1.0, cr, fr)
+        r0 = tl.exp2(t0)
+        r1 = tl.exp2(t1)
+        return (r0, r1), (r0 * t0, r1 * t1)
+    else:
+        r, t = row_factors(dr, cr, fr, NR)
+        return r, r * t
+
+
+@triton.jit
 def _dq_tile(
     dq,
     w,
@@ -400,9 +448,11 @@ def _dq_tile(
     BLOCK_M: tl.constexpr,
     NR: tl.constexpr,
     TILE_W: tl.constexpr,
+    ROW_PAIR: tl.constexpr,
 ):
     """One key tile (``k``, ``v``) of dQ: ``(dq, w, w2)`` updated. ``r`` (``R``), ``c`` (``C alpha / scale``):
-    the bias factors of :func:`add_outer` (``BIAS``); with ``GRAD`` the Gaussian gradient accumulators
+    the bias factors of :func:`add_outer` (``BIAS``; ``r`` and ``r_t`` pairs of vectors for ``NR == 2``,
+    :func:`_dq_row_terms`); with ``GRAD`` the Gaussian gradient accumulators
     ``w = sum_rows R dZ`` and ``w2 = sum_rows t_row R dZ``, ``(BLOCK_M, TILE_W)``: per query and grid
     column, summed over the tile's grid rows (``r_t = t_row R``)."""
     s = _qk_tile(
@@ -410,7 +460,13 @@ def _dq_tile(
         HAS_ADD, HAS_KEEP, F32_DOT, False, EVEN_M, not MASKED,
     )  # fmt: skip
     if BIAS:
-        s = add_outer(s, r, c, BLOCK_M, NR, TILE_W, False)
+        if NR == 2 and ROW_PAIR:  # the pair of _dq_row_terms: each grid row's half of the tile apart
+            r0, r1 = r
+            s0, s1 = tl.split(tl.permute(tl.reshape(s, (BLOCK_M, NR, TILE_W)), (0, 2, 1)))
+            s = tl.join(s0 + r0[:, None] * c, s1 + r1[:, None] * c)
+            s = tl.reshape(tl.permute(s, (0, 2, 1)), (BLOCK_M, NR * TILE_W))
+        else:
+            s = add_outer(s, r, c, BLOCK_M, NR, TILE_W, False)
     if MASKED:
         s = tl.where(ok[None, :], s, float("-inf"))
     p, g = _probs(s * su, stat_u, ENTMAX, False)
@@ -434,10 +490,10 @@ def _dq_tile(
     )
     if GRAD:  # per grid column: the sums over the tile's grid rows of dZ R and dZ t_row R
         ds3 = tl.reshape(ds, (BLOCK_M, NR, TILE_W))
-        if NR == 2:  # the two rows apart: one multiply-add per score into each accumulator
+        if NR == 2 and ROW_PAIR:  # the two rows apart: one multiply-add per score into each accumulator
             d0, d1 = tl.split(tl.permute(ds3, (0, 2, 1)))
-            r0, r1 = tl.split(r)
-            u0, u1 = tl.split(r_t)
+            r0, r1 = r
+            u0, u1 = r_t
             w = (w + d0 * r0[:, None]) + d1 * r1[:, None]
             w2 = (w2 + d0 * u0[:, None]) + d1 * u1[:, None]
         else:
@@ -521,6 +577,8 @@ def _bwd_dq_kernel(
     GWP: tl.constexpr,
     PAD_W: tl.constexpr,
     GRID_TW: tl.constexpr = 16,
+    OFFS32: tl.constexpr = False,
+    ROW_PAIR: tl.constexpr = True,
 ):
     """``DQ`` (contiguous like Q) for one block of queries, plus the bias gradients.
 
@@ -603,12 +661,12 @@ def _bwd_dq_kernel(
                 stat_u, delta, add_base, s_am, s_an, keep_base, s_mm, s_mn, dadd_base, s_gm, s_gn,
                 0.0, 0.0, 0.0,
                 ENTMAX, False, False, HAS_ADD, HAS_KEEP, F32_DOT, ADD_GRAD, DADD_BCAST_M, DADD_BCAST_N,
-                True, EVEN_M, BLOCK_M, NR, TILE_W,
+                True, EVEN_M, BLOCK_M, NR, TILE_W, ROW_PAIR,
             )  # fmt: skip
 
     n_main = n_rows // NR
     step = NR * row_w
-    for ch in tl.static_range(CH):
+    for ch in range(CH):  # a loop, not unrolled: one copy of the key loop's code (fewer moves in it)
         c = 0.0
         w = 0.0
         w2 = 0.0
@@ -619,7 +677,14 @@ def _bwd_dq_kernel(
                 w = tl.zeros([BLOCK_M, TILE_W], tl.float32)
                 w2 = tl.zeros([BLOCK_M, TILE_W], tl.float32)
         ok = (ch * TILE_W + col) < row_w
-        offs_n = first + ch * TILE_W + slot_off
+        key0 = first + ch * TILE_W
+        offs_n = key0 + slot_off
+        # the tile's offsets from its first key; the loop advances the scalar pointers k_at, v_at
+        k_tile = tile_offsets(slot_off, offs_d, s_kn, s_kd, OFFS32)
+        v_tile = tile_offsets(slot_off, offs_dv, s_vn, s_vd, OFFS32)
+        k_at = k_base + tl.cast(key0, tl.int64) * s_kn
+        v_at = v_base + tl.cast(key0, tl.int64) * s_vn
+        # without OFFS32: 64-bit pointer tiles, advanced per tile
         k_ptrs = _tile_ptrs(k_base, offs_n, offs_d, s_kn, s_kd)
         v_ptrs = _tile_ptrs(v_base, offs_n, offs_dv, s_vn, s_vd)
         k_step = tl.cast(step, tl.int64) * s_kn
@@ -629,17 +694,26 @@ def _bwd_dq_kernel(
             r = 0.0
             r_t = 0.0
             if GAUSS:
-                r, t_r = row_factors(qr - a0, cr, fr, NR)
-                r_t = r * t_r
-            k, v = _load_kv(k_ptrs, v_ptrs, ok, d_ok, dv_ok, PAD_W, EVEN_D)
+                r, r_t = _dq_row_terms(qr - a0, cr, fr, NR, ROW_PAIR)
+            if OFFS32:
+                k_ld = tile_ptrs_at(k_at, k_tile, slot_off, offs_d, OFFS32)
+                v_ld = tile_ptrs_at(v_at, v_tile, slot_off, offs_dv, OFFS32)
+            else:
+                k_ld = k_ptrs
+                v_ld = v_ptrs
+            k, v = _load_kv(k_ld, v_ld, ok, d_ok, dv_ok, PAD_W, EVEN_D)
             dq, w, w2 = _dq_tile(
                 dq, w, w2, q, do, k, v, ok, offs_m, offs_n, n_q, n_k, scale, su, stat_u, delta,
                 add_base, s_am, s_an, keep_base, s_mm, s_mn, dadd_base, s_gm, s_gn, r, r_t, c,
                 ENTMAX, GAUSS, GAUSS_GRAD, HAS_ADD, HAS_KEEP, F32_DOT, ADD_GRAD, DADD_BCAST_M, DADD_BCAST_N,
-                PAD_W, EVEN_M, BLOCK_M, NR, TILE_W,
+                PAD_W, EVEN_M, BLOCK_M, NR, TILE_W, ROW_PAIR,
             )  # fmt: skip
-            k_ptrs += k_step
-            v_ptrs += v_step
+            if OFFS32:
+                k_at += k_step
+                v_at += v_step
+            else:
+                k_ptrs += k_step
+                v_ptrs += v_step
             offs_n += step
             a0 += NR
         if not EVEN_N:  # the last, partial tile
@@ -647,16 +721,18 @@ def _bwd_dq_kernel(
                 r = 0.0
                 r_t = 0.0
                 if GAUSS:
-                    r, t_r = row_factors(qr - a0, cr, fr, NR)
-                    r_t = r * t_r
+                    r, r_t = _dq_row_terms(qr - a0, cr, fr, NR, ROW_PAIR)
                 ok_t = ok & (offs_n < n_k)
+                if OFFS32:
+                    k_ptrs = tile_ptrs_at(k_at, k_tile, slot_off, offs_d, OFFS32)
+                    v_ptrs = tile_ptrs_at(v_at, v_tile, slot_off, offs_dv, OFFS32)
                 k, v = _load_kv(k_ptrs, v_ptrs, ok_t, d_ok, dv_ok, True, EVEN_D)
                 dq, w, w2 = _dq_tile(
                     dq, w, w2, q, do, k, v, ok_t, offs_m, offs_n, n_q, n_k, scale, su,
                     stat_u, delta, add_base, s_am, s_an, keep_base, s_mm, s_mn, dadd_base, s_gm, s_gn,
                     r, r_t, c,
                     ENTMAX, GAUSS, GAUSS_GRAD, HAS_ADD, HAS_KEEP, F32_DOT, ADD_GRAD, DADD_BCAST_M,
-                    DADD_BCAST_N, True, EVEN_M, BLOCK_M, NR, TILE_W,
+                    DADD_BCAST_N, True, EVEN_M, BLOCK_M, NR, TILE_W, ROW_PAIR,
                 )  # fmt: skip
         if GAUSS_GRAD:  # the column factors again, without alpha / scale, and their exponents
             c, t_c = col_factors(qc, cc, fc, ch * TILE_W * 1.0, TILE_W, False)

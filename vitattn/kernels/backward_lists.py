@@ -47,6 +47,8 @@ from ._common import (
     _tile_ptrs,
     axis_exponent,
     gauss_rows,
+    load_tile_at,
+    tile_offsets,
 )
 from ._tiles import coords_jump, tile_index, tile_list, window_keep, window_rows
 from .entmax_alpha import alpha_powers, alpha_rows
@@ -168,6 +170,7 @@ def _bwd_dkdv_kernel(
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     UNIFORM: tl.constexpr = False,
+    OFFS32: tl.constexpr = False,
 ):
     """``DK``, ``DV`` (contiguous, like K and V) for one block of keys. DO contiguous ``(B, H, Nq, Dv)``.
 
@@ -207,13 +210,16 @@ def _bwd_dkdv_kernel(
         LIST, CNT, n_list_cols, bh * list_bh, tl.cdiv(n_k, BLOCK_N), n_q, BLOCK_M, SPARSE, UNIFORM
     )
     qr0, qc0 = qr, qc
+    # a query tile's offsets from its first query (the loads add them to a scalar pointer)
+    q_tile = tile_offsets(tl.arange(0, BLOCK_M), offs_d, s_qm, s_qd, OFFS32)
+    do_tile = tile_offsets(tl.arange(0, BLOCK_M), offs_dv, head_dv, 1, OFFS32)
     for it in range(0, n_iter):
         tile = tile_index(list_row, it, SPARSE)
         start_m = tile * BLOCK_M
         if SPARSE and GAUSS:
             qr, qc = coords_jump(qr0, qc0, tile, BLOCK_M, gw)
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_tile(q_base, offs_m, offs_d, s_qm, s_qd, n_q, head_d, EVEN_M, EVEN_D)
+        q = load_tile_at(q_base, start_m, q_tile, offs_m, offs_d, n_q, head_d, EVEN_M, EVEN_D, OFFS32)
         stat, delta = _row_stats(STAT, DELTA, row, offs_m, n_q, EVEN_M)
         if GAUSS:
             ok = offs_m < n_q
@@ -238,7 +244,7 @@ def _bwd_dkdv_kernel(
             p_t, g_t, _l = alpha_powers(u_t, beta_q[None, :])
         else:
             p_t, g_t = _probs(z_t, stat * stat_unit, ENTMAX, True)
-        do = _load_tile(do_base, offs_m, offs_dv, head_dv, 1, n_q, head_dv, EVEN_M, EVEN_D)
+        do = load_tile_at(do_base, start_m, do_tile, offs_m, offs_dv, n_q, head_dv, EVEN_M, EVEN_D, OFFS32)
         dv += _dot(p_t.to(do.dtype), do, F32_DOT)
         dp_t = _dot(v, tl.trans(do), F32_DOT)
         ds_t = g_t * (dp_t - delta[None, :])
@@ -378,6 +384,7 @@ def _bwd_dq_kernel(
     DADD_BCAST_M: tl.constexpr,
     DADD_BCAST_N: tl.constexpr,
     UNIFORM: tl.constexpr = False,
+    OFFS32: tl.constexpr = False,
 ):
     """``DQ`` (contiguous like Q) for one block of queries, plus the bias gradients.
 
@@ -429,13 +436,16 @@ def _bwd_dq_kernel(
     if WINDOW:
         r0, r1, c0, c1 = window_rows(WIN, offs_m, n_q)
     kr0, kc0 = kr, kc
+    # a key tile's offsets from its first key (the loads add them to a scalar pointer)
+    k_tile = tile_offsets(tl.arange(0, BLOCK_N), offs_d, s_kn, s_kd, OFFS32)
+    v_tile = tile_offsets(tl.arange(0, BLOCK_N), offs_dv, s_vn, s_vd, OFFS32)
     for it in range(0, n_iter):
         tile = tile_index(list_row, it, SPARSE)
         start_n = tile * BLOCK_N
         if SPARSE and (GAUSS or WINDOW):
             kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base, offs_n, offs_d, s_kn, s_kd, n_k, head_d, EVEN_N, EVEN_D)
+        k = load_tile_at(k_base, start_n, k_tile, offs_n, offs_d, n_k, head_d, EVEN_N, EVEN_D, OFFS32)
         z, e = _score_tile(q, k, offs_m, offs_n, n_q, n_k, scale, unit, add_base, s_am, s_an, keep_base, s_mm,
                            s_mn, qr, qc, cr, fr, cc, fc, alpha * unit, kr, kc, GAUSS, HAS_ADD, HAS_KEEP,
                            F32_DOT, False, EVEN_M, EVEN_N)  # fmt: skip
@@ -449,7 +459,7 @@ def _bwd_dq_kernel(
                 w = tl.where(u > 0.0, u - LN2 * (u * l2), 0.0)
         else:
             p, g = _probs(z, stat_u, ENTMAX, False)
-        v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv, EVEN_N, EVEN_D)
+        v = load_tile_at(v_base, start_n, v_tile, offs_n, offs_dv, n_k, head_dv, EVEN_N, EVEN_D, OFFS32)
         dp = _dot(do, tl.trans(v), F32_DOT)
         ds = g * (dp - delta[:, None])
         if ENT_GRAD:

@@ -239,6 +239,12 @@ def grid_tile_w(gwp: int, block_m: int, block_n: int, kernel: str) -> int:
 ROW_PARTS_BY_ARCH: dict[int, int] = {80: 1, 90: 8}
 PARTIAL_ROW_SUMS = ("fwd_softmax", "fwd_softmax_lists", "fwd_entmax15")
 
+# The grid-aligned dQ with two grid rows per key tile: per arch, whether it takes them apart (two vectors
+# of row factors, a multiply-add per score into each gradient accumulator; ``backward._dq_row_terms``):
+# on sm_90 that saves a trip through shared memory per tile; on sm_80 it spills (868 B at 64 x 64, where
+# the (BLOCK_M, 2) form spills 52 B). docs/kernels.md.
+DQ_ROW_PAIR_BY_ARCH: dict[int, bool] = {80: False, 90: True}
+
 
 # The row-term kernels of the backward (delta, the Gaussian row terms) need no tuning.
 DELTA_ROWS = 64

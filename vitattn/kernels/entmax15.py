@@ -44,10 +44,11 @@ from ._common import (
     _coords_step,
     _dot,
     _fwd_prologue,
-    _load_tile,
     _store_tile,
+    load_tile_at,
     row_partial_mins,
     row_partial_sums,
+    tile_offsets,
     warp_uniform,
 )
 from ._tiles import coords_jump, listed_scores, tile_index, tile_list, window_rows
@@ -193,6 +194,7 @@ def _fwd_entmax15_kernel(
     EVEN_D: tl.constexpr,
     ROW_PARTS: tl.constexpr = 8,
     UNIFORM: tl.constexpr = False,
+    OFFS32: tl.constexpr = False,
 ):
     """``O[b, h, rows] = entmax15(z) V``, ``STAT = tau`` (and ``OG``) for one block of query rows.
 
@@ -209,6 +211,9 @@ def _fwd_entmax15_kernel(
     bh, offs_m, offs_d, offs_dv, q, k_base, v_base, add_base, keep_base, qr, qc, cr, fr, cc, fc, alpha = (
         prologue
     )
+    # a key tile's offsets from its first key (the tiles' loads add them to a scalar pointer)
+    k_tile = tile_offsets(tl.arange(0, BLOCK_N), offs_d, s_kn, s_kd, OFFS32)
+    v_tile = tile_offsets(tl.arange(0, BLOCK_N), offs_dv, s_vn, s_vd, OFFS32)
     # every tile is y = z / 2 (the 1/2 of entmax-1.5 folded into the scale and the Gaussian amplitude)
     alpha_y = alpha * 0.5
     kr0, kc0 = _coords_start(tl.arange(0, BLOCK_N), num_prefix, grid_w)
@@ -239,9 +244,9 @@ def _fwd_entmax15_kernel(
         start_n = tile * BLOCK_N
         if WINDOW:
             kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-        y, offs_n = listed_scores(q, k_base, start_n, offs_m, offs_d, s_kn, s_kd, n_q, n_k, head_d, scale,
+        y, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
                                   0.5, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
-                                  DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N)  # fmt: skip
+                                  DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
         m = tl.maximum(m, tl.max(y, 1))
         ref = tl.where(it == 0, tl.where(m == float("-inf"), 0.0, m), ref)
         a = tl.maximum(y - (ref + LEVEL_LO)[:, None], 0.0)
@@ -292,9 +297,9 @@ def _fwd_entmax15_kernel(
             start_n = tile * BLOCK_N
             if WINDOW:
                 kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-            y, offs_n = listed_scores(q, k_base, start_n, offs_m, offs_d, s_kn, s_kd, n_q, n_k, head_d, scale,
-                                      0.5, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
-                                      DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N)  # fmt: skip
+            y, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d,
+                                      scale, 0.5, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT,
+                                      WINDOW, DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
             d = (y - m[:, None]) - tau[:, None]
             g = tl.maximum(d, 0.0)
             above = tl.sum(_positive(g), 1)
@@ -359,11 +364,11 @@ def _fwd_entmax15_kernel(
             start_n = tile * BLOCK_N
             if WINDOW:
                 kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-        y, offs_n = listed_scores(q, k_base, start_n, offs_m, offs_d, s_kn, s_kd, n_q, n_k, head_d, scale,
+        y, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
                                   0.5, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
-                                  DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N)  # fmt: skip
+                                  DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
         g = tl.maximum((y - m[:, None]) - tau_fin[:, None], 0.0)
-        v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv, EVEN_N, EVEN_D)
+        v = load_tile_at(v_base, start_n, v_tile, offs_n, offs_dv, n_k, head_dv, EVEN_N, EVEN_D, OFFS32)
         acc += _dot((g * g).to(v.dtype), v, F32_DOT)
         if STORE_OG:
             acc_g += _dot(g.to(v.dtype), v, F32_DOT)

@@ -38,10 +38,11 @@ from ._common import (
     _coords_step,
     _dot,
     _fwd_prologue,
-    _load_tile,
     _offset,
     _program,
     _store_tile,
+    load_tile_at,
+    tile_offsets,
 )
 from ._tiles import coords_jump, listed_scores, tile_index, tile_list, window_rows
 from .env import interpret_requested
@@ -161,6 +162,7 @@ def _fwd_entmax_alpha_kernel(
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     UNIFORM: tl.constexpr = False,
+    OFFS32: tl.constexpr = False,
 ):
     """``O[b, h, rows] = alpha-entmax(z) V``, ``STAT`` (and ``OG``) for one block of query rows.
 
@@ -174,6 +176,9 @@ def _fwd_entmax_alpha_kernel(
     bh, offs_m, offs_d, offs_dv, q, k_base, v_base, add_base, keep_base, qr, qc, cr, fr, cc, fc, alpha = (
         prologue
     )
+    # a key tile's offsets from its first key (the tiles' loads add them to a scalar pointer)
+    k_tile = tile_offsets(tl.arange(0, BLOCK_N), offs_d, s_kn, s_kd, OFFS32)
+    v_tile = tile_offsets(tl.arange(0, BLOCK_N), offs_dv, s_vn, s_vd, OFFS32)
     _bh, b, h = _program(n_heads)
     a, beta = alpha_rows(ENT, b, h, s_eb, s_eh, s_em, offs_m, n_q)
     kr0, kc0 = _coords_start(tl.arange(0, BLOCK_N), num_prefix, grid_w)
@@ -196,9 +201,9 @@ def _fwd_entmax_alpha_kernel(
         start_n = tile * BLOCK_N
         if WINDOW:
             kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-        z, offs_n = listed_scores(q, k_base, start_n, offs_m, offs_d, s_kn, s_kd, n_q, n_k, head_d, scale,
+        z, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
                                   1.0, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
-                                  DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N)  # fmt: skip
+                                  DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
         m = tl.maximum(m, tl.max(z, 1))
         if masked:
             count += tl.sum(tl.where(z > float("-inf"), 1.0, 0.0), 1)
@@ -232,9 +237,9 @@ def _fwd_entmax_alpha_kernel(
             start_n = tile * BLOCK_N
             if WINDOW:
                 kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-            z, offs_n = listed_scores(q, k_base, start_n, offs_m, offs_d, s_kn, s_kd, n_q, n_k, head_d, scale,
-                                      1.0, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
-                                      DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N)  # fmt: skip
+            z, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d,
+                                      scale, 1.0, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT,
+                                      WINDOW, DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
             u = tl.maximum((z - m[:, None]) * a[:, None] - tau[:, None], 0.0)
             p, g, _l = alpha_powers(u, beta[:, None])
             s_p += tl.sum(p, 1)
@@ -269,12 +274,12 @@ def _fwd_entmax_alpha_kernel(
         start_n = tile * BLOCK_N
         if WINDOW:
             kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-        z, offs_n = listed_scores(q, k_base, start_n, offs_m, offs_d, s_kn, s_kd, n_q, n_k, head_d, scale,
+        z, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
                                   1.0, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
-                                  DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N)  # fmt: skip
+                                  DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
         u = tl.maximum((z - m[:, None]) * a[:, None] - tau[:, None], 0.0)
         p, g, _l = alpha_powers(u, beta[:, None])
-        v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv, EVEN_N, EVEN_D)
+        v = load_tile_at(v_base, start_n, v_tile, offs_n, offs_dv, n_k, head_dv, EVEN_N, EVEN_D, OFFS32)
         acc += _dot(p.to(v.dtype), v, F32_DOT)
         p_sum += tl.sum(p, 1)
         if STORE_OG:

@@ -374,6 +374,31 @@ def kv_descriptors(launch: KernelLaunch) -> list[Any]:
     return out
 
 
+I32_LIMIT = 2**31
+
+
+def offsets_fit_i32(launch: KernelLaunch, factor_slab: int = 0) -> bool:
+    """Whether the backward's tile offsets fit in 32 bits (``OFFS32``, ``_common.tile_offsets``): for q,
+    k and v (the gradient of the output is contiguous like v), the offset of any row a tile can reach
+    (every row, plus a tile of ``128`` grid rows of padded width past the end) and any column; and a
+    Gaussian factor buffer's slab of ``factor_slab`` floats per ``(b, h)``."""
+    n = max(launch.q.shape[2], launch.k.shape[2]) + 128 * max(launch.grid_w, 1)
+    spans = [n * t.stride(2) + t.shape[3] * t.stride(3) for t in (launch.q, launch.k, launch.v)]
+    spans.append(n * launch.v.shape[3])
+    return max(*spans, factor_slab) < I32_LIMIT
+
+
+def tile_offsets_pay(launch: KernelLaunch) -> bool:
+    """Whether the kernels hold each tile's 32-bit offsets (``OFFS32``, ``_common.tile_offsets``), where
+    they fit: at head dims up to 64, and in the list kernels without a Gaussian bias or alpha-entmax.
+    Those offsets are registers for the whole loop: the full static report measured spills where they
+    were held at head dim 128 (the plain dK/dV at 64x128 w8, entmax-1.5's masked forwards at 64x32) and in
+    the list kernels' Gaussian and alpha-entmax dK/dV at head dim 64 (docs/kernels.md)."""
+    if launch.q.shape[3] > 64 or launch.v.shape[3] > 64:
+        return False
+    return not (launch.lists and (launch.den is not None or launch.ent is not None))
+
+
 def factor_rows(n_q: int, num_prefix: int, grid_w: int) -> tuple[int, int]:
     """``(n_qp, n_fr)`` of the backward's Gaussian factor buffer ``(B * H, n_fr, n_qp)``: the queries
     padded to a multiple of 128 (the largest query tile), and ``GWP`` column rows plus the grid rows
@@ -788,6 +813,7 @@ def _forward(
         meta["ROW_PARTS"] = configs.ROW_PARTS_BY_ARCH[device_arch([q])]
     if name != "fwd_softmax":  # the list kernels: their counts marked warp-uniform (_common.warp_uniform)
         meta["UNIFORM"] = not interpret_requested()
+        meta["OFFS32"] = offsets_fit_i32(launch) and tile_offsets_pay(launch)
     if sparse:
         head.append(og if store_og else dummy)
         meta["STORE_OG"] = store_og
@@ -990,6 +1016,7 @@ def _backward(
         # the inner loops iterate lists: entmax-1.5's live tiles (per (b, h)), else a window's (shared)
         meta["SPARSE"] = live.numel() > 0 or launch.window is not None
         meta["UNIFORM"] = not interpret_requested()  # the counts marked warp-uniform (_common.warp_uniform)
+        meta["OFFS32"] = offsets_fit_i32(launch) and tile_offsets_pay(launch)
 
         dkdv_args = [q, k, v, do, stat, delta, fact, dk, dvv, *operands, *strides, *scalars, *ent_args]
         dkdv_blocks = lambda bm, bn: (triton.cdiv(n_k, bn), b * h)  # noqa: E731
@@ -1000,10 +1027,12 @@ def _backward(
     else:  # plain softmax: grid-aligned Gaussian tiles, no lists
         del meta["WINDOW"], meta["DILATED"]
         meta.update(launch.grid_flags())
+        meta["OFFS32"] = offsets_fit_i32(launch, n_qp * n_fr) and tile_offsets_pay(launch)
         dkdv_args = [q, k, v, do, stat, delta, fact, dk, dvv, *operands, *strides, *scalars, n_qp, n_fr]
         dkdv_blocks = lambda bm, bn: (launch.key_blocks(bm, bn), b * h)  # noqa: E731
         dkdv_extra = dict(grid_keys=launch.grid_keys("bwd_dkdv"))
-        dq_tail, dq_meta, dq_extra = [], {}, dict(grid_keys=launch.grid_keys("bwd_dq"))
+        dq_tail, dq_extra = [], dict(grid_keys=launch.grid_keys("bwd_dq"))
+        dq_meta = {"ROW_PAIR": configs.DQ_ROW_PAIR_BY_ARCH[device_arch([q])]}
     suffix = "_lists" if lists else ""
     _launch("bwd_dkdv" + suffix, dkdv_blocks, dkdv_args, meta, launch.shape, launch.even_d, **dkdv_extra)
     dq_extra["reset"] = dadd.zero_ if add_mode == 2 else None  # atomics accumulate: reset after benchmarking

@@ -22,10 +22,11 @@ from ._common import (
     _coords_step,
     _dot,
     _fwd_prologue,
-    _load_tile,
     _store_tile,
     exp2_fma,
+    load_tile_at,
     row_partial_sums,
+    tile_offsets,
 )
 from ._tiles import coords_jump, listed_scores, tile_index, tile_list, window_rows
 
@@ -98,6 +99,7 @@ def _fwd_softmax_kernel(
     EVEN_D: tl.constexpr,
     ROW_PARTS: tl.constexpr = 8,
     UNIFORM: tl.constexpr = False,
+    OFFS32: tl.constexpr = False,
 ):
     """``O[b, h, rows] = softmax(z) V`` and ``STAT = lse`` for one block of query rows.
 
@@ -117,6 +119,9 @@ def _fwd_softmax_kernel(
     bh, offs_m, offs_d, offs_dv, q, k_base, v_base, add_base, keep_base, qr, qc, cr, fr, cc, fc, alpha = (
         prologue
     )
+    # a key tile's offsets from its first key (the tiles' loads add them to a scalar pointer)
+    k_tile = tile_offsets(tl.arange(0, BLOCK_N), offs_d, s_kn, s_kd, OFFS32)
+    v_tile = tile_offsets(tl.arange(0, BLOCK_N), offs_dv, s_vn, s_vd, OFFS32)
     # every tile is in base 2: log2(e) folded once into the scale and the Gaussian amplitude
     alpha2 = alpha * LOG2E
     kr, kc = _coords_start(tl.arange(0, BLOCK_N), num_prefix, grid_w)
@@ -134,15 +139,15 @@ def _fwd_softmax_kernel(
         start_n = tile * BLOCK_N
         if WINDOW:
             kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-        z, offs_n = listed_scores(q, k_base, start_n, offs_m, offs_d, s_kn, s_kd, n_q, n_k, head_d, scale,
+        z, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
                                   LOG2E, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
-                                  DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N)  # fmt: skip
+                                  DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(z, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
         p = tl.exp2(z - m_safe[:, None])
         corr = exp2_fma(m_i - m_safe)  # per row, off the exp unit (m_i = -inf gives 0)
         l_i = l_i * corr[:, None] + row_partial_sums(p, BLOCK_M, BLOCK_N, ROW_PARTS)
-        v = _load_tile(v_base, offs_n, offs_dv, s_vn, s_vd, n_k, head_dv, EVEN_N, EVEN_D)
+        v = load_tile_at(v_base, start_n, v_tile, offs_n, offs_dv, n_k, head_dv, EVEN_N, EVEN_D, OFFS32)
         acc = acc * corr[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
         m_i = m_new
         if GAUSS and not WINDOW:
