@@ -261,6 +261,30 @@ def test_offsets_fit_i32_sees_large_strides():
     )
 
 
+@pytest.mark.parametrize(
+    ("d", "entmax", "gauss", "alpha_entmax", "pays"),
+    [
+        (64, False, True, False, True),  # grid-aligned Gaussian softmax at head dim 64
+        (64, True, False, False, True),  # entmax-1.5's list kernels without bias
+        (128, False, False, False, False),  # head dim 128: the offsets' registers spilled
+        (64, True, True, False, False),  # list kernels with a Gaussian bias
+        (48, False, False, True, False),  # alpha-entmax
+    ],
+)
+def test_tile_offsets_pay_where_measured(d, entmax, gauss, alpha_entmax, pays):
+    """``ops.tile_offsets_pay``: the builds of the static report where the held 32-bit offsets spilled do
+    not take them (docs/kernels.md, "Tile offsets from a scalar pointer")."""
+    n = 64
+    q = torch.empty(1, 2, n, d, device="meta")
+    den = torch.empty(1, 2, n, 2, device="meta") if gauss else None
+    alpha = torch.empty(1, 2, n, device="meta") if gauss else None
+    ent = torch.empty(1, 2, n, device="meta") if alpha_entmax else None
+    launch = ops.KernelLaunch(
+        q, q, q, None, None, den, alpha, d**-0.5, 0, 8 if gauss else 1, 0.0, entmax, False, ent
+    )
+    assert ops.tile_offsets_pay(launch) is pays
+
+
 @interpreted
 @pytest.mark.parametrize(
     "case",

@@ -186,14 +186,14 @@ def _load_tile(
 
 
 @triton.jit
-def tile_ptrs_at(at, tile, offs_r, offs_c, OFFS32: tl.constexpr):
-    """The pointers of a tile whose first row is at the scalar pointer ``at``: ``tile`` its
-    :func:`tile_offsets`, ``offs_r`` / ``offs_c`` its rows (from 0) and columns."""
-    offs, stride_r, stride_c = tile
+def tile_ptrs_at(at, tile, ptrs, OFFS32: tl.constexpr):
+    """The pointers of a tile the loop advances: with ``OFFS32`` its first row's scalar pointer ``at``
+    plus its :func:`tile_offsets` ``tile``, else ``ptrs``, the 64-bit pointer tile the loop advances."""
+    offs, _stride_r, _stride_c = tile
     if OFFS32:
         return at + offs
     else:
-        return _tile_ptrs(at, offs_r, offs_c, stride_r, stride_c)
+        return ptrs
 
 
 @triton.jit

@@ -289,12 +289,8 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for start_m in range(0, n_q, BLOCK_M):
         offs_m = start_m + offs_mb
-        if OFFS32:
-            q_ld = tile_ptrs_at(q_at, q_tile, offs_mb, offs_d, OFFS32)
-            do_ld = tile_ptrs_at(do_at, do_tile, offs_mb, offs_dv, OFFS32)
-        else:
-            q_ld = q_ptrs
-            do_ld = do_ptrs
+        q_ld = tile_ptrs_at(q_at, q_tile, q_ptrs, OFFS32)
+        do_ld = tile_ptrs_at(do_at, do_tile, do_ptrs, OFFS32)
         if EVEN_M and EVEN_D:
             q = tl.load(q_ld)
             do = tl.load(do_ld)
@@ -310,12 +306,9 @@ def _bwd_dkdv_kernel(
             HAS_ADD, HAS_KEEP, F32_DOT, True, EVEN_M, WHOLE,
         )  # fmt: skip
         if GAUSS:
-            if OFFS32:
-                r_f = tl.load(tile_ptrs_at(fact + start_m, r_tile, r_rows, offs_f, OFFS32))
-                c_f = tl.load(tile_ptrs_at(fact + start_m, c_tile, c_rows, offs_f, OFFS32))
-            else:
-                r_f = tl.load(r_ptrs)
-                c_f = tl.load(c_ptrs)
+            r_f = tl.load(tile_ptrs_at(fact + start_m, r_tile, r_ptrs, OFFS32))
+            c_f = tl.load(tile_ptrs_at(fact + start_m, c_tile, c_ptrs, OFFS32))
+            if not OFFS32:
                 r_ptrs += BLOCK_M
                 c_ptrs += BLOCK_M
             s_t = add_outer(s_t, r_f, c_f, BLOCK_M, NR, TILE_W, True)
@@ -695,12 +688,8 @@ def _bwd_dq_kernel(
             r_t = 0.0
             if GAUSS:
                 r, r_t = _dq_row_terms(qr - a0, cr, fr, NR, ROW_PAIR)
-            if OFFS32:
-                k_ld = tile_ptrs_at(k_at, k_tile, slot_off, offs_d, OFFS32)
-                v_ld = tile_ptrs_at(v_at, v_tile, slot_off, offs_dv, OFFS32)
-            else:
-                k_ld = k_ptrs
-                v_ld = v_ptrs
+            k_ld = tile_ptrs_at(k_at, k_tile, k_ptrs, OFFS32)
+            v_ld = tile_ptrs_at(v_at, v_tile, v_ptrs, OFFS32)
             k, v = _load_kv(k_ld, v_ld, ok, d_ok, dv_ok, PAD_W, EVEN_D)
             dq, w, w2 = _dq_tile(
                 dq, w, w2, q, do, k, v, ok, offs_m, offs_n, n_q, n_k, scale, su, stat_u, delta,
@@ -723,10 +712,9 @@ def _bwd_dq_kernel(
                 if GAUSS:
                     r, r_t = _dq_row_terms(qr - a0, cr, fr, NR, ROW_PAIR)
                 ok_t = ok & (offs_n < n_k)
-                if OFFS32:
-                    k_ptrs = tile_ptrs_at(k_at, k_tile, slot_off, offs_d, OFFS32)
-                    v_ptrs = tile_ptrs_at(v_at, v_tile, slot_off, offs_dv, OFFS32)
-                k, v = _load_kv(k_ptrs, v_ptrs, ok_t, d_ok, dv_ok, True, EVEN_D)
+                k_ld = tile_ptrs_at(k_at, k_tile, k_ptrs, OFFS32)
+                v_ld = tile_ptrs_at(v_at, v_tile, v_ptrs, OFFS32)
+                k, v = _load_kv(k_ld, v_ld, ok_t, d_ok, dv_ok, True, EVEN_D)
                 dq, w, w2 = _dq_tile(
                     dq, w, w2, q, do, k, v, ok_t, offs_m, offs_n, n_q, n_k, scale, su,
                     stat_u, delta, add_base, s_am, s_an, keep_base, s_mm, s_mn, dadd_base, s_gm, s_gn,
