@@ -283,6 +283,8 @@ def test_tile_offsets_pay_where_measured(d, entmax, gauss, alpha_entmax, pays):
         q, q, q, None, None, den, alpha, d**-0.5, 0, 8 if gauss else 1, 0.0, entmax, False, ent
     )
     assert ops.tile_offsets_pay(launch) is pays
+    assert ops.use_tile_offsets(launch) is pays  # these offsets fit: the flag is the measured rule
+    assert not ops.use_tile_offsets(launch, 2**31)
 
 
 @interpreted

@@ -146,8 +146,8 @@ def tile_offsets(offs_r, offs_c, stride_r, stride_c, OFFS32: tl.constexpr):
     is the ``(R, C)`` tile of 32-bit element offsets ``offs_r * stride_r + offs_c * stride_c`` from the
     tile's first row, computed once per program (each load's address is then one add to a scalar pointer,
     where a 64-bit pointer per element takes a register pair and two adds); without it ``0`` (the loads
-    build 64-bit pointers per tile: tensors whose offsets pass 2^31, ``ops.offsets_fit_i32``, and the
-    builds where holding the offsets costs registers, ``ops.tile_offsets_pay``)."""
+    build 64-bit pointers per tile: tensors whose offsets pass 2^31 and the builds where holding the
+    offsets costs registers, ``ops.use_tile_offsets``)."""
     if OFFS32:
         return offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, stride_r, stride_c
     else:

@@ -378,7 +378,7 @@ I32_LIMIT = 2**31
 
 
 def offsets_fit_i32(launch: KernelLaunch, factor_slab: int = 0) -> bool:
-    """Whether the backward's tile offsets fit in 32 bits (``OFFS32``, ``_common.tile_offsets``): for q,
+    """Whether the loops' tile offsets fit in 32 bits (``OFFS32``, ``_common.tile_offsets``): for q,
     k and v (the gradient of the output is contiguous like v), the offset of any row a tile can reach
     (every row, plus a tile of ``128`` grid rows of padded width past the end) and any column; and a
     Gaussian factor buffer's slab of ``factor_slab`` floats per ``(b, h)``."""
@@ -397,6 +397,13 @@ def tile_offsets_pay(launch: KernelLaunch) -> bool:
     if launch.q.shape[3] > 64 or launch.v.shape[3] > 64:
         return False
     return not (launch.lists and (launch.den is not None or launch.ent is not None))
+
+
+def use_tile_offsets(launch: KernelLaunch, factor_slab: int = 0) -> bool:
+    """The ``OFFS32`` flag of a launch: its tile offsets fit in 32 bits (:func:`offsets_fit_i32`, with a
+    Gaussian factor slab of ``factor_slab`` floats per ``(b, h)``) and holding them pays
+    (:func:`tile_offsets_pay`)."""
+    return offsets_fit_i32(launch, factor_slab) and tile_offsets_pay(launch)
 
 
 def factor_rows(n_q: int, num_prefix: int, grid_w: int) -> tuple[int, int]:
@@ -813,7 +820,7 @@ def _forward(
         meta["ROW_PARTS"] = configs.ROW_PARTS_BY_ARCH[device_arch([q])]
     if name != "fwd_softmax":  # the list kernels: their counts marked warp-uniform (_common.warp_uniform)
         meta["UNIFORM"] = not interpret_requested()
-        meta["OFFS32"] = offsets_fit_i32(launch) and tile_offsets_pay(launch)
+        meta["OFFS32"] = use_tile_offsets(launch)
     if sparse:
         head.append(og if store_og else dummy)
         meta["STORE_OG"] = store_og
@@ -1016,7 +1023,7 @@ def _backward(
         # the inner loops iterate lists: entmax-1.5's live tiles (per (b, h)), else a window's (shared)
         meta["SPARSE"] = live.numel() > 0 or launch.window is not None
         meta["UNIFORM"] = not interpret_requested()  # the counts marked warp-uniform (_common.warp_uniform)
-        meta["OFFS32"] = offsets_fit_i32(launch) and tile_offsets_pay(launch)
+        meta["OFFS32"] = use_tile_offsets(launch)
 
         dkdv_args = [q, k, v, do, stat, delta, fact, dk, dvv, *operands, *strides, *scalars, *ent_args]
         dkdv_blocks = lambda bm, bn: (triton.cdiv(n_k, bn), b * h)  # noqa: E731
@@ -1027,7 +1034,7 @@ def _backward(
     else:  # plain softmax: grid-aligned Gaussian tiles, no lists
         del meta["WINDOW"], meta["DILATED"]
         meta.update(launch.grid_flags())
-        meta["OFFS32"] = offsets_fit_i32(launch, n_qp * n_fr) and tile_offsets_pay(launch)
+        meta["OFFS32"] = use_tile_offsets(launch, n_qp * n_fr)
         dkdv_args = [q, k, v, do, stat, delta, fact, dk, dvv, *operands, *strides, *scalars, n_qp, n_fr]
         dkdv_blocks = lambda bm, bn: (launch.key_blocks(bm, bn), b * h)  # noqa: E731
         dkdv_extra = dict(grid_keys=launch.grid_keys("bwd_dkdv"))
