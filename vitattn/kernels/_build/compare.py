@@ -240,7 +240,8 @@ def comparison(
     tiles, each side at its best pickable tile, and the goals (``RATIO_GOALS``) with their values."""
     ours: dict[tuple[str, str], dict[tuple[int, int, int, int], float]] = {}
     for r in rows:
-        if (r["arch"] == arch and r["pickable"] and r["even"] and r["ok"] and r["normalizer"] == "softmax"
+        if (r["arch"] == arch and r["pickable"] and r["even"] and r["ok"] and not r.get("window")
+                and r["normalizer"] == "softmax"
                 and r["head_dim"] == HEAD_DIM and r["bias"] in ("none", "gaussian") and r["pass"] in PASSES
                 and r["dtype"] == "bf16"):  # fmt: skip
             ours.setdefault((r["pass"], r["bias"]), {})[_tile(r)] = _ips(r)
@@ -344,7 +345,8 @@ def entmax_comparison(
     -> instructions per score."""
     mine: dict[str, dict[tuple[int, int, int, int], float]] = {}
     for r in rows:
-        if (r["arch"] == arch and r["pickable"] and r["even"] and r["ok"] and r["normalizer"] == "entmax15"
+        if (r["arch"] == arch and r["pickable"] and r["even"] and r["ok"] and not r.get("window")
+                and r["normalizer"] == "entmax15"
                 and r["head_dim"] == HEAD_DIM and r["bias"] == "none" and r["pass"] in PASSES
                 and r["dtype"] == "bf16"):  # fmt: skip
             loops = [loop["per_score"]["instructions"] for loop in r["loops"]]
