@@ -30,7 +30,9 @@ triton = pytest.importorskip("triton")
 interpreted = pytest.mark.triton_interpreter
 
 TOL = {  # dtype -> (forward, gradients, alpha's gradient)
-    torch.float32: (1e-5, 2e-5, 4e-5),
+    # alpha's gradient in float32: 6.0e-5 on an AMD EPYC host, under 4e-5 on the earlier ones (the
+    # interpreter's float32 exp2 / log2 are numpy's, whose SIMD paths differ per CPU)
+    torch.float32: (1e-5, 2e-5, 1e-4),
     torch.float16: (3e-3, 4e-3, 2e-2),
     torch.bfloat16: (2.5e-2, 4e-2, 1.5e-1),
 }
