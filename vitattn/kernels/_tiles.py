@@ -71,37 +71,46 @@ def coords_jump(r0, c0, tile, BLOCK: tl.constexpr, gw):
 
 @triton.jit
 def window_rows(WIN, offs, n):
-    """``(r0, r1, c0, c1)`` of the queries ``offs``: the first and last grid row and column of each query's
-    window (``windows.window_bounds``: float32 ``(4, n)``; padded queries keep everything)."""
+    """``(ctr_r, half_r, ctr_c, half_c)`` of the queries ``offs``: the centre and the half-width plus 1/2
+    of each query's window, in window coordinates, along the rows and the columns
+    (``windows.window_table`` rows 0-3, float32 ``(6, n)``; padded queries keep everything)."""
     ok = offs < n
-    r0 = tl.load(WIN + offs, mask=ok, other=float("-inf"))
-    r1 = tl.load(WIN + n + offs, mask=ok, other=float("inf"))
-    c0 = tl.load(WIN + 2 * n + offs, mask=ok, other=float("-inf"))
-    c1 = tl.load(WIN + 3 * n + offs, mask=ok, other=float("inf"))
-    return r0, r1, c0, c1
+    ctr_r = tl.load(WIN + offs, mask=ok, other=0.0)
+    half_r = tl.load(WIN + n + offs, mask=ok, other=float("inf"))
+    ctr_c = tl.load(WIN + 2 * n + offs, mask=ok, other=0.0)
+    half_c = tl.load(WIN + 3 * n + offs, mask=ok, other=float("inf"))
+    return ctr_r, half_r, ctr_c, half_c
 
 
 @triton.jit
-def _on_subgrid(offset, dilation):
-    """``offset`` (an integer in float, ``>= 0``) is a multiple of ``dilation``: ``round(offset / d) d``
-    equals it (``offset / d`` within a few ulps of an integer rounds to it; ``inf`` stays ``inf``)."""
-    return tl.floor(offset * (1.0 / dilation) + 0.5) * dilation == offset
+def window_cols(WIN, offs, n):
+    """``(wr, wc)`` of the keys ``offs``: their own row and column window coordinates
+    (``windows.window_table`` rows 4-5; NaN for a prefix key and past ``n``)."""
+    ok = offs < n
+    wr = tl.load(WIN + 4 * n + offs, mask=ok, other=float("nan"))
+    wc = tl.load(WIN + 5 * n + offs, mask=ok, other=float("nan"))
+    return wr, wc
 
 
 @triton.jit
-def window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, TRANS: tl.constexpr, DILATED: tl.constexpr):
-    """The window's keep-mask of a tile: key ``(kr, kc)`` (float grid coordinates, a negative row for a
-    prefix key, kept by every query) in the query's row and column ranges (:func:`window_rows`), on its
-    sub-grid when ``DILATED``. Queries along rows (columns if ``TRANS``). No integer, no table: a few
-    compares per score."""
-    kr_t = _kv(kr, TRANS)
-    kc_t = _kv(kc, TRANS)
-    r0_t = _qv(r0, TRANS)
-    c0_t = _qv(c0, TRANS)
-    keep = (kr_t >= r0_t) & (kr_t <= _qv(r1, TRANS)) & (kc_t >= c0_t) & (kc_t <= _qv(c1, TRANS))
-    if DILATED:
-        keep = keep & _on_subgrid(kr_t - r0_t, d_r) & _on_subgrid(kc_t - c0_t, d_c)
-    return keep | (kr_t < 0.0)
+def window_penalty(ctr_r, half_r, ctr_c, half_c, wr, wc, TRANS: tl.constexpr):
+    """A tile's window test as a float: ``max(|wr - ctr_r| - half_r, |wc - ctr_c| - half_c)``, at most
+    -1/2 where the key (window coordinates ``wr, wc``: :func:`window_cols`) lies in its query's window
+    (:func:`window_rows`), at least 1/2 outside, NaN for a prefix key. The coordinates fold a dilation in
+    (``windows``: one range test per axis, no sub-grid test). Queries along rows (columns if ``TRANS``).
+    Two subtractions per axis and a maximum per score, no predicate: a tile of compares' results does not
+    fit the predicate registers, and ptxas packed them into general registers and back."""
+    d_r = tl.abs(_kv(wr, TRANS) - _qv(ctr_r, TRANS)) - _qv(half_r, TRANS)
+    d_c = tl.abs(_kv(wc, TRANS) - _qv(ctr_c, TRANS)) - _qv(half_c, TRANS)
+    return tl.maximum(d_r, d_c)
+
+
+@triton.jit
+def window_mask(z, penalty):
+    """``z`` with ``-inf`` outside the window (``penalty`` from :func:`window_penalty`): ``min(z, -inf *
+    penalty)`` is ``z`` inside (``+inf``) and ``-inf`` outside; a prefix key's NaN keeps ``z`` (the
+    minimum ignores a NaN operand, on the GPU and in the interpreter). A multiply and a minimum."""
+    return tl.minimum(z, penalty * float("-inf"))
 
 
 # ---- the list forward kernels' key tile (softmax_lists, entmax15, entmax_alpha) -------------------------
@@ -130,7 +139,6 @@ def listed_scores(
     HAS_KEEP: tl.constexpr,
     F32_DOT: tl.constexpr,
     WINDOW: tl.constexpr,
-    DILATED: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
@@ -140,9 +148,10 @@ def listed_scores(
     """``(z, offs_n)``: the key tile of ``BLOCK_N`` keys from ``start_n`` loaded and scored against the query
     tile ``q`` (:func:`~vitattn.kernels._common._score_tile` in the normalizer's ``unit``), ``-inf`` outside
     the window (``WINDOW``). ``masks = (add_base, s_am, s_an, keep_base, s_mm, s_mn)``, ``gq = (qr, qc, cr,
-    fr, cc, fc, alpha)`` (alpha in ``unit``), ``win = (r0, r1, c0, c1, d_r, d_c)`` (:func:`window_rows`, the
-    dilations); ``kr, kc`` the tile's key coordinates. Every pass of the list forward kernels calls it once
-    per visited tile."""
+    fr, cc, fc, alpha)`` (alpha in ``unit``), ``win = (r0, r1, c0, c1, WIN)`` (:func:`window_rows`, the
+    window table whose key coordinates :func:`window_cols` loads); ``kr, kc`` the tile's key grid
+    coordinates (the Gaussian bias'). Every pass of the list forward kernels calls it once per visited
+    tile."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = load_tile_at(k_base, start_n, k_tile, offs_n, offs_d, n_k, head_d, EVEN_N, EVEN_D, OFFS32)
     add_base, s_am, s_an, keep_base, s_mm, s_mn = masks
@@ -151,6 +160,7 @@ def listed_scores(
                         s_mn, qr, qc, cr, fr, cc, fc, alpha, kr, kc, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, False,
                         EVEN_M, EVEN_N)  # fmt: skip
     if WINDOW:
-        r0, r1, c0, c1, d_r, d_c = win
-        z = tl.where(window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, False, DILATED), z, float("-inf"))
+        r0, r1, c0, c1, WIN = win
+        wr, wc = window_cols(WIN, offs_n, n_k)
+        z = window_mask(z, window_penalty(r0, r1, c0, c1, wr, wc, False))
     return z, offs_n

@@ -50,7 +50,7 @@ from ._common import (
     load_tile_at,
     tile_offsets,
 )
-from ._tiles import coords_jump, tile_index, tile_list, window_keep, window_rows
+from ._tiles import coords_jump, tile_index, tile_list, window_cols, window_mask, window_penalty, window_rows
 from .entmax_alpha import alpha_powers, alpha_rows
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -152,8 +152,6 @@ def _bwd_dkdv_kernel(
     n_list_cols,
     list_bh,
     WIN,
-    d_r,
-    d_c,
     ENTMAX: tl.constexpr,
     GAUSS: tl.constexpr,
     HAS_ADD: tl.constexpr,
@@ -161,7 +159,6 @@ def _bwd_dkdv_kernel(
     F32_DOT: tl.constexpr,
     SPARSE: tl.constexpr,
     WINDOW: tl.constexpr,
-    DILATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -200,6 +197,9 @@ def _bwd_dkdv_kernel(
         unit = LOG2E
         stat_unit = LOG2E
     kr, kc = _coords_start(offs_n, num_prefix, grid_w)
+    win_r, win_c = 0.0, 0.0
+    if WINDOW:  # this key block's window coordinates (windows.window_table)
+        win_r, win_c = window_cols(WIN, offs_n, n_k)
     qr, qc = _coords_start(tl.arange(0, BLOCK_M), num_prefix, grid_w)
     step_r, step_c, gw = _coords_step(BLOCK_M, grid_w)
     rows_base = ROWS + bh.to(tl.int64) * 5 * n_q
@@ -235,9 +235,7 @@ def _bwd_dkdv_kernel(
                               HAS_KEEP, F32_DOT, True, EVEN_M, EVEN_N)  # fmt: skip
         if WINDOW:
             wr0, wr1, wc0, wc1 = window_rows(WIN, offs_m, n_q)
-            z_t = tl.where(
-                window_keep(wr0, wr1, wc0, wc1, kr, kc, d_r, d_c, True, DILATED), z_t, float("-inf")
-            )
+            z_t = window_mask(z_t, window_penalty(wr0, wr1, wc0, wc1, win_r, win_c, True))
         if ENTMAX == 2:
             a_q, beta_q = alpha_rows(ENT, b, h, s_eb, s_eh, s_em, offs_m, n_q)
             u_t = tl.maximum(z_t * a_q[None, :] - stat[None, :], 0.0)
@@ -361,8 +359,6 @@ def _bwd_dq_kernel(
     n_list_cols,
     list_bh,
     WIN,
-    d_r,
-    d_c,
     ENTMAX: tl.constexpr,
     GAUSS: tl.constexpr,
     HAS_ADD: tl.constexpr,
@@ -373,7 +369,6 @@ def _bwd_dq_kernel(
     ENT_GRAD: tl.constexpr,
     SPARSE: tl.constexpr,
     WINDOW: tl.constexpr,
-    DILATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -442,7 +437,7 @@ def _bwd_dq_kernel(
     for it in range(0, n_iter):
         tile = tile_index(list_row, it, SPARSE)
         start_n = tile * BLOCK_N
-        if SPARSE and (GAUSS or WINDOW):
+        if SPARSE and GAUSS:
             kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = load_tile_at(k_base, start_n, k_tile, offs_n, offs_d, n_k, head_d, EVEN_N, EVEN_D, OFFS32)
@@ -450,7 +445,8 @@ def _bwd_dq_kernel(
                            s_mn, qr, qc, cr, fr, cc, fc, alpha * unit, kr, kc, GAUSS, HAS_ADD, HAS_KEEP,
                            F32_DOT, False, EVEN_M, EVEN_N)  # fmt: skip
         if WINDOW:
-            z = tl.where(window_keep(r0, r1, c0, c1, kr, kc, d_r, d_c, False, DILATED), z, float("-inf"))
+            win_r, win_c = window_cols(WIN, offs_n, n_k)
+            z = window_mask(z, window_penalty(r0, r1, c0, c1, win_r, win_c, False))
         if ENTMAX == 2:
             u = tl.maximum(z * a[:, None] - stat_u[:, None], 0.0)
             p, g, l2 = alpha_powers(u, beta[:, None])

@@ -174,14 +174,11 @@ def _fwd_entmax15_kernel(
     WCNT,
     n_wcols,
     WIN,
-    d_r,
-    d_c,
     GAUSS: tl.constexpr,
     HAS_ADD: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     F32_DOT: tl.constexpr,
     WINDOW: tl.constexpr,
-    DILATED: tl.constexpr,
     STORE_OG: tl.constexpr,
     SPARSE: tl.constexpr,
     GRAIN: tl.constexpr,
@@ -225,7 +222,7 @@ def _fwd_entmax15_kernel(
     masked = HAS_ADD or HAS_KEEP or WINDOW
     masks = (add_base, s_am, s_an, keep_base, s_mm, s_mn)  # listed_scores' operands
     gq = (qr, qc, cr, fr, cc, fc, alpha_y)
-    win = (r0, r1, c0, c1, d_r, d_c)
+    win = (r0, r1, c0, c1, WIN)
 
     # 1. row max m of y, the finite keys, and exact sums at two levels fixed by the first block's max
     # (the sums as partial sums per row: row_partial_sums)
@@ -242,11 +239,11 @@ def _fwd_entmax15_kernel(
     for it in range(0, n_wit):
         tile = tile_index(wrow, it, WINDOW)
         start_n = tile * BLOCK_N
-        if WINDOW:
+        if WINDOW and GAUSS:  # a listed tile's grid coordinates (the Gaussian bias')
             kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
         y, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
                                   0.5, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
-                                  DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
+                                  EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
         m = tl.maximum(m, tl.max(y, 1))
         ref = tl.where(it == 0, tl.where(m == float("-inf"), 0.0, m), ref)
         a = tl.maximum(y - (ref + LEVEL_LO)[:, None], 0.0)
@@ -295,11 +292,11 @@ def _fwd_entmax15_kernel(
         for it in range(0, n_wit):
             tile = tile_index(wrow, it, WINDOW)
             start_n = tile * BLOCK_N
-            if WINDOW:
+            if WINDOW and GAUSS:
                 kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
             y, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d,
                                       scale, 0.5, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT,
-                                      WINDOW, DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
+                                      WINDOW, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
             d = (y - m[:, None]) - tau[:, None]
             g = tl.maximum(d, 0.0)
             above = tl.sum(_positive(g), 1)
@@ -353,7 +350,7 @@ def _fwd_entmax15_kernel(
         if SPARSE:  # the live key tiles only, in order; the Gaussian coordinates from the tile's start
             tile = tl.load(list_row + it)
             start_n = tile * BLOCK_N
-            if GAUSS or WINDOW:
+            if GAUSS:
                 kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
             cells_k = tile * (BLOCK_N // GRAIN) + tl.arange(0, BLOCK_N // GRAIN)
             inside = (cells_q[:, None] < n_cells_q) & (cells_k[None, :] < n_cells_k)
@@ -362,11 +359,11 @@ def _fwd_entmax15_kernel(
         else:
             tile = tile_index(wrow, it, WINDOW)
             start_n = tile * BLOCK_N
-            if WINDOW:
+            if WINDOW and GAUSS:
                 kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
         y, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
                                   0.5, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
-                                  DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
+                                  EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
         g = tl.maximum((y - m[:, None]) - tau_fin[:, None], 0.0)
         v = load_tile_at(v_base, start_n, v_tile, offs_n, offs_dv, n_k, head_dv, EVEN_N, EVEN_D, OFFS32)
         acc += _dot((g * g).to(v.dtype), v, F32_DOT)

@@ -145,14 +145,11 @@ def _fwd_entmax_alpha_kernel(
     WCNT,
     n_wcols,
     WIN,
-    d_r,
-    d_c,
     GAUSS: tl.constexpr,
     HAS_ADD: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     F32_DOT: tl.constexpr,
     WINDOW: tl.constexpr,
-    DILATED: tl.constexpr,
     STORE_OG: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -190,7 +187,7 @@ def _fwd_entmax_alpha_kernel(
     masked = HAS_ADD or HAS_KEEP or WINDOW
     masks = (add_base, s_am, s_an, keep_base, s_mm, s_mn)  # listed_scores' operands
     gq = (qr, qc, cr, fr, cc, fc, alpha)
-    win = (r0, r1, c0, c1, d_r, d_c)
+    win = (r0, r1, c0, c1, WIN)
 
     # 1. the row max m (natural units) and the finite keys
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -199,11 +196,11 @@ def _fwd_entmax_alpha_kernel(
     for it in range(0, n_wit):
         tile = tile_index(wrow, it, WINDOW)
         start_n = tile * BLOCK_N
-        if WINDOW:
+        if WINDOW and GAUSS:  # a listed tile's grid coordinates (the Gaussian bias')
             kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
         z, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
                                   1.0, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
-                                  DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
+                                  EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
         m = tl.maximum(m, tl.max(z, 1))
         if masked:
             count += tl.sum(tl.where(z > float("-inf"), 1.0, 0.0), 1)
@@ -235,11 +232,11 @@ def _fwd_entmax_alpha_kernel(
         for it in range(0, n_wit):
             tile = tile_index(wrow, it, WINDOW)
             start_n = tile * BLOCK_N
-            if WINDOW:
+            if WINDOW and GAUSS:
                 kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
             z, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d,
                                       scale, 1.0, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT,
-                                      WINDOW, DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
+                                      WINDOW, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
             u = tl.maximum((z - m[:, None]) * a[:, None] - tau[:, None], 0.0)
             p, g, _l = alpha_powers(u, beta[:, None])
             s_p += tl.sum(p, 1)
@@ -272,11 +269,11 @@ def _fwd_entmax_alpha_kernel(
     for it in range(0, n_wit):
         tile = tile_index(wrow, it, WINDOW)
         start_n = tile * BLOCK_N
-        if WINDOW:
+        if WINDOW and GAUSS:  # a listed tile's grid coordinates (the Gaussian bias')
             kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
         z, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
                                   1.0, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
-                                  DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
+                                  EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
         u = tl.maximum((z - m[:, None]) * a[:, None] - tau[:, None], 0.0)
         p, g, _l = alpha_powers(u, beta[:, None])
         v = load_tile_at(v_base, start_n, v_tile, offs_n, offs_dv, n_k, head_dv, EVEN_N, EVEN_D, OFFS32)

@@ -728,19 +728,17 @@ class KernelLaunch:
             BLOCK_D=block_dim(q.shape[3]),
             BLOCK_DV=block_dim(self.v.shape[3]),
             WINDOW=self.window is not None,
-            DILATED=self.window is not None and self.window.dilation != (1, 1),
         )
 
     def window_args(self, block_m: int, block_n: int, by_keys: bool, dummy: torch.Tensor) -> list[Any]:
-        """``WLIST, WCNT, n_wcols, WIN, d_r, d_c``: the window's tile lists for tiles of ``block_m`` queries x
+        """``WLIST, WCNT, n_wcols, WIN``: the window's tile lists for tiles of ``block_m`` queries x
         ``block_n`` keys (per query tile its key tiles, or per key tile its query tiles if ``by_keys``),
-        shared by every (b, h), and its bounds per query (:mod:`~vitattn.kernels.windows`)."""
+        shared by every (b, h), and its table: per query its window's bounds, per key its window
+        coordinates (:func:`~vitattn.kernels.windows.window_table`)."""
         if self.window is None:
-            return [dummy, dummy, 0, dummy, 1.0, 1.0]
+            return [dummy, dummy, 0, dummy]
         order, count = _window_lists(self.window, block_m, block_n, by_keys, self.q.device)
-        d_r, d_c = self.window.dilation
-        bounds = windows.window_bounds(self.window, self.q.device)
-        return [order, count, order.shape[-1], bounds, float(d_r), float(d_c)]
+        return [order, count, order.shape[-1], windows.window_table(self.window, self.q.device)]
 
 
 _WINDOW_LISTS: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -825,7 +823,7 @@ def _forward(
         head.append(og if store_og else dummy)
         meta["STORE_OG"] = store_og
     elif name == "fwd_softmax":
-        del meta["WINDOW"], meta["DILATED"]
+        del meta["WINDOW"]
         meta.update(launch.grid_flags())
         meta["KV_TMA"] = tma = kv_tma(launch)
         descs = kv_descriptors(launch) if tma else []
@@ -1032,7 +1030,7 @@ def _backward(
         dq_meta: dict[str, Any] = dict(ENT_GRAD=ent_grad)
         dq_extra: dict[str, Any] = dict(tile_args=_list_tile_args(launch, live, False, dummy))
     else:  # plain softmax: grid-aligned Gaussian tiles, no lists
-        del meta["WINDOW"], meta["DILATED"]
+        del meta["WINDOW"]
         meta.update(launch.grid_flags())
         meta["OFFS32"] = use_tile_offsets(launch, n_qp * n_fr)
         dkdv_args = [q, k, v, do, stat, delta, fact, dk, dvv, *operands, *strides, *scalars, n_qp, n_fr]

@@ -82,14 +82,11 @@ def _fwd_softmax_kernel(
     WCNT,
     n_wcols,
     WIN,
-    d_r,
-    d_c,
     GAUSS: tl.constexpr,
     HAS_ADD: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     F32_DOT: tl.constexpr,
     WINDOW: tl.constexpr,
-    DILATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -106,8 +103,8 @@ def _fwd_softmax_kernel(
     Shapes: Q ``(B, H, Nq, D)``, K ``(B, H, Nk, D)``, V ``(B, H, Nk, Dv)`` (any strides); O contiguous
     ``(B, H, Nq, Dv)``; STAT contiguous float32 ``(B, H, Nq)``. ``WINDOW``: a neighbourhood window, whose
     key tiles per query tile are listed in ``WLIST`` / ``WCNT`` (``windows.window_tiles``, shared by every
-    (b, h)) and whose per-query bounds ``WIN`` (``windows.window_bounds``; dilations ``d_r``, ``d_c``) mask
-    the scores inside a kept tile (:func:`~vitattn.kernels._tiles.window_keep`).
+    (b, h)) and whose table ``WIN`` (``windows.window_table``: per query its window's bounds, per key its
+    window coordinates) masks the scores inside a kept tile (:func:`~vitattn.kernels._tiles.window_out`).
     """
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)  # the row sums' partial sums (row_partial_sums)
@@ -133,15 +130,15 @@ def _fwd_softmax_kernel(
     n_iter, wrow = tile_list(WLIST, WCNT, n_wcols, 0, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, WINDOW, UNIFORM)
     masks = (add_base, s_am, s_an, keep_base, s_mm, s_mn)  # listed_scores' operands
     gq = (qr, qc, cr, fr, cc, fc, alpha2)
-    win = (r0, r1, c0, c1, d_r, d_c)
+    win = (r0, r1, c0, c1, WIN)
     for it in range(0, n_iter):
         tile = tile_index(wrow, it, WINDOW)
         start_n = tile * BLOCK_N
-        if WINDOW:
+        if WINDOW and GAUSS:  # a listed tile's grid coordinates (the Gaussian bias')
             kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
         z, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
                                   LOG2E, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
-                                  DILATED, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
+                                  EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(z, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
         p = tl.exp2(z - m_safe[:, None])
