@@ -148,10 +148,10 @@ def listed_scores(
     """``(z, offs_n)``: the key tile of ``BLOCK_N`` keys from ``start_n`` loaded and scored against the query
     tile ``q`` (:func:`~vitattn.kernels._common._score_tile` in the normalizer's ``unit``), ``-inf`` outside
     the window (``WINDOW``). ``masks = (add_base, s_am, s_an, keep_base, s_mm, s_mn)``, ``gq = (qr, qc, cr,
-    fr, cc, fc, alpha)`` (alpha in ``unit``), ``win = (r0, r1, c0, c1, WIN)`` (:func:`window_rows`, the
-    window table whose key coordinates :func:`window_cols` loads); ``kr, kc`` the tile's key grid
-    coordinates (the Gaussian bias'). Every pass of the list forward kernels calls it once per visited
-    tile."""
+    fr, cc, fc, alpha)`` (alpha in ``unit``), ``win = (ctr_r, half_r, ctr_c, half_c, WIN)`` (the queries'
+    windows, :func:`window_rows`, and the window table whose key coordinates :func:`window_cols` loads);
+    ``kr, kc`` the tile's key grid coordinates (the Gaussian bias'). Every pass of the list forward
+    kernels calls it once per visited tile."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = load_tile_at(k_base, start_n, k_tile, offs_n, offs_d, n_k, head_d, EVEN_N, EVEN_D, OFFS32)
     add_base, s_am, s_an, keep_base, s_mm, s_mn = masks
@@ -160,7 +160,7 @@ def listed_scores(
                         s_mn, qr, qc, cr, fr, cc, fc, alpha, kr, kc, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, False,
                         EVEN_M, EVEN_N)  # fmt: skip
     if WINDOW:
-        r0, r1, c0, c1, WIN = win
+        ctr_r, half_r, ctr_c, half_c, WIN = win
         wr, wc = window_cols(WIN, offs_n, n_k)
-        z = window_mask(z, window_penalty(r0, r1, c0, c1, wr, wc, False))
+        z = window_mask(z, window_penalty(ctr_r, half_r, ctr_c, half_c, wr, wc, False))
     return z, offs_n

@@ -234,8 +234,8 @@ def _bwd_dkdv_kernel(
                               s_mm, s_mn, qr, qc, cr, fr, cc, fc, alpha * unit, kr, kc, GAUSS, HAS_ADD,
                               HAS_KEEP, F32_DOT, True, EVEN_M, EVEN_N)  # fmt: skip
         if WINDOW:
-            wr0, wr1, wc0, wc1 = window_rows(WIN, offs_m, n_q)
-            z_t = window_mask(z_t, window_penalty(wr0, wr1, wc0, wc1, win_r, win_c, True))
+            ctr_r, half_r, ctr_c, half_c = window_rows(WIN, offs_m, n_q)
+            z_t = window_mask(z_t, window_penalty(ctr_r, half_r, ctr_c, half_c, win_r, win_c, True))
         if ENTMAX == 2:
             a_q, beta_q = alpha_rows(ENT, b, h, s_eb, s_eh, s_em, offs_m, n_q)
             u_t = tl.maximum(z_t * a_q[None, :] - stat[None, :], 0.0)
@@ -429,7 +429,7 @@ def _bwd_dq_kernel(
         LIST, CNT, n_list_cols, bh * list_bh, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, SPARSE, UNIFORM
     )
     if WINDOW:
-        r0, r1, c0, c1 = window_rows(WIN, offs_m, n_q)
+        ctr_r, half_r, ctr_c, half_c = window_rows(WIN, offs_m, n_q)
     kr0, kc0 = kr, kc
     # a key tile's offsets from its first key (the loads add them to a scalar pointer)
     k_tile = tile_offsets(tl.arange(0, BLOCK_N), offs_d, s_kn, s_kd, OFFS32)
@@ -446,7 +446,7 @@ def _bwd_dq_kernel(
                            F32_DOT, False, EVEN_M, EVEN_N)  # fmt: skip
         if WINDOW:
             win_r, win_c = window_cols(WIN, offs_n, n_k)
-            z = window_mask(z, window_penalty(r0, r1, c0, c1, win_r, win_c, False))
+            z = window_mask(z, window_penalty(ctr_r, half_r, ctr_c, half_c, win_r, win_c, False))
         if ENTMAX == 2:
             u = tl.maximum(z * a[:, None] - stat_u[:, None], 0.0)
             p, g, l2 = alpha_powers(u, beta[:, None])

@@ -180,14 +180,14 @@ def _fwd_entmax_alpha_kernel(
     a, beta = alpha_rows(ENT, b, h, s_eb, s_eh, s_em, offs_m, n_q)
     kr0, kc0 = _coords_start(tl.arange(0, BLOCK_N), num_prefix, grid_w)
     step_r, step_c, gw = _coords_step(BLOCK_N, grid_w)
-    r0, r1, c0, c1 = 0.0, 0.0, 0.0, 0.0
+    ctr_r, half_r, ctr_c, half_c = 0.0, 0.0, 0.0, 0.0
     if WINDOW:  # the window's key tiles (every tile without one) and its bounds per query
-        r0, r1, c0, c1 = window_rows(WIN, offs_m, n_q)
+        ctr_r, half_r, ctr_c, half_c = window_rows(WIN, offs_m, n_q)
     n_wit, wrow = tile_list(WLIST, WCNT, n_wcols, 0, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, WINDOW, UNIFORM)
     masked = HAS_ADD or HAS_KEEP or WINDOW
     masks = (add_base, s_am, s_an, keep_base, s_mm, s_mn)  # listed_scores' operands
     gq = (qr, qc, cr, fr, cc, fc, alpha)
-    win = (r0, r1, c0, c1, WIN)
+    win = (ctr_r, half_r, ctr_c, half_c, WIN)
 
     # 1. the row max m (natural units) and the finite keys
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)

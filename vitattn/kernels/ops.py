@@ -733,8 +733,8 @@ class KernelLaunch:
     def window_args(self, block_m: int, block_n: int, by_keys: bool, dummy: torch.Tensor) -> list[Any]:
         """``WLIST, WCNT, n_wcols, WIN``: the window's tile lists for tiles of ``block_m`` queries x
         ``block_n`` keys (per query tile its key tiles, or per key tile its query tiles if ``by_keys``),
-        shared by every (b, h), and its table: per query its window's bounds, per key its window
-        coordinates (:func:`~vitattn.kernels.windows.window_table`)."""
+        shared by every (b, h), and its table: per query its window's centre and half-width, per key its
+        window coordinates (:func:`~vitattn.kernels.windows.window_table`)."""
         if self.window is None:
             return [dummy, dummy, 0, dummy]
         order, count = _window_lists(self.window, block_m, block_n, by_keys, self.q.device)

@@ -124,13 +124,13 @@ def _fwd_softmax_kernel(
     kr, kc = _coords_start(tl.arange(0, BLOCK_N), num_prefix, grid_w)
     step_r, step_c, gw = _coords_step(BLOCK_N, grid_w)
     kr0, kc0 = kr, kc
-    r0, r1, c0, c1 = 0.0, 0.0, 0.0, 0.0
+    ctr_r, half_r, ctr_c, half_c = 0.0, 0.0, 0.0, 0.0
     if WINDOW:
-        r0, r1, c0, c1 = window_rows(WIN, offs_m, n_q)
+        ctr_r, half_r, ctr_c, half_c = window_rows(WIN, offs_m, n_q)
     n_iter, wrow = tile_list(WLIST, WCNT, n_wcols, 0, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, WINDOW, UNIFORM)
     masks = (add_base, s_am, s_an, keep_base, s_mm, s_mn)  # listed_scores' operands
     gq = (qr, qc, cr, fr, cc, fc, alpha2)
-    win = (r0, r1, c0, c1, WIN)
+    win = (ctr_r, half_r, ctr_c, half_c, WIN)
     for it in range(0, n_iter):
         tile = tile_index(wrow, it, WINDOW)
         start_n = tile * BLOCK_N
