@@ -133,3 +133,30 @@ def test_an_unreadable_cache_file_is_ignored():
     path.write_text("{not json")
     assert ops.pick_tile(_key(), TILES, Bench(fastest=1)) == TILES[1]
     assert _key() in next(iter(json.loads(path.read_text())["entries"].values()))
+
+
+@pytest.mark.parametrize(
+    ("kernel", "block_d", "bias", "dropped"),
+    [
+        ("fwd_entmax15", 128, dict(HAS_KEEP=True), configs.TileConfig(64, 32, 4, 3)),
+        ("fwd_entmax_alpha", 128, dict(HAS_ADD=True), configs.TileConfig(64, 32, 4, 3)),
+        ("bwd_dkdv_lists", 64, dict(GAUSS=True), configs.TileConfig(64, 64, 4, 3)),
+    ],
+)
+def test_a_window_with_a_bias_drops_the_tiles_that_spill_with_it(kernel, block_d, bias, dropped):
+    """``max_head_dim_window``: the tiles whose sm_90 builds spilled with a window and a bias or a mask
+    (the static report) are not offered then; without the window, or with a window and no bias, they are."""
+    meta = dict(HAS_ADD=False, HAS_KEEP=False, GAUSS=False, F32_DOT=0, BLOCK_D=block_d, BLOCK_DV=block_d)
+    meta.update(ENTMAX=2 if kernel == "fwd_entmax_alpha" else 1)
+
+    def tiles(**flags):
+        return [
+            (t.block_m, t.block_n, t.num_warps, t.num_stages)
+            for t in ops.tile_candidates(kernel, {**meta, **flags}, 90)
+        ]
+
+    key = (dropped.block_m, dropped.block_n, dropped.num_warps, dropped.num_stages)
+    assert key not in tiles(WINDOW=True, **bias)
+    assert tiles(WINDOW=True, **bias)  # another tile serves
+    assert key in tiles(WINDOW=False, **bias)
+    assert key in tiles(WINDOW=True)

@@ -82,8 +82,9 @@ def test_report_covers_every_pickable_build(report):
                 masked = bias in ("additive", "bool")
                 gauss = bias == "gaussian"
                 heavy = configs.heavy_alpha(normalizer, bias, window)
+                heavy_win = configs.heavy_window(bias, window)
                 tiles = configs.autotune_list(
-                    kernel, 16, masked, arch=arch, ragged=ragged, gauss=gauss, alpha=heavy
+                    kernel, 16, masked, arch=arch, ragged=ragged, gauss=gauss, alpha=heavy, window=heavy_win
                 )
                 for c in tiles:
                     tile = (c.block_m, c.block_n, c.num_warps, c.num_stages)

@@ -420,22 +420,22 @@ def _mask_tile(
     ``-2^127 / max(scale, 1)`` where below it, ``-inf`` kept) and ``-inf`` where the keep-mask is 0. It
     is the accumulator of the tile's ``q kᵀ`` dot, so the mask tiles are converted to the dot's layout
     once instead of the score tile's arithmetic running in the load layout. ``scale`` is the unscaled
-    softmax scale (> 0). Queries past ``n_q`` load nothing (their rows are never used)."""
-    if not (EVEN_M and EVEN_N):
-        if TRANS:
-            inside = _bounds(offs_n, offs_m, n_k, n_q, EVEN_N, EVEN_M)
-        else:
-            inside = _bounds(offs_m, offs_n, n_q, n_k, EVEN_M, EVEN_N)
+    softmax scale (> 0). With bound masks the loads are clamped, not masked: a query past ``n_q`` reads the
+    last query's row and a key past ``n_k`` the last key's column (both are in bounds for ``n_q, n_k >= 1``;
+    padded query rows are never used and every caller sets the scores of keys past ``n_k`` to ``-inf`` or
+    never stores them). The bound masks' predicates held more registers than the loads: the masked
+    forwards with a window spilled at head dim 128."""
+    if not EVEN_M:
+        offs_m = tl.minimum(offs_m, n_q - 1)
+    if not EVEN_N:
+        offs_n = tl.minimum(offs_n, n_k - 1)
     pen = 0.0
     if HAS_ADD:
         if TRANS:
             ptrs = _tile_ptrs(add_base, offs_n, offs_m, s_an, s_am)
         else:
             ptrs = _tile_ptrs(add_base, offs_m, offs_n, s_am, s_an)
-        if EVEN_M and EVEN_N:
-            add = tl.load(ptrs).to(tl.float32)
-        else:
-            add = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+        add = tl.load(ptrs).to(tl.float32)
         floor = ADD_FLOOR / tl.maximum(scale, 1.0)
         pen = tl.where(add == float("-inf"), add, tl.maximum(add * (1.0 / scale), floor))
     if HAS_KEEP:
@@ -443,10 +443,7 @@ def _mask_tile(
             ptrs = _tile_ptrs(keep_base, offs_n, offs_m, s_kn, s_km)
         else:
             ptrs = _tile_ptrs(keep_base, offs_m, offs_n, s_km, s_kn)
-        if EVEN_M and EVEN_N:
-            keep = tl.load(ptrs)
-        else:
-            keep = tl.load(ptrs, mask=inside, other=0)
+        keep = tl.load(ptrs)
         pen = tl.where(keep != 0, pen, float("-inf"))
     return pen
 

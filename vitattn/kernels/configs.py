@@ -22,13 +22,21 @@ class TileConfig:
     max_head_dim_gauss: int | None = None  # the same with a Gaussian bias (its factor tiles; 0: never)
     max_head_dim_masked_ragged: int | None = None  # the same with a mask tile and bound masks both
     max_head_dim_alpha: int | None = None  # the same for alpha-entmax with a bias or a mask (see heavy_alpha)
+    max_head_dim_window: int | None = None  # the same with a window and a bias or a mask (0: never)
 
     def head_dim_limit(
-        self, masked: bool, fp32: bool = False, ragged: bool = False, gauss: bool = False, alpha: bool = False
+        self,
+        masked: bool,
+        fp32: bool = False,
+        ragged: bool = False,
+        gauss: bool = False,
+        alpha: bool = False,
+        window: bool = False,
     ) -> int:
         """The largest padded head dim this config serves (0: none) with a mask tile (``masked``), float32
         operands (``fp32``), bound masks on (``ragged``: see :func:`ragged`), a Gaussian bias (``gauss``),
-        alpha-entmax or a window with a Gaussian bias or a mask (``alpha``: see :func:`heavy_alpha`)."""
+        alpha-entmax or a window with a Gaussian bias or a mask (``alpha``: see :func:`heavy_alpha`), a
+        window with a Gaussian bias or a mask (``window``: see :func:`heavy_window`)."""
         limit = self.max_head_dim
         if masked and self.max_head_dim_masked is not None:
             limit = self.max_head_dim_masked
@@ -42,6 +50,8 @@ class TileConfig:
             limit = min(limit, self.max_head_dim_masked_ragged)
         if alpha and self.max_head_dim_alpha is not None:
             limit = min(limit, self.max_head_dim_alpha)
+        if window and self.max_head_dim_window is not None:
+            limit = min(limit, self.max_head_dim_window)
         return limit
 
     def __str__(self) -> str:
@@ -53,6 +63,12 @@ def heavy_alpha(normalizer: str, bias: str, window: bool = False) -> bool:
     (``gaussian``, ``additive``, ``bool``): its dQ kernel (the alphas' gradient or the window's bounds
     besides the bias') has smaller tiles."""
     return (normalizer == "entmax_alpha" or window) and bias != "none"
+
+
+def heavy_window(bias: str, window: bool) -> bool:
+    """A neighbourhood window with a bias kind that holds registers of its own (``gaussian``,
+    ``additive``, ``bool``): some tiles spill with the window's bounds besides (``max_head_dim_window``)."""
+    return window and bias != "none"
 
 
 # arch (compute capability 80 or 90, see arch_of) -> kernel name -> autotune list, in the style of the
@@ -67,10 +83,12 @@ _ENTMAX_FWD_90 = (
     TileConfig(128, 64, 8, 3, max_head_dim=64),
     TileConfig(64, 64, 4, 3, max_head_dim=64),
     TileConfig(128, 32, 8, 3),
-    TileConfig(64, 32, 4, 3),
+    # with a window and a mask and bound masks it spills at head dim 128 (the 128-query tile serves there)
+    TileConfig(64, 32, 4, 3, max_head_dim_window=0),
 )
 _SOFTMAX_FWD_80 = (
-    TileConfig(128, 64, 8, 2, max_head_dim_fp32=64),
+    # with a mask tile at head dim 128 ptxas gave it 128 registers and a 1.3 KiB stack (2.9 KB of spills)
+    TileConfig(128, 64, 8, 2, max_head_dim_fp32=64, max_head_dim_masked=64),
     TileConfig(64, 64, 4, 2, max_head_dim_fp32=64),
     TileConfig(64, 32, 4, 3, max_head_dim_fp32=64),
     TileConfig(64, 32, 4, 2),
@@ -148,7 +166,7 @@ AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
         # map's cells take the cell they lie in: ops.tile_lists)
         "bwd_dkdv_lists": (
             TileConfig(32, 64, 4, 3, max_head_dim=64),
-            TileConfig(64, 64, 4, 3, max_head_dim=64, max_head_dim_ragged=0),
+            TileConfig(64, 64, 4, 3, max_head_dim=64, max_head_dim_ragged=0, max_head_dim_window=0),
             TileConfig(64, 128, 8, 3, max_head_dim=64, max_head_dim_ragged=0),
             TileConfig(32, 64, 4, 4, max_head_dim=64),
             TileConfig(16, 64, 4, 3),
@@ -202,12 +220,14 @@ def autotune_list(
     ragged: bool = False,
     gauss: bool = False,
     alpha: bool = False,
+    window: bool = False,
 ) -> tuple[TileConfig, ...]:
     """The configs of ``kernel`` on ``arch`` usable at padded head dim ``block_d`` (with a mask tile if
     ``masked``, with float32 operands if ``fp32``, with bound masks if ``ragged``, with a Gaussian bias if
-    ``gauss``, for alpha-entmax or a window with a bias or a mask if ``alpha``: :func:`heavy_alpha`)."""
+    ``gauss``, for alpha-entmax or a window with a bias or a mask if ``alpha``: :func:`heavy_alpha`; for
+    a window with a bias or a mask if ``window``: :func:`heavy_window`)."""
     tiles = AUTOTUNE_BY_ARCH[arch_of(arch)][kernel]
-    return tuple(c for c in tiles if block_d <= c.head_dim_limit(masked, fp32, ragged, gauss, alpha))
+    return tuple(c for c in tiles if block_d <= c.head_dim_limit(masked, fp32, ragged, gauss, alpha, window))
 
 
 # The widest chunk of grid columns a grid-aligned key tile covers (the Gaussian kernels: ``_common``,

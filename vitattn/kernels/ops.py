@@ -273,8 +273,9 @@ def tile_candidates(
     gauss = bool(meta.get("GAUSS", False))
     # configs.heavy_alpha: alpha-entmax or a window, with a bias or a mask
     alpha = (meta.get("ENTMAX") == 2 or bool(meta.get("WINDOW"))) and (masked or gauss)
+    window = bool(meta.get("WINDOW")) and (masked or gauss)  # configs.heavy_window
     tiles = configs.autotune_list(
-        name, block_d, masked, fp32, arch=arch, ragged=ragged, gauss=gauss, alpha=alpha
+        name, block_d, masked, fp32, arch=arch, ragged=ragged, gauss=gauss, alpha=alpha, window=window
     )
     if not tiles:
         raise RuntimeError(
