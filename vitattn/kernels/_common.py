@@ -425,10 +425,10 @@ def _mask_tile(
     padded query rows are never used and every caller sets the scores of keys past ``n_k`` to ``-inf`` or
     never stores them). The bound masks' predicates held more registers than the loads: the masked
     forwards with a window spilled at head dim 128."""
-    if not EVEN_M:
-        offs_m = tl.minimum(offs_m, n_q - 1)
+    if not EVEN_M:  # in 32 bits (the indices are < 2^31; _tile_ptrs widens them): no sign word of n_q
+        offs_m = tl.minimum(offs_m.to(tl.int32), n_q - 1)
     if not EVEN_N:
-        offs_n = tl.minimum(offs_n, n_k - 1)
+        offs_n = tl.minimum(offs_n.to(tl.int32), n_k - 1)
     pen = 0.0
     if HAS_ADD:
         if TRANS:

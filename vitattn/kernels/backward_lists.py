@@ -250,9 +250,21 @@ def _bwd_dkdv_kernel(
         if GAUSS and not SPARSE:
             qr, qc = _coords_advance(qr, qc, step_r, step_c, gw)
 
-    out_row = bh.to(tl.int64) * n_k
-    _store_tile(DK + out_row * head_d, dk * scale, offs_n, offs_d, head_d, 1, n_k, head_d, EVEN_N, EVEN_D)
-    _store_tile(DV + out_row * head_dv, dv, offs_n, offs_dv, head_dv, 1, n_k, head_dv, EVEN_N, EVEN_D)
+    if WINDOW:
+        # the block's rows as 32-bit offsets from its first key and a 32-bit bound, under a scalar 64-bit
+        # base (n_k zero-extended, n_k >= 0): with a window and a Gaussian bias at head dim 128 the 64-bit
+        # rows of offs_n and n_k's sign word, held across the loop, spilled (104 B); without a window this
+        # form spilled the Gaussian 64x64 tile at head dim 64 instead (8 B), so it keeps the 64-bit rows
+        first = tl.program_id(0) * BLOCK_N
+        out_row = bh.to(tl.int64) * n_k.to(tl.uint32).to(tl.int64) + first
+        rows = tl.arange(0, BLOCK_N)
+        n_left = n_k - first
+    else:
+        out_row = bh.to(tl.int64) * n_k
+        rows = offs_n
+        n_left = n_k
+    _store_tile(DK + out_row * head_d, dk * scale, rows, offs_d, head_d, 1, n_left, head_d, EVEN_N, EVEN_D)
+    _store_tile(DV + out_row * head_dv, dv, rows, offs_dv, head_dv, 1, n_left, head_dv, EVEN_N, EVEN_D)
 
 
 @triton.jit
