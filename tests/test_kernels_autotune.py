@@ -160,3 +160,24 @@ def test_a_window_with_a_bias_drops_the_tiles_that_spill_with_it(kernel, block_d
     assert tiles(WINDOW=True, **bias)  # another tile serves
     assert key in tiles(WINDOW=False, **bias)
     assert key in tiles(WINDOW=True)
+
+
+@pytest.mark.parametrize("bias", ["none", "gaussian", "additive", "bool"])
+@pytest.mark.parametrize("window", [False, True])
+def test_the_plan_and_the_dispatcher_agree_on_a_heavy_window(bias, window):
+    """``configs.heavy_window`` (what the AOT plan and the report's coverage test use) is the flag
+    ``ops.tile_candidates`` derives from a launch's constexprs: a window with a bias or a mask."""
+    flags = dict(GAUSS=bias == "gaussian", HAS_ADD=bias == "additive", HAS_KEEP=bias == "bool", WINDOW=window)
+    meta = dict(F32_DOT=0, BLOCK_D=64, BLOCK_DV=64, ENTMAX=1, **flags)
+    from_launch = [
+        t
+        for t in configs.AUTOTUNE_BY_ARCH[90]["bwd_dkdv_lists"]
+        if t in ops.tile_candidates("bwd_dkdv_lists", meta, 90)
+    ]
+    masked = bias in ("additive", "bool")
+    gauss = bias == "gaussian"
+    heavy = configs.heavy_window(bias, window)
+    assert heavy == (window and bias != "none")
+    alpha = configs.heavy_alpha("entmax15", bias, window)
+    planned = configs.autotune_list("bwd_dkdv_lists", 64, masked, gauss=gauss, alpha=alpha, window=heavy)
+    assert from_launch == list(planned)
