@@ -33,6 +33,7 @@ import torch
 
 from vitattn.functional import GaussianBias, attention, explain
 from vitattn.functional.dispatch import AttentionCall
+from vitattn.kernels import backend as backend_module
 from vitattn.kernels import configs
 from vitattn.kernels.backend import TritonBackend
 
@@ -431,6 +432,19 @@ def test_reasons_name_the_failed_condition(monkeypatch):
     assert "not CUDA, and TRITON_INTERPRET is unset" in backend.unsupported(_call(q), explicit=True)
     with pytest.raises(ValueError, match="backend='triton' cannot run this call: q is on cpu, not CUDA"):
         attention(q, q, q, backend="triton")
+
+
+@interpreted
+def test_a_gaussian_bias_past_the_exact_coordinates_is_declined(monkeypatch):
+    """The kernels' float32 grid coordinates are exact below ``MAX_GAUSSIAN_TOKENS`` tokens; at or past it
+    the backend declines with the count (lowered here: 26 tokens, a class token and a 5 x 5 grid)."""
+    q = torch.randn(1, 2, 26, 16)
+    sigma, alpha = torch.full((1, 2, 25, 2), 2.0), torch.ones(1, 2, 25, 1)
+    call = _call(q, bias=GaussianBias(sigma, alpha, (5, 5), num_prefix_tokens=1))
+    assert TritonBackend().unsupported(call, explicit=True) is None
+    monkeypatch.setattr(backend_module, "MAX_GAUSSIAN_TOKENS", 26)
+    reason = TritonBackend().unsupported(call, explicit=True)
+    assert reason is not None and "GaussianBias over N = 26 tokens" in reason and "below 26 tokens" in reason
 
 
 @interpreted

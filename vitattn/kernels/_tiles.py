@@ -58,6 +58,16 @@ def small_int_to_float(i):
 
 
 @triton.jit
+def coords_start_small(offs, num_prefix, grid_w):
+    """:func:`_common._coords_start` of tokens ``offs`` below 2^23, in 32-bit integers converted by
+    :func:`small_int_to_float` (no ``I2F``, no 64-bit division held beside the loop)."""
+    lift = (num_prefix + grid_w - 1) // grid_w
+    idx = offs.to(tl.int32) - num_prefix + lift * grid_w
+    row = idx // grid_w
+    return small_int_to_float(row) - lift.to(tl.float32), small_int_to_float(idx - row * grid_w)
+
+
+@triton.jit
 def coords_jump(r0, c0, tile, BLOCK: tl.constexpr, gw):
     """The Gaussian coordinates of tile ``tile`` (tokens from ``tile * BLOCK``), from those of tile 0 (a
     listed tile is not the previous one plus one). In float arithmetic on integers (no integer division,

@@ -18,6 +18,8 @@ from .env import DTYPES, float32_reason, interpret_requested, interpreter_mismat
 
 MAX_HEAD_DIM = 128
 MAX_BATCH_HEADS = 65535  # the launch grid's second axis
+# the kernels' float32 grid coordinates of a Gaussian bias are exact below it (_tiles.coords_jump)
+MAX_GAUSSIAN_TOKENS = 1 << 21
 NORMALIZERS = ("softmax", "entmax15")
 
 
@@ -84,6 +86,11 @@ class TritonBackend:
         gauss_n = call.bias.num_tokens if isinstance(call.bias, GaussianBias) else None
         if gauss_n is not None and not n_q == n_k == call.v.shape[2] == gauss_n:
             return f"q/k/v must share N = {gauss_n} with a GaussianBias, got Nq={n_q}, Nk={n_k}"
+        if gauss_n is not None and gauss_n >= MAX_GAUSSIAN_TOKENS:
+            return (
+                f"a GaussianBias over N = {gauss_n} tokens (the kernels' float32 grid coordinates are exact "
+                f"below {MAX_GAUSSIAN_TOKENS} tokens)"
+            )
         win = call.window
         if win is not None and isinstance(call.bias, GaussianBias):
             gb = call.bias

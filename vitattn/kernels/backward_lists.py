@@ -50,7 +50,16 @@ from ._common import (
     load_tile_at,
     tile_offsets,
 )
-from ._tiles import coords_jump, tile_index, tile_list, window_cols, window_mask, window_penalty, window_rows
+from ._tiles import (
+    coords_jump,
+    coords_start_small,
+    tile_index,
+    tile_list,
+    window_cols,
+    window_mask,
+    window_penalty,
+    window_rows,
+)
 from .entmax_alpha import alpha_powers, alpha_rows
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -196,10 +205,15 @@ def _bwd_dkdv_kernel(
     else:
         unit = LOG2E
         stat_unit = LOG2E
-    kr, kc = _coords_start(offs_n, num_prefix, grid_w)
     win_r, win_c = 0.0, 0.0
     if WINDOW:  # this key block's window coordinates (windows.window_table)
         win_r, win_c = window_cols(WIN, offs_n, n_k)
+        # the Gaussian coordinates from 32-bit indices: the 64-bit ones left the grid width's sign word
+        # spilled beside the window (16x64 at head dim 128, bound masks); without a window the 32-bit form
+        # spills the entmax-1.5 dK/dV at 64x64, head dim 64 (8 bytes) instead
+        kr, kc = coords_start_small(offs_n, num_prefix, grid_w)
+    else:
+        kr, kc = _coords_start(offs_n, num_prefix, grid_w)
     qr, qc = _coords_start(tl.arange(0, BLOCK_M), num_prefix, grid_w)
     step_r, step_c, gw = _coords_step(BLOCK_M, grid_w)
     rows_base = ROWS + bh.to(tl.int64) * 5 * n_q
