@@ -5,6 +5,7 @@ from .attention import Explanation, attention, explain, make_call
 from .capture import capture_attention_weights
 from .dispatch import (
     AttentionCall,
+    SlowPathWarning,
     available_backends,
     backend_groups,
     get_default_backend,
@@ -28,6 +29,7 @@ __all__ = [
     "GaussianBias",
     "Normalizer",
     "NormalizerSpec",
+    "SlowPathWarning",
     "WindowMask",
     "apply_mask",
     "attention",

@@ -18,6 +18,7 @@ from .dispatch import (
     register_group,
     resolve_backend,
     select_backend,
+    warn_dense_fallback,
 )
 from .gaussian import GaussianBias, check_gaussian_values
 from .normalize import AttentionNormalizer, alpha_tensor, resolve_normalizer
@@ -139,7 +140,9 @@ def attention(
         return_weights=return_weights, dropout_p=dropout_p,
     )  # fmt: skip
     callbacks = active_callbacks()
-    out, probs = select_backend(call, backend).run(call)
+    chosen = select_backend(call, backend)
+    warn_dense_fallback(call, chosen, backend)
+    out, probs = chosen.run(call)
     if callbacks:
         assert probs is not None
         for callback in callbacks:

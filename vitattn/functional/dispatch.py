@@ -22,6 +22,12 @@ Which backend ``"auto"`` means (first match wins):
 
 A default from 2 or 3 is treated like a named backend: a call it cannot run raises, with its reason.
 
+When ``"auto"`` runs a CUDA call on a backend that builds ``(Nq, Nk)`` scores the call did not bring
+(a backend's optional ``builds_scores(call)``: ``reference`` always, ``sdpa`` for a Gaussian bias or a
+window) because a backend before it declined, :func:`warn_dense_fallback` (called by ``attention``)
+issues a :class:`SlowPathWarning` naming the path and the reason, once per backend and reason (not
+while compiling, not for ``return_weights=True``, which asks for the dense weights).
+
 Optional call features (:data:`FEATURES`: a tensor of alphas as the normalizer, a
 :class:`~vitattn.functional.WindowMask`) reach only the backends that list them in their ``features``
 attribute; the dispatcher declines them for every other backend, with the feature's reason, before
@@ -36,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -49,6 +56,7 @@ from .window import WindowMask
 __all__ = [
     "ENV_VAR",
     "FEATURES",
+    "SlowPathWarning",
     "AttentionBackend",
     "AttentionCall",
     "autocast_dtype",
@@ -64,6 +72,7 @@ __all__ = [
     "run_in_call_dtype",
     "select_backend",
     "set_default_backend",
+    "warn_dense_fallback",
 ]
 
 
@@ -258,6 +267,14 @@ def backend_reasons(call: AttentionCall, explicit: bool = False) -> dict[str, st
     return {name: declines(_REGISTRY[name], call, explicit) for name in _AUTO_ORDER}
 
 
+class SlowPathWarning(UserWarning):
+    """``backend="auto"`` ran a CUDA call on a path that builds ``(Nq, Nk)`` scores (the dense formula,
+    or SDPA with a dense bias or window mask) because the backend before it declined the call."""
+
+
+_WARNED: set[tuple[str, str]] = set()  # (backend, reason) pairs already warned about
+
+
 def _first_of(names: Sequence[str], call: AttentionCall, label: str) -> AttentionBackend:
     for name in names:
         if declines(_REGISTRY[name], call) is None:
@@ -282,3 +299,31 @@ def select_backend(call: AttentionCall, backend: str) -> AttentionBackend:
         via = "" if requested == backend else f" (the default backend, see {ENV_VAR} / set_default_backend)"
         raise ValueError(f"backend={backend!r}{via} cannot run this call: {reason}")
     return chosen
+
+
+def warn_dense_fallback(call: AttentionCall, chosen: AttentionBackend, backend: str) -> None:
+    """A :class:`SlowPathWarning`, once per ``(chosen, reason)``, when ``backend`` resolved to ``"auto"``
+    and it chose for a CUDA call a backend that builds ``(Nq, Nk)`` scores the call did not bring (its
+    ``builds_scores(call)``) because a backend before it declined; none while compiling or for
+    ``return_weights=True``. Called by :func:`~vitattn.functional.attention` (the warning points at its
+    caller)."""
+    if call.q.device.type != "cuda" or call.compiling or call.return_weights:
+        return
+    builds = getattr(chosen, "builds_scores", None)
+    if builds is None or not builds(call) or resolve_backend(backend) != "auto":
+        return
+    earlier = _AUTO_ORDER[: _AUTO_ORDER.index(chosen.name)] if chosen.name in _AUTO_ORDER else []
+    skipped = [(name, declines(_REGISTRY[name], call)) for name in earlier]
+    declined = [(name, reason) for name, reason in skipped if reason is not None]
+    if not declined or (chosen.name, declined[0][1]) in _WARNED:
+        return
+    name, reason = declined[0]
+    _WARNED.add((chosen.name, reason))
+    n_q, n_k = call.q.shape[2], call.k.shape[2]
+    warnings.warn(
+        f"backend='auto' runs this CUDA call on {chosen.name!r} ({chosen.path(call)}), which builds "
+        f"(Nq, Nk) = ({n_q}, {n_k}) scores: {name!r} declined it ({reason}). "
+        "vitattn.functional.explain() lists every backend's reason; warned once per backend and reason.",
+        SlowPathWarning,
+        stacklevel=3,  # attention()'s caller
+    )

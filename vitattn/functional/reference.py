@@ -47,6 +47,10 @@ class ReferenceBackend:
     def unsupported(self, call: AttentionCall, explicit: bool = False) -> str | None:
         return None
 
+    def builds_scores(self, call: AttentionCall) -> bool:
+        """Always: the dense formula builds the ``(B, H, Nq, Nk)`` scores and weights."""
+        return True
+
     def path(self, call: AttentionCall) -> str:
         window = ", window keep-mask" if call.window is not None else ""
         tensor_alpha = "alpha_tensor" in call.features

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .dispatch import AttentionCall, run_in_call_dtype
+from .gaussian import GaussianBias
 from .scoring import additive_terms, apply_mask, is_keep_mask
 
 __all__ = ["SdpaBackend"]
@@ -61,6 +62,11 @@ class SdpaBackend:
         if min(*call.q.shape, call.k.shape[2], call.v.shape[3]) == 0:
             return "an empty dimension (B, H, Nq, Nk, D or Dv of 0: SDPA's output is then detached)"
         return None
+
+    def builds_scores(self, call: AttentionCall) -> bool:
+        """Whether the call builds ``(Nq, Nk)`` terms it did not bring: a Gaussian bias' dense bias or a
+        window's boolean mask (SDPA then cannot take its flash kernel)."""
+        return isinstance(call.bias, GaussianBias) or call.window is not None
 
     def path(self, call: AttentionCall) -> str:
         window = call.window is not None
