@@ -13,7 +13,15 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from vitattn.functional import GaussianBias, SlowPathWarning, attention, dispatch, explain, make_call
+from vitattn.functional import (
+    GaussianBias,
+    SlowPathWarning,
+    WindowMask,
+    attention,
+    dispatch,
+    explain,
+    make_call,
+)
 from vitattn.functional.reference import ReferenceBackend
 from vitattn.functional.sdpa import SdpaBackend
 
@@ -85,3 +93,18 @@ def test_no_warning_where_nothing_dense_is_built_or_it_was_asked_for():
     with FakeTensorMode(allow_non_fake_inputs=True):
         big = _cuda(1, 2, 50, 160)
         assert len(_caught(lambda: attention(big, big, big, normalizer="entmax15"))) == 1
+
+
+def test_what_each_dense_backend_says_it_builds():
+    """``builds_scores``: the dense formula always; SDPA for a Gaussian bias (made dense) or a window (an
+    ``(N, N)`` mask), not for a plain call or a mask the caller brought."""
+    q = torch.randn(1, 2, 50, 16)
+    bias = GaussianBias(torch.ones(1, 2, 49, 2), torch.ones(1, 2, 49, 1), (7, 7), 1)
+    keep = torch.ones(50, 50, dtype=torch.bool)
+    sdpa, ref = SdpaBackend(), ReferenceBackend()
+    assert ref.builds_scores(make_call(q, q, q))
+    assert sdpa.builds_scores(make_call(q, q, q, bias=bias))
+    assert sdpa.builds_scores(make_call(q, q, q, mask=WindowMask((7, 7), (3, 3), num_prefix_tokens=1)))
+    assert not sdpa.builds_scores(make_call(q, q, q)) and not sdpa.builds_scores(
+        make_call(q, q, q, mask=keep)
+    )
