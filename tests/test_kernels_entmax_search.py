@@ -50,11 +50,13 @@ def _closed_form(s0: np.ndarray, s1: np.ndarray, s2: np.ndarray) -> tuple[np.nda
     return inc.astype(F32), disc >= 0
 
 
-def search(y: np.ndarray, block_n: int) -> tuple[np.ndarray, np.ndarray, int]:
+def search(y: np.ndarray, block_n: int, fold: bool = True) -> tuple[np.ndarray, np.ndarray, int]:
     """``(m, tau, passes)`` of one tile of query rows ``y: (rows, n)`` (scores in units of ``z / 2``,
     ``-inf`` where masked): the kernel's search, with the row max ``m``, the threshold ``tau`` in the
-    shifted scale (the weights are ``((y - m) - tau)_+^2``; ``STAT`` is ``m + tau``) and the passes
-    between the first pass and the output pass."""
+    shifted scale (the weights are :func:`_weights`; ``STAT`` is ``m + tau``) and the passes
+    between the first pass and the output pass. ``fold``: the kernel without an additive mask, which
+    measures the scores against ``m + tau`` (``_above_threshold``); with one (``fold=False``) it
+    subtracts ``m`` first."""
     rows, n = y.shape
     m = np.full(rows, -np.inf, F32)
     ref = np.zeros(rows, F32)
@@ -81,11 +83,10 @@ def search(y: np.ndarray, block_n: int) -> tuple[np.ndarray, np.ndarray, int]:
         bound = np.where(s2 >= 1, t + _newton_step(s1, s2), np.where(s1 > 0, t + inc, -1))
         tau = np.maximum(tau, bound).astype(F32)
     tau = np.minimum(tau, hi)
-    x = (y - m[:, None]).astype(F32)
     done, fin, passes = dead.copy(), tau.copy(), 0
     inc = np.zeros(rows, F32)
     while True:
-        d = (x - tau[:, None]).astype(F32)
+        d = _above_threshold(y, m, tau, fold)
         g = np.maximum(d, 0)
         s0, s1, s2 = (g > 0).sum(1).astype(F32), g.sum(1, dtype=F32), (g * g).sum(1, dtype=F32)
         near = np.abs(d).min(1)
@@ -106,9 +107,17 @@ def search(y: np.ndarray, block_n: int) -> tuple[np.ndarray, np.ndarray, int]:
     return m, np.where(dead, np.inf, fin).astype(F32), passes
 
 
-def _weights(y: np.ndarray, m: np.ndarray, tau: np.ndarray) -> np.ndarray:
-    """The output pass' weights ``((y - m) - tau)_+^2``."""
-    return np.maximum((y - m[:, None]) - tau[:, None], 0).astype(np.float64) ** 2
+def _above_threshold(y: np.ndarray, m: np.ndarray, tau: np.ndarray, fold: bool) -> np.ndarray:
+    """``y - m - tau`` in float32 as the kernel forms it: ``y - (m + tau)`` with ``fold``, else
+    ``(y - m) - tau``."""
+    if fold:
+        return (y - (m + tau).astype(F32)[:, None]).astype(F32)
+    return ((y - m[:, None]).astype(F32) - tau[:, None]).astype(F32)
+
+
+def _weights(y: np.ndarray, m: np.ndarray, tau: np.ndarray, fold: bool = True) -> np.ndarray:
+    """The output pass' weights ``(y - m - tau)_+^2`` (:func:`_above_threshold`)."""
+    return np.maximum(_above_threshold(y, m, tau, fold), 0).astype(np.float64) ** 2
 
 
 def _gaussian_scores(rows: int, n: int, sd: float, seed: int) -> np.ndarray:
@@ -143,14 +152,14 @@ def test_rows_masked_by_large_finite_values_are_exact(fill):
     z[5, 100:] += fill  # most of a row
     z[9, ::2] = -np.inf
     y = (z / 2).astype(F32)
-    m, tau, passes = search(y, block_n=64)
+    m, tau, passes = search(y, block_n=64, fold=False)  # an additive mask: the kernel does not fold
     assert passes <= 6
     shifted = torch.from_numpy(z).double()
     shifted[3] = torch.from_numpy(z[3] - fill).double()  # shift invariance: the unmasked scores
     if fill == float(np.finfo(np.float32).min):
         shifted[3] = 0.0  # finfo.min swallows the scores: a uniform row, as in float32
     want = entmax.entmax15(shifted, dim=-1).numpy()
-    np.testing.assert_allclose(_weights(y, m, tau), want, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(_weights(y, m, tau, fold=False), want, rtol=0, atol=2e-6)
 
 
 @pytest.mark.slow
@@ -190,3 +199,27 @@ def test_emulation_is_the_kernel(monkeypatch):
             m, tau, passes = search(y, tile.block_n)
             assert kernel_passes == passes, (mag, seed, kernel_passes, passes)
             np.testing.assert_allclose(stat[0, 0].numpy(), m + tau, rtol=0, atol=1e-6)
+
+
+@pytest.mark.triton_interpreter
+@pytest.mark.parametrize("magnitude", [1.0, 30.0, 1000.0])
+def test_unmasked_rows_with_large_scores_keep_their_precision(magnitude):
+    """Without a mask the kernel measures each score against the row's ``m + tau``, rounded once to
+    float32 at the row max' scale: its error stays within two float32 spacings of the largest score (the
+    scores themselves are rounded there), against the float64 reference on the same float32 inputs.
+    Scores up to ~4000 in units of z (magnitude 1000), 37 keys in odd tiles."""
+    pytest.importorskip("triton")
+    from vitattn.functional import attention
+
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(1, 2, 37, 16, generator=g) for _ in range(3))
+        scale = magnitude / 4
+        out = attention(q, k, v, normalizer="entmax15", scale=scale, backend="triton")
+        ref = attention(
+            q.double(), k.double(), v.double(), normalizer="entmax15", scale=scale, backend="reference"
+        )
+        zmax = (q.double() @ k.double().transpose(-1, -2) * scale).abs().amax((-2, -1), keepdim=True)
+        tol = 2e-6 + 2.0**-22 * zmax  # (B, H, 1, 1): per head, two spacings of its largest score
+        err = (out.double() - ref).abs().amax((-2, -1), keepdim=True)
+        assert (err <= tol).all(), f"seed {seed}: error {(err / tol).max().item():.2f} x the tolerance"

@@ -260,6 +260,13 @@ def grid_tile_w(gwp: int, block_m: int, block_n: int, kernel: str) -> int:
 ROW_PARTS_BY_ARCH: dict[int, int] = {80: 1, 90: 8}
 PARTIAL_ROW_SUMS = ("fwd_softmax", "fwd_softmax_lists", "fwd_entmax15")
 
+# The entmax-1.5 forward keeps the running sums of squares of its first and search passes per score slot
+# (``entmax15._add_squares``: a multiply-add per score, where summing each tile first costs 1.5, for one
+# more register per score of a thread); per arch, whether its Gaussian forwards with whole tiles do too.
+# On sm_80 those spill (64-208 B at head dim 64); so do sm_90's Gaussian forwards with prefix keys or a
+# partial tile (24 B at 64 x 64), which never do. docs/kernels.md.
+ENTMAX_GAUSS_SQUARES_BY_ARCH: dict[int, bool] = {80: False, 90: True}
+
 # The grid-aligned dQ with two grid rows per key tile: per arch, whether it takes them apart (two vectors
 # of row factors, a multiply-add per score into each gradient accumulator; ``backward._dq_row_terms``):
 # on sm_90 that saves a trip through shared memory per tile; on sm_80 it spills (868 B at 64 x 64, where

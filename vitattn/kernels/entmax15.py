@@ -119,6 +119,42 @@ def _level_bound(t, k, s1, s2):
 
 
 @triton.jit
+def _squares_init(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr, PER_SCORE: tl.constexpr):
+    """Zeros for a row's running sum of squares: ``(BLOCK_M, BLOCK_N)`` (one per score slot) with
+    ``PER_SCORE``, else ``(BLOCK_M, PARTS)`` (:func:`row_partial_sums`); ``tl.sum(., 1)`` is the sum."""
+    if PER_SCORE:
+        return tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        return tl.zeros([BLOCK_M, PARTS], tl.float32)
+
+
+@triton.jit
+def _add_squares(
+    acc, a, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr, PER_SCORE: tl.constexpr
+):
+    """``acc`` (:func:`_squares_init`) plus the squares of the tile ``a``. Per score slot it is one
+    multiply-add per score; a tile summed into partial sums first costs 1.5 (the compiler sums the
+    squares of a thread's slots as a tree: half the squares a multiply, half a multiply-add, then adds),
+    for ``BLOCK_M * BLOCK_N / threads`` more registers."""
+    if PER_SCORE:
+        return acc + a * a
+    else:
+        return acc + row_partial_sums(a * a, BLOCK_M, BLOCK_N, PARTS)
+
+
+@triton.jit
+def _above_threshold(y, m, tau, FOLD: tl.constexpr):
+    """``y - m - tau`` per score (``m``, ``tau`` per row). With ``FOLD`` the row's threshold ``m + tau`` is
+    formed once, and the scale of the scores and the subtraction fuse into one multiply-add per score (as
+    the backward does with its ``STAT``). Without it (an additive mask: a row masked by ``-1e6`` would lose
+    ``tau`` to the rounding of ``m + tau``, ulp(1e6) = 0.0625) the shifted score ``y - m`` comes first."""
+    if FOLD:
+        return y - (m + tau)[:, None]
+    else:
+        return (y - m[:, None]) - tau[:, None]
+
+
+@triton.jit
 def _fwd_entmax15_kernel(
     Q,
     K,
@@ -192,6 +228,7 @@ def _fwd_entmax15_kernel(
     ROW_PARTS: tl.constexpr = 8,
     UNIFORM: tl.constexpr = False,
     OFFS32: tl.constexpr = False,
+    GAUSS_SQUARES: tl.constexpr = True,
 ):
     """``O[b, h, rows] = entmax15(z) V``, ``STAT = tau`` (and ``OG``) for one block of query rows.
 
@@ -200,6 +237,8 @@ def _fwd_entmax15_kernel(
     program's row of ``LIST`` (int32 scratch ``(B * H * cdiv(Nq, BLOCK_M), cdiv(Nk, BLOCK_N))``), the
     output pass visits those only and marks them in ``LIVE`` (uint8 ``(B * H, n_cells_q, n_cells_k)``,
     cells of ``GRAIN x GRAIN`` scores, zero-initialized: what the backward's tile lists are built from).
+    ``GAUSS_SQUARES``: a Gaussian forward with whole tiles keeps its sums of squares per score slot
+    (:func:`_add_squares`; the other forwards always do).
     """
     prologue = _fwd_prologue(Q, K, V, ADD, KEEP, DEN, ALPHA, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_vb, s_vh,
                              s_ab, s_ah, s_mb, s_mh, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, n_heads,
@@ -220,6 +259,9 @@ def _fwd_entmax15_kernel(
         ctr_r, half_r, ctr_c, half_c = window_rows(WIN, offs_m, n_q)
     n_wit, wrow = tile_list(WLIST, WCNT, n_wcols, 0, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, WINDOW, UNIFORM)
     masked = HAS_ADD or HAS_KEEP or WINDOW
+    # the sums of squares per score slot (_add_squares); a Gaussian forward only where GAUSS_SQUARES and
+    # without prefix keys or a partial tile (configs.ENTMAX_GAUSS_SQUARES_BY_ARCH: elsewhere they spill)
+    SQUARES: tl.constexpr = (not GAUSS) or (GAUSS_SQUARES and EVEN_N)
     masks = (add_base, s_am, s_an, keep_base, s_mm, s_mn)  # listed_scores' operands
     gq = (qr, qc, cr, fr, cc, fc, alpha_y)
     win = (ctr_r, half_r, ctr_c, half_c, WIN)
@@ -230,10 +272,10 @@ def _fwd_entmax15_kernel(
     ref = tl.zeros([BLOCK_M], tl.float32)
     k_lo = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)
     s1_lo = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)
-    s2_lo = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)
+    s2_lo = _squares_init(BLOCK_M, BLOCK_N, ROW_PARTS, SQUARES)
     k_hi = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)
     s1_hi = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)
-    s2_hi = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)
+    s2_hi = _squares_init(BLOCK_M, BLOCK_N, ROW_PARTS, SQUARES)
     count_p = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)
     kr, kc = kr0, kc0
     for it in range(0, n_wit):
@@ -249,11 +291,11 @@ def _fwd_entmax15_kernel(
         a = tl.maximum(y - (ref + LEVEL_LO)[:, None], 0.0)
         k_lo += row_partial_sums(_positive(a), BLOCK_M, BLOCK_N, ROW_PARTS)
         s1_lo += row_partial_sums(a, BLOCK_M, BLOCK_N, ROW_PARTS)
-        s2_lo += row_partial_sums(a * a, BLOCK_M, BLOCK_N, ROW_PARTS)
+        s2_lo = _add_squares(s2_lo, a, BLOCK_M, BLOCK_N, ROW_PARTS, SQUARES)
         a = tl.maximum(y - (ref + LEVEL_HI)[:, None], 0.0)
         k_hi += row_partial_sums(_positive(a), BLOCK_M, BLOCK_N, ROW_PARTS)
         s1_hi += row_partial_sums(a, BLOCK_M, BLOCK_N, ROW_PARTS)
-        s2_hi += row_partial_sums(a * a, BLOCK_M, BLOCK_N, ROW_PARTS)
+        s2_hi = _add_squares(s2_hi, a, BLOCK_M, BLOCK_N, ROW_PARTS, SQUARES)
         if masked:
             count_p += row_partial_sums(tl.where(y > float("-inf"), 1.0, 0.0), BLOCK_M, BLOCK_N, ROW_PARTS)
         if GAUSS and not WINDOW:
@@ -285,7 +327,7 @@ def _fwd_entmax15_kernel(
     while going:
         s0 = tl.zeros([BLOCK_M], tl.float32)
         s1 = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)  # partial sums and minima (row_partial_sums)
-        s2 = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)
+        s2 = _squares_init(BLOCK_M, BLOCK_N, ROW_PARTS, SQUARES)
         near = tl.full([BLOCK_M, ROW_PARTS], float("inf"), tl.float32)
         n_list = tl.full([], 0, tl.int32)
         kr, kc = kr0, kc0
@@ -297,7 +339,7 @@ def _fwd_entmax15_kernel(
             y, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d,
                                       scale, 0.5, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT,
                                       WINDOW, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
-            d = (y - m[:, None]) - tau[:, None]
+            d = _above_threshold(y, m, tau, not HAS_ADD)
             g = tl.maximum(d, 0.0)
             above = tl.sum(_positive(g), 1)
             s0 += above
@@ -309,7 +351,7 @@ def _fwd_entmax15_kernel(
                 tl.store(list_row + n_list, start_n // BLOCK_N, mask=live)
                 n_list += live.to(tl.int32)
             s1 += row_partial_sums(g, BLOCK_M, BLOCK_N, ROW_PARTS)
-            s2 += row_partial_sums(g * g, BLOCK_M, BLOCK_N, ROW_PARTS)
+            s2 = _add_squares(s2, g, BLOCK_M, BLOCK_N, ROW_PARTS, SQUARES)
             near = tl.minimum(near, row_partial_mins(tl.abs(d), BLOCK_M, BLOCK_N, ROW_PARTS))
             if GAUSS and not WINDOW:
                 kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
@@ -364,7 +406,7 @@ def _fwd_entmax15_kernel(
         y, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
                                   0.5, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
                                   EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
-        g = tl.maximum((y - m[:, None]) - tau_fin[:, None], 0.0)
+        g = tl.maximum(_above_threshold(y, m, tau_fin, not HAS_ADD), 0.0)
         v = load_tile_at(v_base, start_n, v_tile, offs_n, offs_dv, n_k, head_dv, EVEN_N, EVEN_D, OFFS32)
         acc += _dot((g * g).to(v.dtype), v, F32_DOT)
         if STORE_OG:

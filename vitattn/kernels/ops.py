@@ -817,6 +817,8 @@ def _forward(
     meta = launch.flags()
     if name in configs.PARTIAL_ROW_SUMS:
         meta["ROW_PARTS"] = configs.ROW_PARTS_BY_ARCH[device_arch([q])]
+    if name == "fwd_entmax15":
+        meta["GAUSS_SQUARES"] = configs.ENTMAX_GAUSS_SQUARES_BY_ARCH[device_arch([q])]
     if name != "fwd_softmax":  # the list kernels: their counts marked warp-uniform (_common.warp_uniform)
         meta["UNIFORM"] = not interpret_requested()
         meta["OFFS32"] = use_tile_offsets(launch)
