@@ -69,19 +69,25 @@ POSITIVE_SCALE: tl.constexpr = tl.constexpr(8.507059173023462e37)
 if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 8):
 
     @triton.jit
-    def _positive(a):
-        """``1.0`` where ``a > 0`` (a normal float32), ``0.0`` where ``a = 0``, as ``min(a 2^126, 1)``:
-        summed by ``tl.sum``, ``where(a > 0, 1.0, 0.0)`` compiles under Triton 3.6 to packed integer
-        counters (a select, a shift, a logic op and an add per score besides the compare: the first pass
-        at 26.0 instructions per score against 19.1 under 3.8; this form: 20.2)."""
-        return tl.minimum(a * POSITIVE_SCALE, 1.0)
+    def _positive(a, ASM: tl.constexpr):
+        """``1.0`` where ``a > 0``, ``0.0`` where ``a = 0`` (``a >= 0``). Summed by ``tl.sum``,
+        ``where(a > 0, 1.0, 0.0)`` compiles under Triton 3.6 to packed integer counters (a select, a
+        shift, a logic op and an add per score besides the compare). Compiled (``ASM``), one PTX
+        ``set.gt.f32.f32`` the optimizer cannot see through (one ``FSET`` per score, as under 3.8);
+        in the interpreter (no PTX) ``min(a 2^126, 1)``, two operations per score."""
+        if ASM:
+            return tl.inline_asm_elementwise(
+                "set.gt.f32.f32 $0, $1, 0f00000000;", "=f,f", [a], dtype=tl.float32, is_pure=True, pack=1
+            )
+        else:
+            return tl.minimum(a * POSITIVE_SCALE, 1.0)
 
 else:
 
     @triton.jit
-    def _positive(a):
-        """``1.0`` where ``a > 0``, ``0.0`` where ``a = 0``: one ``FSET`` per score under Triton 3.8 (the
-        ``min(a 2^126, 1)`` form of older Triton costs it two)."""
+    def _positive(a, ASM: tl.constexpr):
+        """``1.0`` where ``a > 0``, ``0.0`` where ``a = 0``: one ``FSET`` per score under Triton 3.8
+        (``ASM`` unused: older Triton needs inline PTX for it)."""
         return tl.where(a > 0.0, 1.0, 0.0)
 
 
@@ -289,11 +295,11 @@ def _fwd_entmax15_kernel(
         m = tl.maximum(m, tl.max(y, 1))
         ref = tl.where(it == 0, tl.where(m == float("-inf"), 0.0, m), ref)
         a = tl.maximum(y - (ref + LEVEL_LO)[:, None], 0.0)
-        k_lo += row_partial_sums(_positive(a), BLOCK_M, BLOCK_N, ROW_PARTS)
+        k_lo += row_partial_sums(_positive(a, UNIFORM), BLOCK_M, BLOCK_N, ROW_PARTS)
         s1_lo += row_partial_sums(a, BLOCK_M, BLOCK_N, ROW_PARTS)
         s2_lo = _add_squares(s2_lo, a, BLOCK_M, BLOCK_N, ROW_PARTS, SQUARES)
         a = tl.maximum(y - (ref + LEVEL_HI)[:, None], 0.0)
-        k_hi += row_partial_sums(_positive(a), BLOCK_M, BLOCK_N, ROW_PARTS)
+        k_hi += row_partial_sums(_positive(a, UNIFORM), BLOCK_M, BLOCK_N, ROW_PARTS)
         s1_hi += row_partial_sums(a, BLOCK_M, BLOCK_N, ROW_PARTS)
         s2_hi = _add_squares(s2_hi, a, BLOCK_M, BLOCK_N, ROW_PARTS, SQUARES)
         if masked:
@@ -341,7 +347,7 @@ def _fwd_entmax15_kernel(
                                       WINDOW, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
             d = _above_threshold(y, m, tau, not HAS_ADD)
             g = tl.maximum(d, 0.0)
-            above = tl.sum(_positive(g), 1)
+            above = tl.sum(_positive(g, UNIFORM), 1)
             s0 += above
             if SPARSE:  # a key above some row's threshold: record the tile (the last pass' list stays)
                 if EVEN_M:
