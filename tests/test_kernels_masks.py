@@ -75,10 +75,15 @@ def _check_masked(normalizer: str, dtype: torch.dtype, data: st.DataObject) -> N
     mask, full = _draw_mask(data, b, h, n)
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-    out = attention(*leaves, normalizer=normalizer, mask=mask.float(), scale=0.25, backend="triton")
-    ref = attention(*ref_leaves, normalizer=normalizer, mask=mask, scale=0.25, backend="reference")
+    alphas = torch.tensor([1.3, 1.7])  # "alpha": alpha-entmax with one alpha per head
+    norm: Any = alphas if normalizer == "alpha" else normalizer
+    ref_norm: Any = alphas.double() if normalizer == "alpha" else normalizer
+    out = attention(*leaves, normalizer=norm, mask=mask.float(), scale=0.25, backend="triton")
+    ref = attention(*ref_leaves, normalizer=ref_norm, mask=mask, scale=0.25, backend="reference")
     assert not out.isnan().any()
     fwd_tol, grad_tol = (2e-6, 2e-5) if dtype == torch.float32 else (2e-3, 4e-3)
+    if normalizer == "alpha":
+        fwd_tol = 1e-5  # tests/test_kernels_alpha.py's float32 tolerance (exp2 / log2 per score)
     # Softmax works in base 2 (log2(e) folded into the scale): on a row masked entirely by a finite
     # fill M its exponents are rounded at |M| log2(e), as the reference backend's float32 scores are at |M|.
     # entmax-1.5 halves the scores (exact) and shifts them by the row max: exact on such rows too.
@@ -111,8 +116,13 @@ def _check_masked(normalizer: str, dtype: torch.dtype, data: st.DataObject) -> N
 @interpreted
 @pytest.mark.parametrize(
     "normalizer, dtype",
-    [("entmax15", torch.float32), ("entmax15", torch.float16), ("softmax", torch.float32)],
-    ids=["entmax15-float32", "entmax15-float16", "softmax-float32"],
+    [
+        ("entmax15", torch.float32),
+        ("entmax15", torch.float16),
+        ("softmax", torch.float32),
+        ("alpha", torch.float32),
+    ],
+    ids=["entmax15-float32", "entmax15-float16", "softmax-float32", "alpha-float32"],
 )
 @settings(max_examples=5)
 @given(data=st.data())
@@ -223,3 +233,29 @@ def test_broadcast_additive_mask_gradients(normalizer, shape):
     for name, a, w in zip("qkvm", got, want, strict=True):
         tol = 1e-4 * max(1.0, w.abs().max().item())
         torch.testing.assert_close(a.double(), w, atol=tol, rtol=0, msg=name)
+
+
+@interpreted
+@pytest.mark.parametrize("normalizer", ["entmax15", "alpha"])
+@pytest.mark.parametrize("magnitude", [1.0, 30.0, 1000.0])
+def test_unmasked_rows_with_large_scores_keep_their_precision(normalizer, magnitude):
+    """Without an additive mask the entmax forwards measure each score against the row's threshold
+    ``a m + tau`` (``_common.threshold_excess``), rounded once to float32 at the row max' scale: the error
+    stays within two float32 spacings of the largest score (the scores themselves are rounded there),
+    against the float64 reference on the same float32 inputs. Scores up to ~4000 (magnitude 1000), 37
+    keys in odd tiles; alpha-entmax with one alpha per head (1.3, 1.7)."""
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(1, 2, 37, 16, generator=g) for _ in range(3))
+        alpha = torch.tensor([1.3, 1.7])
+        norm: Any = alpha if normalizer == "alpha" else normalizer
+        ref_norm: Any = alpha.double() if normalizer == "alpha" else normalizer
+        scale = magnitude / 4
+        out = attention(q, k, v, normalizer=norm, scale=scale, backend="triton")
+        ref = attention(
+            q.double(), k.double(), v.double(), normalizer=ref_norm, scale=scale, backend="reference"
+        )
+        zmax = (q.double() @ k.double().transpose(-1, -2) * scale).abs().amax((-2, -1), keepdim=True)
+        tol = 2e-6 + 2.0**-22 * zmax  # (B, H, 1, 1): per head, two spacings of its largest score
+        err = (out.double() - ref).abs().amax((-2, -1), keepdim=True)
+        assert (err <= tol).all(), f"seed {seed}: error {(err / tol).max().item():.2f} x the tolerance"

@@ -91,6 +91,20 @@ def row_partial_mins(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.
 
 
 @triton.jit
+def threshold_excess(z, m, a, tau, FOLD: tl.constexpr):
+    """``a (z - m) - tau`` per score of a ``(BLOCK_M, BLOCK_N)`` tile ``z`` (``m``, ``a``, ``tau`` per row;
+    entmax-1.5 passes ``a = 1``): how far each score lies above the row's threshold, in the normalizer's
+    shifted scale. With ``FOLD`` the threshold ``a m + tau`` is formed once per row (as the backward's
+    ``STAT``) and each score costs one multiply-add; without it (an additive mask: a row masked by
+    ``-1e6`` would lose ``tau`` to the rounding of ``a m + tau``, whose spacing there is ~0.06) the
+    shifted score ``z - m`` comes first, exact near the row max."""
+    if FOLD:
+        return z * a[:, None] - (a * m + tau)[:, None]
+    else:
+        return (z - m[:, None]) * a[:, None] - tau[:, None]
+
+
+@triton.jit
 def warp_uniform(x, ASM: tl.constexpr):
     """``x``, an int32 scalar every thread holds the same value of (a loaded count, a reduction), marked
     warp-uniform for ptxas with ``ASM``: a loop bound ptxas cannot prove uniform makes the loop divergent,

@@ -48,6 +48,7 @@ from ._common import (
     load_tile_at,
     row_partial_mins,
     row_partial_sums,
+    threshold_excess,
     tile_offsets,
     warp_uniform,
 )
@@ -146,18 +147,6 @@ def _add_squares(
         return acc + a * a
     else:
         return acc + row_partial_sums(a * a, BLOCK_M, BLOCK_N, PARTS)
-
-
-@triton.jit
-def _above_threshold(y, m, tau, FOLD: tl.constexpr):
-    """``y - m - tau`` per score (``m``, ``tau`` per row). With ``FOLD`` the row's threshold ``m + tau`` is
-    formed once, and the scale of the scores and the subtraction fuse into one multiply-add per score (as
-    the backward does with its ``STAT``). Without it (an additive mask: a row masked by ``-1e6`` would lose
-    ``tau`` to the rounding of ``m + tau``, ulp(1e6) = 0.0625) the shifted score ``y - m`` comes first."""
-    if FOLD:
-        return y - (m + tau)[:, None]
-    else:
-        return (y - m[:, None]) - tau[:, None]
 
 
 @triton.jit
@@ -321,6 +310,7 @@ def _fwd_entmax15_kernel(
     tau = tl.maximum(tau, _level_bound(ref + LEVEL_LO - m, k_lo, s1_lo, s2_lo))
     tau = tl.maximum(tau, _level_bound(ref + LEVEL_HI - m, k_hi, s1_hi, s2_hi))
     tau = tl.minimum(tau, hi)
+    unit_a = tl.full([BLOCK_M], 1.0, tl.float32)  # threshold_excess' scale: entmax-1.5 has none
 
     # 2. passes over the keys: each certifies its closed form, else moves tau (Newton or the closed form)
     done = dead
@@ -345,7 +335,7 @@ def _fwd_entmax15_kernel(
             y, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d,
                                       scale, 0.5, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT,
                                       WINDOW, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
-            d = _above_threshold(y, m, tau, not HAS_ADD)
+            d = threshold_excess(y, m, unit_a, tau, not HAS_ADD)
             g = tl.maximum(d, 0.0)
             above = tl.sum(_positive(g, UNIFORM), 1)
             s0 += above
@@ -412,7 +402,7 @@ def _fwd_entmax15_kernel(
         y, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
                                   0.5, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
                                   EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
-        g = tl.maximum(_above_threshold(y, m, tau_fin, not HAS_ADD), 0.0)
+        g = tl.maximum(threshold_excess(y, m, unit_a, tau_fin, not HAS_ADD), 0.0)
         v = load_tile_at(v_base, start_n, v_tile, offs_n, offs_dv, n_k, head_dv, EVEN_N, EVEN_D, OFFS32)
         acc += _dot((g * g).to(v.dtype), v, F32_DOT)
         if STORE_OG:

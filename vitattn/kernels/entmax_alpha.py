@@ -42,6 +42,7 @@ from ._common import (
     _program,
     _store_tile,
     load_tile_at,
+    threshold_excess,
     tile_offsets,
 )
 from ._tiles import coords_jump, listed_scores, tile_index, tile_list, window_rows
@@ -237,7 +238,7 @@ def _fwd_entmax_alpha_kernel(
             z, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d,
                                       scale, 1.0, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT,
                                       WINDOW, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
-            u = tl.maximum((z - m[:, None]) * a[:, None] - tau[:, None], 0.0)
+            u = tl.maximum(threshold_excess(z, m, a, tau, not HAS_ADD), 0.0)
             p, g, _l = alpha_powers(u, beta[:, None])
             s_p += tl.sum(p, 1)
             s_g += tl.sum(g, 1)
@@ -274,7 +275,7 @@ def _fwd_entmax_alpha_kernel(
         z, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
                                   1.0, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
                                   EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
-        u = tl.maximum((z - m[:, None]) * a[:, None] - tau[:, None], 0.0)
+        u = tl.maximum(threshold_excess(z, m, a, tau, not HAS_ADD), 0.0)
         p, g, _l = alpha_powers(u, beta[:, None])
         v = load_tile_at(v_base, start_n, v_tile, offs_n, offs_dv, n_k, head_dv, EVEN_N, EVEN_D, OFFS32)
         acc += _dot(p.to(v.dtype), v, F32_DOT)
