@@ -164,20 +164,19 @@ def test_a_window_with_a_bias_drops_the_tiles_that_spill_with_it(kernel, block_d
 
 @pytest.mark.parametrize("bias", ["none", "gaussian", "additive", "bool"])
 @pytest.mark.parametrize("window", [False, True])
-def test_the_plan_and_the_dispatcher_agree_on_a_heavy_window(bias, window):
-    """``configs.heavy_window`` (what the AOT plan and the report's coverage test use) is the flag
-    ``ops.tile_candidates`` derives from a launch's constexprs: a window with a bias or a mask."""
+@pytest.mark.parametrize("normalizer", ["entmax15", "entmax_alpha"])
+def test_the_plan_and_the_dispatcher_agree_on_a_launch_traits(normalizer, bias, window):
+    """``configs.bias_traits`` (what the AOT plan and the report's coverage test use) gives the tiles
+    ``ops.tile_candidates`` derives from a launch's constexprs; a bias or a mask with a window is
+    ``window``, with alpha-entmax or a window ``alpha``."""
     flags = dict(GAUSS=bias == "gaussian", HAS_ADD=bias == "additive", HAS_KEEP=bias == "bool", WINDOW=window)
-    meta = dict(F32_DOT=0, BLOCK_D=64, BLOCK_DV=64, ENTMAX=1, **flags)
-    from_launch = [
-        t
-        for t in configs.AUTOTUNE_BY_ARCH[90]["bwd_dkdv_lists"]
-        if t in ops.tile_candidates("bwd_dkdv_lists", meta, 90)
-    ]
-    masked = bias in ("additive", "bool")
-    gauss = bias == "gaussian"
-    heavy = configs.heavy_window(bias, window)
-    assert heavy == (window and bias != "none")
-    alpha = configs.heavy_alpha("entmax15", bias, window)
-    planned = configs.autotune_list("bwd_dkdv_lists", 64, masked, gauss=gauss, alpha=alpha, window=heavy)
-    assert from_launch == list(planned)
+    entmax = 2 if normalizer == "entmax_alpha" else 1
+    meta = dict(F32_DOT=0, BLOCK_D=64, BLOCK_DV=64, ENTMAX=entmax, **flags)
+    traits = configs.bias_traits(normalizer, bias, window)
+    assert traits.window == (window and bias != "none")
+    assert traits.alpha == ((normalizer == "entmax_alpha" or window) and bias != "none")
+    # at head dim 64 the dQ list drops tiles for `alpha`, the dK/dV list for `window`
+    for kernel in ("bwd_dq_lists", "bwd_dkdv_lists"):
+        listed = configs.AUTOTUNE_BY_ARCH[90][kernel]
+        from_launch = [t for t in listed if t in ops.tile_candidates(kernel, meta, 90)]
+        assert from_launch == list(configs.autotune_list(kernel, 64, traits)), kernel

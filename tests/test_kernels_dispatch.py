@@ -132,7 +132,8 @@ def test_launch_runs_inside_the_device_guard(monkeypatch, interp):
     meta = dict(HAS_ADD=False, HAS_KEEP=True, BLOCK_D=16, BLOCK_DV=64, F32_DOT=DOT_TF32)
     ops._launch("fwd_softmax", lambda bm, bn: (1, 1), [_fake(1, 2, 5, 16), 0.5, 7], meta, (2, 5, 5), False)
     assert seen == [("fwd_softmax", 1)]
-    fp32_masked = configs.autotune_list("fwd_softmax", 64, masked=True, fp32=True, ragged=True)  # N = 5
+    traits = configs.launch_traits(masked=True, fp32=True, ragged=True)  # N = 5: ragged
+    fp32_masked = configs.autotune_list("fwd_softmax", 64, traits)
     assert tuned == ([] if interp else [fp32_masked])  # (block_d, masked, fp32): the fp32 tile list
 
 

@@ -79,13 +79,8 @@ def test_report_covers_every_pickable_build(report):
             variants = itertools.product((False, True), aot.NORMALIZERS, aot.BIAS_KINDS, aot.PASSES)
             for window, normalizer, bias, pass_ in variants:
                 kernel = aot.kernel_name(normalizer, pass_, window)
-                masked = bias in ("additive", "bool")
-                gauss = bias == "gaussian"
-                heavy = configs.heavy_alpha(normalizer, bias, window)
-                heavy_win = configs.heavy_window(bias, window)
-                tiles = configs.autotune_list(
-                    kernel, 16, masked, arch=arch, ragged=ragged, gauss=gauss, alpha=heavy, window=heavy_win
-                )
+                traits = configs.bias_traits(normalizer, bias, window, ragged=ragged)
+                tiles = configs.autotune_list(kernel, 16, traits, arch=arch)
                 for c in tiles:
                     tile = (c.block_m, c.block_n, c.num_warps, c.num_stages)
                     key = (kernel, normalizer, bias, pass_, window, *tile)
@@ -155,7 +150,7 @@ def test_ratios_against_plain_and_flash(report):
         for e in recomputed["same_tile"]
         if e["pass"] == "fwd" and e["gaussian"] and e["plain"]
     }
-    tiles = configs.autotune_list("fwd_softmax", 64, False, gauss=True)
+    tiles = configs.autotune_list("fwd_softmax", 64, configs.launch_traits(gauss=True))
     assert fwd == {(c.block_m, c.block_n, c.num_warps, c.num_stages) for c in tiles}
 
 
@@ -178,7 +173,8 @@ for arch in (80, 90):
                                       ("bwd_dkdv_lists", "entmax15", "bwd_dkdv"),
                                       ("bwd_dq_lists", "entmax15", "bwd_dq")):
         for masked, bias in ((False, "gaussian"), (True, "additive")):
-            for cfg in configs.autotune_list(kernel, 128, masked, fp32=True, arch=arch):
+            traits = configs.launch_traits(masked, fp32=True)
+            for cfg in configs.autotune_list(kernel, 128, traits, arch=arch):
                 b = aot.Build(arch, normalizer, bias, pass_, cfg, 128, "fp32")
                 r = aot.compile_one(b)
                 rows.append([arch, kernel, bias, str(cfg), r.ok, r.error, r.shared])
@@ -195,7 +191,8 @@ def test_float32_tiles_the_autotuner_can_pick_at_head_dim_128_fit_the_card():
     for arch in (80, 90):
         for kernel in configs.AUTOTUNE_BY_ARCH[arch]:
             for masked in (False, True):
-                tiles = configs.autotune_list(kernel, 128, masked, fp32=True, arch=arch)
+                traits = configs.launch_traits(masked, fp32=True)
+                tiles = configs.autotune_list(kernel, 128, traits, arch=arch)
                 assert tiles, (arch, kernel, masked)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", _FP32], env=env, capture_output=True, text=True, timeout=1200)

@@ -21,36 +21,27 @@ class TileConfig:
     max_head_dim_ragged: int | None = None  # the same with bound masks (ragged lengths or head dim; 0: never)
     max_head_dim_gauss: int | None = None  # the same with a Gaussian bias (its factor tiles; 0: never)
     max_head_dim_masked_ragged: int | None = None  # the same with a mask tile and bound masks both
-    max_head_dim_alpha: int | None = None  # the same for alpha-entmax with a bias or a mask (see heavy_alpha)
+    max_head_dim_alpha: int | None = None  # the same for LaunchTraits.alpha (alpha-entmax / window + bias)
     max_head_dim_window: int | None = None  # the same with a window and a bias or a mask (0: never)
 
-    def head_dim_limit(
-        self,
-        masked: bool,
-        fp32: bool = False,
-        ragged: bool = False,
-        gauss: bool = False,
-        alpha: bool = False,
-        window: bool = False,
-    ) -> int:
-        """The largest padded head dim this config serves (0: none) with a mask tile (``masked``), float32
-        operands (``fp32``), bound masks on (``ragged``: see :func:`ragged`), a Gaussian bias (``gauss``),
-        alpha-entmax or a window with a Gaussian bias or a mask (``alpha``: see :func:`heavy_alpha`), a
-        window with a Gaussian bias or a mask (``window``: see :func:`heavy_window`)."""
+    def head_dim_limit(self, traits: LaunchTraits | None = None) -> int:
+        """The largest padded head dim this config serves (0: none) in a launch with ``traits``
+        (:class:`LaunchTraits`; none: a plain launch)."""
+        t = traits or LaunchTraits()
         limit = self.max_head_dim
-        if masked and self.max_head_dim_masked is not None:
+        if t.masked and self.max_head_dim_masked is not None:
             limit = self.max_head_dim_masked
-        if fp32 and self.max_head_dim_fp32:
+        if t.fp32 and self.max_head_dim_fp32:
             limit = min(limit, self.max_head_dim_fp32)
-        if ragged and self.max_head_dim_ragged is not None:
+        if t.ragged and self.max_head_dim_ragged is not None:
             limit = min(limit, self.max_head_dim_ragged)
-        if gauss and self.max_head_dim_gauss is not None:
+        if t.gauss and self.max_head_dim_gauss is not None:
             limit = min(limit, self.max_head_dim_gauss)
-        if masked and ragged and self.max_head_dim_masked_ragged is not None:
+        if t.masked and t.ragged and self.max_head_dim_masked_ragged is not None:
             limit = min(limit, self.max_head_dim_masked_ragged)
-        if alpha and self.max_head_dim_alpha is not None:
+        if t.alpha and self.max_head_dim_alpha is not None:
             limit = min(limit, self.max_head_dim_alpha)
-        if window and self.max_head_dim_window is not None:
+        if t.window and self.max_head_dim_window is not None:
             limit = min(limit, self.max_head_dim_window)
         return limit
 
@@ -58,17 +49,44 @@ class TileConfig:
         return f"M{self.block_m}xN{self.block_n} w{self.num_warps} s{self.num_stages}"
 
 
-def heavy_alpha(normalizer: str, bias: str, window: bool = False) -> bool:
-    """alpha-entmax, or a neighbourhood window, with a bias kind that holds registers of its own
-    (``gaussian``, ``additive``, ``bool``): its dQ kernel (the alphas' gradient or the window's bounds
-    besides the bias') has smaller tiles."""
-    return (normalizer == "entmax_alpha" or window) and bias != "none"
+@dataclass(frozen=True)
+class LaunchTraits:
+    """What of a launch bounds the head dims a tile serves (:meth:`TileConfig.head_dim_limit`): a mask
+    tile (``masked``), float32 operands (``fp32``), bound masks (``ragged``: ragged lengths or head dim),
+    a Gaussian bias (``gauss``), alpha-entmax or a window with a bias or a mask (``alpha``), a window with
+    a bias or a mask (``window``). Build one with :func:`launch_traits`."""
+
+    masked: bool = False
+    fp32: bool = False
+    ragged: bool = False
+    gauss: bool = False
+    alpha: bool = False
+    window: bool = False
 
 
-def heavy_window(bias: str, window: bool) -> bool:
-    """A neighbourhood window with a bias kind that holds registers of its own (``gaussian``,
-    ``additive``, ``bool``): some tiles spill with the window's bounds besides (``max_head_dim_window``)."""
-    return window and bias != "none"
+def launch_traits(
+    masked: bool = False,
+    gauss: bool = False,
+    alpha_entmax: bool = False,
+    window: bool = False,
+    fp32: bool = False,
+    ragged: bool = False,
+) -> LaunchTraits:
+    """The :class:`LaunchTraits` of a launch with a mask tile (``masked``) and / or a Gaussian bias
+    (``gauss``), of alpha-entmax (``alpha_entmax``), with a neighbourhood window (``window``). A bias or a
+    mask holds registers of its own: with alpha-entmax (the alphas' gradient) or a window (its bounds)
+    besides, the kernels take smaller tiles (``alpha``); with a window some tiles spill (``window``)."""
+    biased = masked or gauss
+    return LaunchTraits(masked, fp32, ragged, gauss, (alpha_entmax or window) and biased, window and biased)
+
+
+def bias_traits(
+    normalizer: str, bias: str, window: bool = False, fp32: bool = False, ragged: bool = False
+) -> LaunchTraits:
+    """:func:`launch_traits` of the AOT plan's variants: ``normalizer`` (``softmax``, ``entmax15``,
+    ``entmax_alpha``) with one ``bias`` kind (``none``, ``gaussian``, ``additive``, ``bool``)."""
+    masked = bias in ("additive", "bool")
+    return launch_traits(masked, bias == "gaussian", normalizer == "entmax_alpha", window, fp32, ragged)
 
 
 # arch (compute capability 80 or 90, see arch_of) -> kernel name -> autotune list, in the style of the
@@ -213,22 +231,12 @@ def ragged(n_q: int, n_k: int, even_d: bool) -> bool:
 
 
 def autotune_list(
-    kernel: str,
-    block_d: int,
-    masked: bool,
-    fp32: bool = False,
-    arch: int = DEFAULT_ARCH,
-    ragged: bool = False,
-    gauss: bool = False,
-    alpha: bool = False,
-    window: bool = False,
+    kernel: str, block_d: int, traits: LaunchTraits | None = None, arch: int = DEFAULT_ARCH
 ) -> tuple[TileConfig, ...]:
-    """The configs of ``kernel`` on ``arch`` usable at padded head dim ``block_d`` (with a mask tile if
-    ``masked``, with float32 operands if ``fp32``, with bound masks if ``ragged``, with a Gaussian bias if
-    ``gauss``, for alpha-entmax or a window with a bias or a mask if ``alpha``: :func:`heavy_alpha`; for
-    a window with a bias or a mask if ``window``: :func:`heavy_window`)."""
+    """The configs of ``kernel`` on ``arch`` usable at padded head dim ``block_d`` in a launch with
+    ``traits`` (:class:`LaunchTraits`; none: a plain launch)."""
     tiles = AUTOTUNE_BY_ARCH[arch_of(arch)][kernel]
-    return tuple(c for c in tiles if block_d <= c.head_dim_limit(masked, fp32, ragged, gauss, alpha, window))
+    return tuple(c for c in tiles if block_d <= c.head_dim_limit(traits))
 
 
 # The widest chunk of grid columns a grid-aligned key tile covers (the Gaussian kernels: ``_common``,

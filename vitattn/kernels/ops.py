@@ -268,20 +268,17 @@ def tile_candidates(
     """The autotune list of kernel ``name`` on ``arch`` usable at the launch's padded head dims and flags
     (``ragged``: :func:`configs.ragged`)."""
     block_d = max(meta["BLOCK_D"], meta["BLOCK_DV"])
-    masked = bool(meta["HAS_ADD"] or meta["HAS_KEEP"])
-    fp32 = bool(meta["F32_DOT"])  # on a GPU: float32 operands (TF32 or IEEE)
-    gauss = bool(meta.get("GAUSS", False))
-    # configs.heavy_alpha: alpha-entmax or a window, with a bias or a mask
-    alpha = (meta.get("ENTMAX") == 2 or bool(meta.get("WINDOW"))) and (masked or gauss)
-    window = bool(meta.get("WINDOW")) and (masked or gauss)  # configs.heavy_window
-    tiles = configs.autotune_list(
-        name, block_d, masked, fp32, arch=arch, ragged=ragged, gauss=gauss, alpha=alpha, window=window
+    traits = configs.launch_traits(
+        masked=bool(meta["HAS_ADD"] or meta["HAS_KEEP"]),
+        gauss=bool(meta.get("GAUSS", False)),
+        alpha_entmax=meta.get("ENTMAX") == 2,
+        window=bool(meta.get("WINDOW")),
+        fp32=bool(meta["F32_DOT"]),  # on a GPU: float32 operands (TF32 or IEEE)
+        ragged=ragged,
     )
+    tiles = configs.autotune_list(name, block_d, traits, arch=arch)
     if not tiles:
-        raise RuntimeError(
-            f"no tile config of {name} serves head dim {block_d} (masked={masked}, fp32={fp32}, "
-            f"ragged={ragged}, gauss={gauss}, sm_{arch})"
-        )
+        raise RuntimeError(f"no tile config of {name} serves head dim {block_d} ({traits}, sm_{arch})")
     return tiles
 
 

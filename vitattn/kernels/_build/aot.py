@@ -351,7 +351,6 @@ def plan(
             name = f"{normalizer}/{bias}/{pass_}"
             if patterns and not any(fnmatch.fnmatch(name, p) for p in patterns):
                 continue
-            masked = bias in ("additive", "bool")
             kernel = kernel_name(normalizer, pass_, win)
             tiles = [(cfg, True) for cfg in own[kernel]]
             if all_configs:
@@ -359,12 +358,8 @@ def plan(
                     tiles += [(cfg, False) for cfg in other[kernel] if cfg not in own[kernel]]
             for even in (True, False) if arch in ragged else (True,):
                 # a config never used for this variant (a head-dim limit under 16) is not built
-                gauss = bias == "gaussian"
-                alpha = configs.heavy_alpha(normalizer, bias, win)
-                heavy_win = configs.heavy_window(bias, win)
-                limit = [
-                    (c, p, c.head_dim_limit(masked, fp32, not even, gauss, alpha, heavy_win)) for c, p in tiles
-                ]
+                traits = configs.bias_traits(normalizer, bias, win, fp32, ragged=not even)
+                limit = [(c, p, c.head_dim_limit(traits)) for c, p in tiles]
                 usable = [(c, p, lim) for c, p, lim in limit if lim >= 16]
                 for cfg, pickable, lim in usable[:1] if quick else usable:
                     dim = min(head_dim, lim)
@@ -383,7 +378,7 @@ def plan(
                         name = f"softmax/{bias}/{pass_}"
                         if patterns and not any(fnmatch.fnmatch(name, p) for p in patterns):
                             continue
-                        serves = cfg.head_dim_limit(False, gauss=bias == "gaussian") >= COMPARE_HEAD_DIM
+                        serves = cfg.head_dim_limit(configs.bias_traits("softmax", bias)) >= COMPARE_HEAD_DIM
                         if serves and (bias, pass_, cfg, COMPARE_HEAD_DIM) not in have:
                             builds.append(Build(arch, "softmax", bias, pass_, cfg, COMPARE_HEAD_DIM, dtype))
         delta_cfg = configs.TileConfig(configs.DELTA_ROWS, 16, 4, 1)
@@ -649,7 +644,7 @@ def _compare_tiles() -> dict[str, list[tuple[int, int, int, int]]]:
         kernel: [
             (c.block_m, c.block_n, c.num_warps, c.num_stages)
             for c in own[kernel]
-            if c.head_dim_limit(False) >= COMPARE_HEAD_DIM
+            if c.head_dim_limit() >= COMPARE_HEAD_DIM
         ]  # fmt: skip
         for kernel in ("fwd_softmax", "bwd_dkdv", "bwd_dq")
     }
