@@ -180,3 +180,12 @@ def test_the_plan_and_the_dispatcher_agree_on_a_launch_traits(normalizer, bias, 
         listed = configs.AUTOTUNE_BY_ARCH[90][kernel]
         from_launch = [t for t in listed if t in ops.tile_candidates(kernel, meta, 90)]
         assert from_launch == list(configs.autotune_list(kernel, 64, traits)), kernel
+
+
+@pytest.mark.parametrize(
+    "normalizer, bias, named", [("entmax", "none", "normalizer='entmax'"), ("softmax", "mask", "bias='mask'")]
+)
+def test_bias_traits_names_an_unknown_variant(normalizer, bias, named):
+    """A misspelt normalizer or bias kind is an error naming the argument, not the traits of no bias."""
+    with pytest.raises(ValueError, match=named):
+        configs.bias_traits(normalizer, bias)

@@ -66,6 +66,17 @@ def _draw_mask(data: st.DataObject, b: int, h: int, n: int) -> tuple[torch.Tenso
     return mask, full
 
 
+ALPHAS = torch.tensor([1.3, 1.7])  # "alpha" below: alpha-entmax with one alpha per head (H = 2)
+
+
+def _normalizers(name: str) -> tuple[Any, Any]:
+    """``(kernel's, reference's)`` normalizer argument of ``name``: the name itself, or for ``"alpha"``
+    :data:`ALPHAS` in float32 and in float64."""
+    if name == "alpha":
+        return ALPHAS, ALPHAS.double()
+    return name, name
+
+
 def _check_masked(normalizer: str, dtype: torch.dtype, data: st.DataObject) -> None:
     b, h = 1, 2
     n = data.draw(st.sampled_from([5, 23, 37]), label="N")
@@ -75,9 +86,7 @@ def _check_masked(normalizer: str, dtype: torch.dtype, data: st.DataObject) -> N
     mask, full = _draw_mask(data, b, h, n)
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-    alphas = torch.tensor([1.3, 1.7])  # "alpha": alpha-entmax with one alpha per head
-    norm: Any = alphas if normalizer == "alpha" else normalizer
-    ref_norm: Any = alphas.double() if normalizer == "alpha" else normalizer
+    norm, ref_norm = _normalizers(normalizer)
     out = attention(*leaves, normalizer=norm, mask=mask.float(), scale=0.25, backend="triton")
     ref = attention(*ref_leaves, normalizer=ref_norm, mask=mask, scale=0.25, backend="reference")
     assert not out.isnan().any()
@@ -247,9 +256,7 @@ def test_unmasked_rows_with_large_scores_keep_their_precision(normalizer, magnit
     for seed in range(3):
         g = torch.Generator().manual_seed(seed)
         q, k, v = (torch.randn(1, 2, 37, 16, generator=g) for _ in range(3))
-        alpha = torch.tensor([1.3, 1.7])
-        norm: Any = alpha if normalizer == "alpha" else normalizer
-        ref_norm: Any = alpha.double() if normalizer == "alpha" else normalizer
+        norm, ref_norm = _normalizers(normalizer)
         scale = magnitude / 4
         out = attention(q, k, v, normalizer=norm, scale=scale, backend="triton")
         ref = attention(

@@ -80,11 +80,20 @@ def launch_traits(
     return LaunchTraits(masked, fp32, ragged, gauss, (alpha_entmax or window) and biased, window and biased)
 
 
+# The AOT plan's variants (``_build.aot``): the normalizers and the bias kinds, one kind per launch.
+NORMALIZERS = ("softmax", "entmax15", "entmax_alpha")
+BIAS_KINDS = ("none", "gaussian", "additive", "bool")
+
+
 def bias_traits(
     normalizer: str, bias: str, window: bool = False, fp32: bool = False, ragged: bool = False
 ) -> LaunchTraits:
-    """:func:`launch_traits` of the AOT plan's variants: ``normalizer`` (``softmax``, ``entmax15``,
-    ``entmax_alpha``) with one ``bias`` kind (``none``, ``gaussian``, ``additive``, ``bool``)."""
+    """:func:`launch_traits` of the AOT plan's variants: ``normalizer`` (one of :data:`NORMALIZERS`) with
+    one ``bias`` kind (one of :data:`BIAS_KINDS`)."""
+    if normalizer not in NORMALIZERS:
+        raise ValueError(f"normalizer={normalizer!r}: expected one of {NORMALIZERS}")
+    if bias not in BIAS_KINDS:
+        raise ValueError(f"bias={bias!r}: expected one of {BIAS_KINDS}")
     masked = bias in ("additive", "bool")
     return launch_traits(masked, bias == "gaussian", normalizer == "entmax_alpha", window, fp32, ragged)
 
