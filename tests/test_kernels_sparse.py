@@ -77,15 +77,49 @@ def _visits(monkeypatch, q, k, v, **kw):
     return out, grads, len(fwd) // 2, len(bwd)
 
 
-def _check(monkeypatch, q, k, v, **kw) -> float:
-    """Visited == live in every pass, values and gradients equal the reference; returns the live fraction."""
+def grid_tile_ids(n: int, prefix: int, grid: tuple[int, int]) -> torch.Tensor:
+    """Per key token, the grid-aligned key tile the Gaussian entmax-1.5 forward visits it in (``_common``,
+    "grid-aligned key tiles"): the prefix tokens' tiles of ``TILE`` tokens first, then per chunk of
+    ``TILE_W`` grid columns its tiles of ``TILE // TILE_W`` whole grid rows."""
+    gh, gw = grid
+    tile_w = configs.grid_tile_w(ops.grid_pad(gw), TILE, TILE, "fwd_entmax15")
+    rows = TILE // tile_w
+    n_pre, n_tiles = -(-prefix // TILE), -(-gh // rows)
+    patch = torch.arange(n - prefix)
+    ids = n_pre + (patch % gw // tile_w) * n_tiles + patch // gw // rows
+    return torch.cat([torch.arange(prefix) // TILE, ids])
+
+
+def grid_live_keys(probs: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keys, tiles)``: ``(B, H, query tiles, keys)`` bool, the key lies in a grid tile (``ids`` per key)
+    that holds a weight > 0 for the query tile, and ``(B, H, query tiles, grid tiles)``, those tiles."""
+    b, h, n_q, n_k = probs.shape
+    t_q = -(-n_q // TILE)
+    rows = torch.nn.functional.pad(probs > 0, (0, 0, 0, t_q * TILE - n_q)).view(b, h, t_q, TILE, n_k).any(3)
+    member = torch.nn.functional.one_hot(ids).double()  # (keys, grid tiles)
+    per_tile = rows.double() @ member > 0
+    return per_tile[..., ids], per_tile
+
+
+def _check(monkeypatch, q, k, v, grid_ids: torch.Tensor | None = None, **kw) -> float:
+    """Visited == live in every pass, values and gradients equal the reference; returns the live fraction.
+    With ``grid_ids`` (the forward's grid-aligned key tiles, :func:`grid_tile_ids`) the forward visits the
+    live grid tiles and the backward the tiles holding a key of one."""
     out, grads, fwd_tiles, bwd_tiles = _visits(monkeypatch, q, k, v, **kw)
     ref_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     ref, probs = attention(*ref_leaves, normalizer="entmax15", backend="reference", return_weights=True, **kw)
     want = torch.autograd.grad(ref, ref_leaves, torch.ones_like(ref))
     live = live_tiles(probs)
-    assert fwd_tiles == int(live.sum()), (fwd_tiles, int(live.sum()))
-    assert bwd_tiles == 2 * int(live.sum()), (bwd_tiles, int(live.sum()))  # dK/dV and dQ
+    fwd_live = bwd_live = int(live.sum())
+    if grid_ids is not None:
+        keys, per_tile = grid_live_keys(probs, grid_ids)
+        fwd_live = int(per_tile.sum())
+        n_k = keys.shape[-1]
+        t_k = -(-n_k // TILE)
+        padded = torch.nn.functional.pad(keys, (0, t_k * TILE - n_k))
+        bwd_live = int(padded.unflatten(3, (t_k, TILE)).any(4).sum())  # the token tiles meeting a live one
+    assert fwd_tiles == fwd_live, (fwd_tiles, fwd_live)
+    assert bwd_tiles == 2 * bwd_live, (bwd_tiles, bwd_live)  # dK/dV and dQ
     torch.testing.assert_close(out.double(), ref, atol=2e-5 * ref.abs().max().item(), rtol=0)
     for a, w in zip(grads, want, strict=True):
         torch.testing.assert_close(a.double(), w, atol=4e-5 * w.abs().max().item(), rtol=0)
@@ -102,12 +136,14 @@ def test_local_inputs_visit_the_live_tiles_only(monkeypatch, seed):
 
 @interpreted
 def test_gaussian_bias_with_a_prefix_visits_the_live_tiles_only(monkeypatch):
-    """The Gaussian coordinates of a listed tile are computed from its start (not carried)."""
+    """With a Gaussian bias the forward visits grid-aligned key tiles (whole grid rows): the live ones of
+    the prefix tiles' list and of each chunk's; the bias of a listed tile is computed from its index."""
     q, k, v = local_qkv(1, 2, 1 + 12 * 12, 16, sharp=2.0, seed=2)
     g = torch.Generator().manual_seed(3)
     sigma = torch.exp(torch.randn(1, 2, 144, 2, generator=g, dtype=torch.float64) * 0.3) * 0.5
     alpha = torch.full((1, 2, 144, 1), 8.0, dtype=torch.float64)
-    fraction = _check(monkeypatch, q, k, v, bias=GaussianBias(sigma, alpha, (12, 12), 1))
+    ids = grid_tile_ids(q.shape[2], 1, (12, 12))
+    fraction = _check(monkeypatch, q, k, v, grid_ids=ids, bias=GaussianBias(sigma, alpha, (12, 12), 1))
     assert fraction < 0.9
 
 

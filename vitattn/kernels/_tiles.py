@@ -10,7 +10,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import _coords_advance, _kv, _qv, _score_tile, load_tile_at, warp_uniform
+from ._common import (
+    _coords_advance,
+    _kv,
+    _qk_tile,
+    _qv,
+    _score_tile,
+    _tile_ptrs,
+    add_outer,
+    load_tile_at,
+    warp_uniform,
+)
 
 
 @triton.jit
@@ -174,3 +184,73 @@ def listed_scores(
         wr, wc = window_cols(WIN, offs_n, n_k)
         z = window_mask(z, window_penalty(ctr_r, half_r, ctr_c, half_c, wr, wc, False))
     return z, offs_n
+
+
+# ---- grid-aligned key tiles in the list forward (entmax15): slots of whole grid rows ------------------
+
+
+@triton.jit
+def load_slots(base, tok0, tile, offs_n, ok, offs_c, n_c, MASKED: tl.constexpr, EVEN_C: tl.constexpr,
+               OFFS32: tl.constexpr):  # fmt: skip
+    """The ``(BLOCK_N, C)`` tile of the key slots ``offs_n`` (tokens; ``tok0`` the first slot's, ``tile``
+    their :func:`~vitattn.kernels._common.tile_offsets` from it), columns ``offs_c`` of ``base``: zeros
+    where ``ok`` is false (``MASKED``) or past ``n_c`` (unless ``EVEN_C``)."""
+    offs, stride_r, stride_c = tile
+    if OFFS32:
+        ptrs = base + tl.cast(tok0, tl.int64) * stride_r + offs
+    else:
+        ptrs = _tile_ptrs(base, offs_n, offs_c, stride_r, stride_c)
+    if MASKED:
+        if EVEN_C:
+            return tl.load(ptrs, mask=ok[:, None], other=0.0)
+        return tl.load(ptrs, mask=ok[:, None] & (offs_c < n_c)[None, :], other=0.0)
+    if EVEN_C:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(offs_c < n_c)[None, :], other=0.0)
+
+
+@triton.jit
+def grid_scores(
+    q,
+    k_base,
+    k_tile,
+    tok0,
+    offs_n,
+    ok,
+    offs_m,
+    offs_d,
+    n_q,
+    n_k,
+    head_d,
+    scale,
+    unit,
+    masks,
+    r,
+    c,
+    BIAS: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    NR: tl.constexpr,
+    TILE_W: tl.constexpr,
+    OFFS32: tl.constexpr,
+):
+    """The ``(BLOCK_M, BLOCK_N)`` scores ``z`` of a grid-aligned key tile (``_common``, "grid-aligned key
+    tiles") in the normalizer's ``unit``: the key slots ``offs_n`` loaded (:func:`load_slots`), ``q kᵀ``
+    plus the masks (``masks`` as in :func:`listed_scores`), plus the Gaussian bias ``r ⊗ c`` in units of
+    ``q kᵀ`` (``BIAS``; :func:`~vitattn.kernels._common.add_outer`: one multiply-add per score), times
+    ``scale * unit``; ``-inf`` where ``ok`` is false (``MASKED``: slots past the grid width or the keys)."""
+    k = load_slots(k_base, tok0, k_tile, offs_n, ok, offs_d, head_d, MASKED, EVEN_D, OFFS32)
+    add_base, s_am, s_an, keep_base, s_mm, s_mn = masks
+    s = _qk_tile(q, k, offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+                 HAS_ADD, HAS_KEEP, F32_DOT, False, EVEN_M, not MASKED)  # fmt: skip
+    if BIAS:
+        s = add_outer(s, r, c, BLOCK_M, NR, TILE_W, False)
+    z = s * (scale * unit)
+    if MASKED:
+        z = tl.where(ok[None, :], z, float("-inf"))
+    return z

@@ -25,6 +25,11 @@ With ``y = z / 2`` (z = the masked, biased scores; the 1/2 is folded into the sc
 No key loop branches on data: K and V are loaded on every tile (the loads pipeline); the passes and the
 decision to stop are per tile of rows, outside the key loops.
 
+With a Gaussian bias and no window every pass visits grid-aligned key tiles (``_common``, "grid-aligned
+key tiles": the prefix keys' tiles, then per chunk of grid columns the tiles of whole grid rows) and adds
+the bias as one multiply-add per score (:func:`~vitattn.kernels._tiles.grid_scores`); otherwise tiles of
+``BLOCK_N`` tokens, the bias (with a window) built per score.
+
 Saved for backward: ``STAT`` = ``m + tau`` (the threshold in units of ``z / 2``), float32
 ``(B, H, Nq)`` (``+inf`` for a row whose keys are all masked), and, when a gradient is needed,
 ``OG`` = ``sum_j g_j v_j / sum_j g_j`` with ``g = (x - tau)_+ = sqrt(p)``, float32 ``(B, H, Nq, Dv)``:
@@ -45,14 +50,26 @@ from ._common import (
     _dot,
     _fwd_prologue,
     _store_tile,
+    col_factors,
+    key_slots,
     load_tile_at,
+    row_factors,
     row_partial_mins,
     row_partial_sums,
     threshold_excess,
     tile_offsets,
     warp_uniform,
 )
-from ._tiles import coords_jump, listed_scores, tile_index, tile_list, window_rows
+from ._tiles import (
+    coords_jump,
+    grid_scores,
+    listed_scores,
+    load_slots,
+    small_int_to_float,
+    tile_index,
+    tile_list,
+    window_rows,
+)
 
 # The two levels of the first pass, relative to the first key block's row max (units of z / 2).
 LEVEL_LO: tl.constexpr = tl.constexpr(-0.25)
@@ -150,6 +167,126 @@ def _add_squares(
 
 
 @triton.jit
+def _first_sums(
+    y,
+    first,
+    m,
+    ref,
+    k_lo,
+    s1_lo,
+    s2_lo,
+    k_hi,
+    s1_hi,
+    s2_hi,
+    count_p,
+    MASKED: tl.constexpr,
+    UNIFORM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROW_PARTS: tl.constexpr,
+    SQUARES: tl.constexpr,
+):
+    """The first pass over one key tile ``y`` (``first``: the pass' first tile, whose row max fixes the
+    levels): the row max, the sums at both levels and (``MASKED``) the finite keys' count."""
+    m = tl.maximum(m, tl.max(y, 1))
+    ref = tl.where(first, tl.where(m == float("-inf"), 0.0, m), ref)
+    a = tl.maximum(y - (ref + LEVEL_LO)[:, None], 0.0)
+    k_lo += row_partial_sums(_positive(a, UNIFORM), BLOCK_M, BLOCK_N, ROW_PARTS)
+    s1_lo += row_partial_sums(a, BLOCK_M, BLOCK_N, ROW_PARTS)
+    s2_lo = _add_squares(s2_lo, a, BLOCK_M, BLOCK_N, ROW_PARTS, SQUARES)
+    a = tl.maximum(y - (ref + LEVEL_HI)[:, None], 0.0)
+    k_hi += row_partial_sums(_positive(a, UNIFORM), BLOCK_M, BLOCK_N, ROW_PARTS)
+    s1_hi += row_partial_sums(a, BLOCK_M, BLOCK_N, ROW_PARTS)
+    s2_hi = _add_squares(s2_hi, a, BLOCK_M, BLOCK_N, ROW_PARTS, SQUARES)
+    if MASKED:
+        count_p += row_partial_sums(tl.where(y > float("-inf"), 1.0, 0.0), BLOCK_M, BLOCK_N, ROW_PARTS)
+    return m, ref, k_lo, s1_lo, s2_lo, k_hi, s1_hi, s2_hi, count_p
+
+
+@triton.jit
+def _search_sums(
+    y,
+    m,
+    tau,
+    s0,
+    s1,
+    s2,
+    near,
+    offs_m,
+    n_q,
+    FOLD: tl.constexpr,
+    UNIFORM: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROW_PARTS: tl.constexpr,
+    SQUARES: tl.constexpr,
+):
+    """A search pass over one key tile ``y`` at the thresholds ``m + tau``: the sums ``s0, s1, s2``, the
+    nearest key's distance, and ``live``: a key of the tile lies above some row's threshold."""
+    d = threshold_excess(y, m, tl.full([BLOCK_M], 1.0, tl.float32), tau, FOLD)
+    g = tl.maximum(d, 0.0)
+    above = tl.sum(_positive(g, UNIFORM), 1)
+    s0 += above
+    if EVEN_M:
+        live = tl.max(above, 0) > 0.0
+    else:  # padded query rows (zero scores) keep every key: not theirs to decide
+        live = tl.max(tl.where(offs_m < n_q, above, 0.0), 0) > 0.0
+    s1 += row_partial_sums(g, BLOCK_M, BLOCK_N, ROW_PARTS)
+    s2 = _add_squares(s2, g, BLOCK_M, BLOCK_N, ROW_PARTS, SQUARES)
+    near = tl.minimum(near, row_partial_mins(tl.abs(d), BLOCK_M, BLOCK_N, ROW_PARTS))
+    return s0, s1, s2, near, live
+
+
+@triton.jit
+def _output_tile(
+    y,
+    v,
+    m,
+    tau_fin,
+    acc,
+    acc_g,
+    g_sum,
+    FOLD: tl.constexpr,
+    STORE_OG: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROW_PARTS: tl.constexpr,
+):
+    """The output pass over one key tile: ``acc += p V`` with ``p = g^2``, ``g = (y - m - tau)_+``, and
+    (``STORE_OG``) ``acc_g += g V``, ``g_sum += g``."""
+    g = tl.maximum(threshold_excess(y, m, tl.full([BLOCK_M], 1.0, tl.float32), tau_fin, FOLD), 0.0)
+    acc += _dot((g * g).to(v.dtype), v, F32_DOT)
+    if STORE_OG:
+        acc_g += _dot(g.to(v.dtype), v, F32_DOT)
+        g_sum += row_partial_sums(g, BLOCK_M, BLOCK_N, ROW_PARTS)
+    return acc, acc_g, g_sum
+
+
+@triton.jit
+def _mark_live(
+    live_base,
+    cells_q,
+    offs_n,
+    ok,
+    n_cells_q,
+    n_cells_k,
+    GRAIN: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Marks the live-tile map's cells of the query block (``cells_q``) and the key slots ``offs_n``
+    (``ok``: those inside the keys, with ``MASKED``): one store per query cell and key slot."""
+    inside = cells_q[:, None] < n_cells_q
+    if MASKED:
+        inside = inside & ok[None, :]
+    ones = tl.full([BLOCK_M // GRAIN, BLOCK_N], 1, tl.uint8)
+    tl.store(live_base + cells_q[:, None] * n_cells_k + (offs_n // GRAIN)[None, :], ones, mask=inside)
+
+
+@triton.jit
 def _fwd_entmax15_kernel(
     Q,
     K,
@@ -197,6 +334,7 @@ def _fwd_entmax15_kernel(
     num_prefix,
     grid_w,
     clamp,
+    grid_h,
     LIST,
     LIVE,
     n_cells_q,
@@ -224,16 +362,22 @@ def _fwd_entmax15_kernel(
     UNIFORM: tl.constexpr = False,
     OFFS32: tl.constexpr = False,
     GAUSS_SQUARES: tl.constexpr = True,
+    GWP: tl.constexpr = 16,
+    PAD_W: tl.constexpr = False,
+    GRID_TW: tl.constexpr = 16,
 ):
     """``O[b, h, rows] = entmax15(z) V``, ``STAT = tau`` (and ``OG``) for one block of query rows.
 
     Shapes as in the softmax kernel; OG contiguous float32 ``(B, H, Nq, Dv)`` (written if ``STORE_OG``).
     ``SPARSE``: the last search pass writes the key tiles with a weight above its threshold into this
-    program's row of ``LIST`` (int32 scratch ``(B * H * cdiv(Nq, BLOCK_M), cdiv(Nk, BLOCK_N))``), the
+    program's row of ``LIST`` (int32 scratch ``(B * H * cdiv(Nq, BLOCK_M), ops.entmax_list_cols)``: with
+    grid-aligned tiles, whatever ``SPARSE`` says, ``CH + 1`` counts and then a list per section), the
     output pass visits those only and marks them in ``LIVE`` (uint8 ``(B * H, n_cells_q, n_cells_k)``,
     cells of ``GRAIN x GRAIN`` scores, zero-initialized: what the backward's tile lists are built from).
     ``GAUSS_SQUARES``: a Gaussian forward with whole tiles keeps its sums of squares per score slot
-    (:func:`_add_squares`; the other forwards always do).
+    (:func:`_add_squares`; the other forwards always do). ``GWP``, ``PAD_W``, ``GRID_TW`` and ``grid_h``
+    as in the softmax kernel (the grid-aligned key tiles of a Gaussian bias without a window; ``EVEN_N``
+    then means no prefix keys and whole tiles of grid rows).
     """
     prologue = _fwd_prologue(Q, K, V, ADD, KEEP, DEN, ALPHA, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_vb, s_vh,
                              s_ab, s_ah, s_mb, s_mh, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, n_heads,
@@ -257,9 +401,25 @@ def _fwd_entmax15_kernel(
     # the sums of squares per score slot (_add_squares); a Gaussian forward only where GAUSS_SQUARES and
     # without prefix keys or a partial tile (configs.ENTMAX_GAUSS_SQUARES_BY_ARCH: elsewhere they spill)
     SQUARES: tl.constexpr = (not GAUSS) or (GAUSS_SQUARES and EVEN_N)
+    FOLD: tl.constexpr = not HAS_ADD  # threshold_excess: m + tau formed once per row
     masks = (add_base, s_am, s_an, keep_base, s_mm, s_mn)  # listed_scores' operands
     gq = (qr, qc, cr, fr, cc, fc, alpha_y)
     win = (ctr_r, half_r, ctr_c, half_c, WIN)
+    # grid-aligned key tiles (a Gaussian bias without a window; _common, "grid-aligned key tiles"): the
+    # prefix keys in tiles of their own (no bias), then per chunk of TILE_W grid columns (its column
+    # factors once) the tiles of NR whole grid rows (their row factors once per tile)
+    GRID: tl.constexpr = GAUSS and not WINDOW
+    TILE_W: tl.constexpr = GRID_TW
+    CH: tl.constexpr = GWP // GRID_TW
+    NR: tl.constexpr = BLOCK_N // GRID_TW
+    MASKED_G: tl.constexpr = PAD_W or not EVEN_N  # grid slots past the grid width or the keys
+    slot_off, col = key_slots(BLOCK_N, TILE_W, grid_w)
+    kg_tile = tile_offsets(slot_off, offs_d, s_kn, s_kd, OFFS32)
+    n_pre = tl.cdiv(num_prefix, BLOCK_N)
+    n_gt = tl.cdiv(grid_h, NR)
+    g_step = NR * grid_w
+    amp = alpha / scale  # the bias in units of q kᵀ (grid_scores scales it with the scores)
+    offs_b = tl.arange(0, BLOCK_N)
 
     # 1. row max m of y, the finite keys, and exact sums at two levels fixed by the first block's max
     # (the sums as partial sums per row: row_partial_sums)
@@ -272,29 +432,53 @@ def _fwd_entmax15_kernel(
     s1_hi = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)
     s2_hi = _squares_init(BLOCK_M, BLOCK_N, ROW_PARTS, SQUARES)
     count_p = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)
-    kr, kc = kr0, kc0
-    for it in range(0, n_wit):
-        tile = tile_index(wrow, it, WINDOW)
-        start_n = tile * BLOCK_N
-        if WINDOW and GAUSS:  # a listed tile's grid coordinates (the Gaussian bias')
-            kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-        y, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
-                                  0.5, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
-                                  EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
-        m = tl.maximum(m, tl.max(y, 1))
-        ref = tl.where(it == 0, tl.where(m == float("-inf"), 0.0, m), ref)
-        a = tl.maximum(y - (ref + LEVEL_LO)[:, None], 0.0)
-        k_lo += row_partial_sums(_positive(a, UNIFORM), BLOCK_M, BLOCK_N, ROW_PARTS)
-        s1_lo += row_partial_sums(a, BLOCK_M, BLOCK_N, ROW_PARTS)
-        s2_lo = _add_squares(s2_lo, a, BLOCK_M, BLOCK_N, ROW_PARTS, SQUARES)
-        a = tl.maximum(y - (ref + LEVEL_HI)[:, None], 0.0)
-        k_hi += row_partial_sums(_positive(a, UNIFORM), BLOCK_M, BLOCK_N, ROW_PARTS)
-        s1_hi += row_partial_sums(a, BLOCK_M, BLOCK_N, ROW_PARTS)
-        s2_hi = _add_squares(s2_hi, a, BLOCK_M, BLOCK_N, ROW_PARTS, SQUARES)
-        if masked:
-            count_p += row_partial_sums(tl.where(y > float("-inf"), 1.0, 0.0), BLOCK_M, BLOCK_N, ROW_PARTS)
-        if GAUSS and not WINDOW:
-            kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
+    if GRID:
+        vis = tl.full([], 0, tl.int32)  # the tiles visited: the first one's row max fixes the levels
+        if not EVEN_N:  # prefix keys
+            for t in range(0, n_pre):
+                offs_n = t * BLOCK_N + offs_b
+                y = grid_scores(q, k_base, k_tile, t * BLOCK_N, offs_n, offs_n < num_prefix, offs_m, offs_d,
+                                n_q, n_k, head_d, scale, 0.5, masks, 0.0, 0.0, False, HAS_ADD, HAS_KEEP,
+                                F32_DOT, True, EVEN_M, EVEN_D, BLOCK_M, NR, TILE_W, False)  # fmt: skip
+                m, ref, k_lo, s1_lo, s2_lo, k_hi, s1_hi, s2_hi, count_p = _first_sums(
+                    y, vis == 0, m, ref, k_lo, s1_lo, s2_lo, k_hi, s1_hi, s2_hi, count_p,
+                    masked, UNIFORM, BLOCK_M, BLOCK_N, ROW_PARTS, SQUARES,
+                )  # fmt: skip
+                vis += 1
+        for ch in tl.static_range(CH):
+            c, _t_c = col_factors(qc, cc, fc, ch * TILE_W * 1.0, TILE_W, False)
+            c = c * amp[:, None]
+            col_ok = (ch * TILE_W + col) < grid_w
+            a0 = 0.0
+            for i in range(0, n_gt):
+                r, _t_r = row_factors(qr - a0, cr, fr, NR)
+                tok0 = num_prefix + ch * TILE_W + i * g_step
+                offs_n = tok0 + slot_off
+                y = grid_scores(q, k_base, kg_tile, tok0, offs_n, col_ok & (offs_n < n_k), offs_m, offs_d,
+                                n_q, n_k, head_d, scale, 0.5, masks, r, c, True, HAS_ADD, HAS_KEEP, F32_DOT,
+                                MASKED_G, EVEN_M, EVEN_D, BLOCK_M, NR, TILE_W, OFFS32)  # fmt: skip
+                m, ref, k_lo, s1_lo, s2_lo, k_hi, s1_hi, s2_hi, count_p = _first_sums(
+                    y, vis == 0, m, ref, k_lo, s1_lo, s2_lo, k_hi, s1_hi, s2_hi,
+                    count_p, masked, UNIFORM, BLOCK_M, BLOCK_N, ROW_PARTS, SQUARES,
+                )  # fmt: skip
+                vis += 1
+                a0 += NR
+    else:
+        kr, kc = kr0, kc0
+        for it in range(0, n_wit):
+            tile = tile_index(wrow, it, WINDOW)
+            start_n = tile * BLOCK_N
+            if WINDOW and GAUSS:  # a listed tile's grid coordinates (the Gaussian bias')
+                kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
+            y, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
+                                      0.5, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
+                                      EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
+            m, ref, k_lo, s1_lo, s2_lo, k_hi, s1_hi, s2_hi, count_p = _first_sums(
+                y, it == 0, m, ref, k_lo, s1_lo, s2_lo, k_hi, s1_hi, s2_hi, count_p,
+                masked, UNIFORM, BLOCK_M, BLOCK_N, ROW_PARTS, SQUARES,
+            )  # fmt: skip
+            if GAUSS and not WINDOW:
+                kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
     k_lo, s1_lo, s2_lo = tl.sum(k_lo, 1), tl.sum(s1_lo, 1), tl.sum(s2_lo, 1)
     k_hi, s1_hi, s2_hi = tl.sum(k_hi, 1), tl.sum(s1_hi, 1), tl.sum(s2_hi, 1)
     if masked:
@@ -310,7 +494,6 @@ def _fwd_entmax15_kernel(
     tau = tl.maximum(tau, _level_bound(ref + LEVEL_LO - m, k_lo, s1_lo, s2_lo))
     tau = tl.maximum(tau, _level_bound(ref + LEVEL_HI - m, k_hi, s1_hi, s2_hi))
     tau = tl.minimum(tau, hi)
-    unit_a = tl.full([BLOCK_M], 1.0, tl.float32)  # threshold_excess' scale: entmax-1.5 has none
 
     # 2. passes over the keys: each certifies its closed form, else moves tau (Newton or the closed form)
     done = dead
@@ -319,38 +502,75 @@ def _fwd_entmax15_kernel(
     steps = tl.full([], 0, tl.int32)
     going = steps == 0
     n_list = tl.full([], 0, tl.int32)
-    list_row = LIST + (bh.to(tl.int64) * tl.cdiv(n_q, BLOCK_M) + tl.program_id(0)) * tl.cdiv(n_k, BLOCK_N)
+    # with grid tiles a list row holds CH + 1 counts (the prefix tiles', each chunk's), then the prefix
+    # tiles' list and each chunk's (ops.entmax_list_cols)
+    if GRID:
+        n_list_cols = CH + 1 + n_pre + CH * n_gt
+    else:
+        n_list_cols = tl.cdiv(n_k, BLOCK_N)
+    list_row = LIST + (bh.to(tl.int64) * tl.cdiv(n_q, BLOCK_M) + tl.program_id(0)) * n_list_cols
+    list_pre = list_row + (CH + 1)
     while going:
         s0 = tl.zeros([BLOCK_M], tl.float32)
         s1 = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)  # partial sums and minima (row_partial_sums)
         s2 = _squares_init(BLOCK_M, BLOCK_N, ROW_PARTS, SQUARES)
         near = tl.full([BLOCK_M, ROW_PARTS], float("inf"), tl.float32)
         n_list = tl.full([], 0, tl.int32)
-        kr, kc = kr0, kc0
-        for it in range(0, n_wit):
-            tile = tile_index(wrow, it, WINDOW)
-            start_n = tile * BLOCK_N
-            if WINDOW and GAUSS:
-                kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-            y, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d,
-                                      scale, 0.5, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT,
-                                      WINDOW, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
-            d = threshold_excess(y, m, unit_a, tau, not HAS_ADD)
-            g = tl.maximum(d, 0.0)
-            above = tl.sum(_positive(g, UNIFORM), 1)
-            s0 += above
-            if SPARSE:  # a key above some row's threshold: record the tile (the last pass' list stays)
-                if EVEN_M:
-                    live = tl.max(above, 0) > 0.0
-                else:  # padded query rows (zero scores) keep every key: not theirs to decide
-                    live = tl.max(tl.where(offs_m < n_q, above, 0.0), 0) > 0.0
-                tl.store(list_row + n_list, start_n // BLOCK_N, mask=live)
-                n_list += live.to(tl.int32)
-            s1 += row_partial_sums(g, BLOCK_M, BLOCK_N, ROW_PARTS)
-            s2 = _add_squares(s2, g, BLOCK_M, BLOCK_N, ROW_PARTS, SQUARES)
-            near = tl.minimum(near, row_partial_mins(tl.abs(d), BLOCK_M, BLOCK_N, ROW_PARTS))
-            if GAUSS and not WINDOW:
-                kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
+        if GRID:
+            if not EVEN_N:  # prefix keys
+                for t in range(0, n_pre):
+                    offs_n = t * BLOCK_N + offs_b
+                    ok = offs_n < num_prefix
+                    y = grid_scores(q, k_base, k_tile, t * BLOCK_N, offs_n, ok, offs_m, offs_d, n_q, n_k,
+                                    head_d, scale, 0.5, masks, 0.0, 0.0, False, HAS_ADD, HAS_KEEP, F32_DOT,
+                                    True, EVEN_M, EVEN_D, BLOCK_M, NR, TILE_W, False)  # fmt: skip
+                    s0, s1, s2, near, live = _search_sums(y, m, tau, s0, s1, s2, near, offs_m, n_q, FOLD,
+                                                          UNIFORM, EVEN_M, BLOCK_M, BLOCK_N, ROW_PARTS,
+                                                          SQUARES)  # fmt: skip
+                    tl.store(list_pre + n_list, t, mask=live)
+                    n_list += live.to(tl.int32)
+            tl.store(list_row, n_list)
+            for ch in tl.static_range(CH):
+                c, _t_c = col_factors(qc, cc, fc, ch * TILE_W * 1.0, TILE_W, False)
+                c = c * amp[:, None]
+                col_ok = (ch * TILE_W + col) < grid_w
+                list_ch = list_pre + n_pre + ch * n_gt
+                n_list = tl.full([], 0, tl.int32)
+                a0 = 0.0
+                for i in range(0, n_gt):
+                    r, _t_r = row_factors(qr - a0, cr, fr, NR)
+                    tok0 = num_prefix + ch * TILE_W + i * g_step
+                    offs_n = tok0 + slot_off
+                    ok = col_ok & (offs_n < n_k)
+                    y = grid_scores(q, k_base, kg_tile, tok0, offs_n, ok, offs_m, offs_d, n_q, n_k, head_d,
+                                    scale, 0.5, masks, r, c, True, HAS_ADD, HAS_KEEP, F32_DOT, MASKED_G,
+                                    EVEN_M, EVEN_D, BLOCK_M, NR, TILE_W, OFFS32)  # fmt: skip
+                    s0, s1, s2, near, live = _search_sums(y, m, tau, s0, s1, s2, near, offs_m, n_q, FOLD,
+                                                          UNIFORM, EVEN_M, BLOCK_M, BLOCK_N, ROW_PARTS,
+                                                          SQUARES)  # fmt: skip
+                    tl.store(list_ch + n_list, i, mask=live)
+                    n_list += live.to(tl.int32)
+                    a0 += NR
+                tl.store(list_row + 1 + ch, n_list)
+        else:
+            kr, kc = kr0, kc0
+            for it in range(0, n_wit):
+                tile = tile_index(wrow, it, WINDOW)
+                start_n = tile * BLOCK_N
+                if WINDOW and GAUSS:
+                    kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
+                y, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d,
+                                          scale, 0.5, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP,
+                                          F32_DOT, WINDOW, EVEN_M, EVEN_N, EVEN_D, BLOCK_N,
+                                          OFFS32)  # fmt: skip
+                s0, s1, s2, near, live = _search_sums(y, m, tau, s0, s1, s2, near, offs_m, n_q, FOLD,
+                                                      UNIFORM, EVEN_M, BLOCK_M, BLOCK_N, ROW_PARTS,
+                                                      SQUARES)  # fmt: skip
+                if SPARSE:  # a key above some row's threshold: record the tile (the last pass' list stays)
+                    tl.store(list_row + n_list, start_n // BLOCK_N, mask=live)
+                    n_list += live.to(tl.int32)
+                if GAUSS and not WINDOW:
+                    kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
         s1, s2, near = tl.sum(s1, 1), tl.sum(s2, 1), tl.min(near, 1)
         steps += 1
         live = ~done
@@ -376,40 +596,75 @@ def _fwd_entmax15_kernel(
     g_sum = tl.zeros([BLOCK_M, ROW_PARTS], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     acc_g = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    kr, kc = kr0, kc0
-    if SPARSE:
-        n_iter = warp_uniform(n_list, UNIFORM)
-        tl.debug_barrier()  # the list's stores are seen by every thread
-        cells_q = tl.program_id(0) * (BLOCK_M // GRAIN) + tl.arange(0, BLOCK_M // GRAIN)
-        live_base = LIVE + bh.to(tl.int64) * n_cells_q * n_cells_k
+    cells_q = tl.program_id(0) * (BLOCK_M // GRAIN) + tl.arange(0, BLOCK_M // GRAIN)
+    live_base = LIVE + bh.to(tl.int64) * n_cells_q * n_cells_k
+    if GRID:  # the live tiles of each list (SPARSE)
+        tl.debug_barrier()  # the lists' stores are seen by every thread
+        n_iter = warp_uniform(tl.load(list_row), UNIFORM)
+        if not EVEN_N:  # prefix keys
+            for it in range(0, n_iter):
+                t = tl.load(list_pre + it)
+                offs_n = t * BLOCK_N + offs_b
+                ok = offs_n < num_prefix
+                _mark_live(live_base, cells_q, offs_n, ok, n_cells_q, n_cells_k, GRAIN, True, BLOCK_M,
+                           BLOCK_N)  # fmt: skip
+                y = grid_scores(q, k_base, k_tile, t * BLOCK_N, offs_n, ok, offs_m, offs_d, n_q, n_k, head_d,
+                                scale, 0.5, masks, 0.0, 0.0, False, HAS_ADD, HAS_KEEP, F32_DOT, True, EVEN_M,
+                                EVEN_D, BLOCK_M, NR, TILE_W, False)  # fmt: skip
+                v = load_slots(v_base, t * BLOCK_N, v_tile, offs_n, ok, offs_dv, head_dv, True, EVEN_D, False)
+                acc, acc_g, g_sum = _output_tile(y, v, m, tau_fin, acc, acc_g, g_sum, FOLD, STORE_OG, F32_DOT,
+                                                 BLOCK_M, BLOCK_N, ROW_PARTS)  # fmt: skip
+        vg_tile = tile_offsets(slot_off, offs_dv, s_vn, s_vd, OFFS32)
+        for ch in tl.static_range(CH):
+            c, _t_c = col_factors(qc, cc, fc, ch * TILE_W * 1.0, TILE_W, False)
+            c = c * amp[:, None]
+            col_ok = (ch * TILE_W + col) < grid_w
+            list_ch = list_pre + n_pre + ch * n_gt
+            n_iter = warp_uniform(tl.load(list_row + 1 + ch), UNIFORM)
+            for it in range(0, n_iter):
+                i = tl.load(list_ch + it)
+                r, _t_r = row_factors(qr - small_int_to_float(i) * NR, cr, fr, NR)
+                tok0 = num_prefix + ch * TILE_W + i * g_step
+                offs_n = tok0 + slot_off
+                ok = col_ok & (offs_n < n_k)
+                _mark_live(live_base, cells_q, offs_n, ok, n_cells_q, n_cells_k, GRAIN, MASKED_G, BLOCK_M,
+                           BLOCK_N)  # fmt: skip
+                y = grid_scores(q, k_base, kg_tile, tok0, offs_n, ok, offs_m, offs_d, n_q, n_k, head_d, scale,
+                                0.5, masks, r, c, True, HAS_ADD, HAS_KEEP, F32_DOT, MASKED_G, EVEN_M, EVEN_D,
+                                BLOCK_M, NR, TILE_W, OFFS32)  # fmt: skip
+                v = load_slots(v_base, tok0, vg_tile, offs_n, ok, offs_dv, head_dv, MASKED_G, EVEN_D, OFFS32)
+                acc, acc_g, g_sum = _output_tile(y, v, m, tau_fin, acc, acc_g, g_sum, FOLD, STORE_OG, F32_DOT,
+                                                 BLOCK_M, BLOCK_N, ROW_PARTS)  # fmt: skip
     else:
-        n_iter = n_wit
-    for it in range(0, n_iter):
-        if SPARSE:  # the live key tiles only, in order; the Gaussian coordinates from the tile's start
-            tile = tl.load(list_row + it)
-            start_n = tile * BLOCK_N
-            if GAUSS:
-                kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-            cells_k = tile * (BLOCK_N // GRAIN) + tl.arange(0, BLOCK_N // GRAIN)
-            inside = (cells_q[:, None] < n_cells_q) & (cells_k[None, :] < n_cells_k)
-            ones = tl.full([BLOCK_M // GRAIN, BLOCK_N // GRAIN], 1, tl.uint8)
-            tl.store(live_base + cells_q[:, None] * n_cells_k + cells_k[None, :], ones, mask=inside)
+        kr, kc = kr0, kc0
+        if SPARSE:
+            n_iter = warp_uniform(n_list, UNIFORM)
+            tl.debug_barrier()  # the list's stores are seen by every thread
         else:
-            tile = tile_index(wrow, it, WINDOW)
-            start_n = tile * BLOCK_N
-            if WINDOW and GAUSS:
-                kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-        y, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
-                                  0.5, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
-                                  EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
-        g = tl.maximum(threshold_excess(y, m, unit_a, tau_fin, not HAS_ADD), 0.0)
-        v = load_tile_at(v_base, start_n, v_tile, offs_n, offs_dv, n_k, head_dv, EVEN_N, EVEN_D, OFFS32)
-        acc += _dot((g * g).to(v.dtype), v, F32_DOT)
-        if STORE_OG:
-            acc_g += _dot(g.to(v.dtype), v, F32_DOT)
-            g_sum += row_partial_sums(g, BLOCK_M, BLOCK_N, ROW_PARTS)
-        if GAUSS and not SPARSE and not WINDOW:
-            kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
+            n_iter = n_wit
+        for it in range(0, n_iter):
+            if SPARSE:  # the live key tiles only, in order; the Gaussian coordinates from the tile's start
+                tile = tl.load(list_row + it)
+                start_n = tile * BLOCK_N
+                if GAUSS:
+                    kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
+                cells_k = tile * (BLOCK_N // GRAIN) + tl.arange(0, BLOCK_N // GRAIN)
+                inside = (cells_q[:, None] < n_cells_q) & (cells_k[None, :] < n_cells_k)
+                ones = tl.full([BLOCK_M // GRAIN, BLOCK_N // GRAIN], 1, tl.uint8)
+                tl.store(live_base + cells_q[:, None] * n_cells_k + cells_k[None, :], ones, mask=inside)
+            else:
+                tile = tile_index(wrow, it, WINDOW)
+                start_n = tile * BLOCK_N
+                if WINDOW and GAUSS:
+                    kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
+            y, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
+                                      0.5, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
+                                      EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
+            v = load_tile_at(v_base, start_n, v_tile, offs_n, offs_dv, n_k, head_dv, EVEN_N, EVEN_D, OFFS32)
+            acc, acc_g, g_sum = _output_tile(y, v, m, tau_fin, acc, acc_g, g_sum, FOLD, STORE_OG, F32_DOT,
+                                             BLOCK_M, BLOCK_N, ROW_PARTS)  # fmt: skip
+            if GAUSS and not SPARSE and not WINDOW:
+                kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
 
     row = bh.to(tl.int64) * n_q
     _store_tile(O + row * head_dv, acc, offs_m, offs_dv, head_dv, 1, n_q, head_dv, EVEN_M, EVEN_D)

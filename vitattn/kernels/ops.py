@@ -791,6 +791,19 @@ def tile_lists(
     return windows.compact(tiles.transpose(1, 2) if by_cols else tiles)
 
 
+def entmax_list_cols(launch: KernelLaunch, grid: GridKeys | None, block_m: int, block_n: int) -> int:
+    """The width of a row of the entmax-1.5 forward's list scratch (per query tile, its live key tiles)
+    at a ``block_m x block_n`` tile: one entry per key tile, or with grid-aligned key tiles (``grid``) the
+    ``CH + 1`` counts (the prefix tiles', each chunk of grid columns') and the lists of the prefix tiles
+    and of each chunk's tiles."""
+    if grid is None:
+        return triton.cdiv(launch.k.shape[2], block_n)
+    tile_w = grid.tile_w(block_m, block_n)
+    chunks = grid_pad(grid.grid_w) // tile_w
+    rows = triton.cdiv(launch.grid_rows(), block_n // tile_w)
+    return chunks + 1 + triton.cdiv(grid.num_prefix, block_n) + chunks * rows
+
+
 def _forward(
     launch: KernelLaunch, store_og: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -835,15 +848,21 @@ def _forward(
         args += launch.ent_args(dummy)
     live = q.new_empty(0, dtype=torch.uint8)
     n_k = launch.k.shape[2]
+    grid_keys = launch.grid_keys(name) if name == "fwd_softmax" else None
     if name == "fwd_entmax15":
         live = torch.zeros(live_shape(b, h, n_q, n_k), device=q.device, dtype=torch.uint8)
         meta.update(SPARSE=True, GRAIN=live_grain())
+        args.append(launch.grid_rows())
+        if launch.window is None:  # a Gaussian bias: grid-aligned key tiles
+            grid_keys = launch.grid_keys(name)
+            meta.update(launch.grid_flags())
 
     def tile_args(tile: configs.TileConfig) -> list[Any]:
         extra = []
         if name == "fwd_entmax15":  # the search's list (scratch) and the live map
             rows = b * h * triton.cdiv(n_q, tile.block_m)
-            scratch = torch.empty(rows, triton.cdiv(n_k, tile.block_n), device=q.device, dtype=torch.int32)
+            cols = entmax_list_cols(launch, grid_keys, tile.block_m, tile.block_n)
+            scratch = torch.empty(rows, cols, device=q.device, dtype=torch.int32)
             extra = [scratch, live, live.shape[2], live.shape[3]]
         if name == "fwd_softmax":  # the grid-aligned kernel: no window
             return extra
@@ -858,7 +877,7 @@ def _forward(
         launch.shape,
         launch.even_d,
         reset=live.zero_,
-        grid_keys=launch.grid_keys(name) if name == "fwd_softmax" else None,
+        grid_keys=grid_keys,
         tile_args=tile_args,
     )
     return out, stat, og, live
