@@ -108,6 +108,9 @@ def check(case: Case) -> None:
 CASES = [
     Case((1.3, 1.8)),
     Case((1.5, 2.0), "gaussian", d=32),
+    # the grid-aligned key tiles: whole tiles of grid rows (no prefix), and two chunks of grid columns
+    Case((1.4, 1.7), "gaussian", n=64, d=16, b=1, prefix=0, grid=(4, 16)),
+    Case((1.3, 1.6), "gaussian", n=122, d=16, b=1, prefix=2, grid=(3, 40)),
     Case((1.25, 1.6), "keep", n=77, b=1),
     Case((1.4, 1.9), "add", d=24),
     Case((1.5,), "per_row", n=37, d=16),

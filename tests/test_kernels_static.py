@@ -308,8 +308,8 @@ def test_grid_chunk_width_of_a_call(arch, head_dim, kernel, tile, width, compile
 
 
 def test_grid_chunk_width_names_a_kernel_without_grid_tiles():
-    with pytest.raises(ValueError, match="kernel='fwd_entmax_alpha' has no grid-aligned key tiles"):
-        configs.grid_tile_w(64, 64, 64, "fwd_entmax_alpha")
+    with pytest.raises(ValueError, match="kernel='fwd_softmax_lists' has no grid-aligned key tiles"):
+        configs.grid_tile_w(64, 64, 64, "fwd_softmax_lists")
 
 
 def test_flash_rows_say_why_when_the_tutorial_is_absent(monkeypatch, tmp_path):

@@ -238,19 +238,25 @@ def grid_scores(
     NR: tl.constexpr,
     TILE_W: tl.constexpr,
     OFFS32: tl.constexpr,
+    SCALED_BIAS: tl.constexpr = False,
 ):
     """The ``(BLOCK_M, BLOCK_N)`` scores ``z`` of a grid-aligned key tile (``_common``, "grid-aligned key
     tiles") in the normalizer's ``unit``: the key slots ``offs_n`` loaded (:func:`load_slots`), ``q kᵀ``
-    plus the masks (``masks`` as in :func:`listed_scores`), plus the Gaussian bias ``r ⊗ c`` in units of
-    ``q kᵀ`` (``BIAS``; :func:`~vitattn.kernels._common.add_outer`: one multiply-add per score), times
-    ``scale * unit``; ``-inf`` where ``ok`` is false (``MASKED``: slots past the grid width or the keys)."""
+    plus the masks (``masks`` as in :func:`listed_scores`) times ``scale * unit``, plus the Gaussian bias
+    ``r ⊗ c`` (``BIAS``; :func:`~vitattn.kernels._common.add_outer`: one multiply-add per score), ``c`` in
+    units of ``q kᵀ`` (added before the scale: a multiply-add the caller's next subtraction fuses with the
+    scale's multiply) or, with ``SCALED_BIAS``, of ``z`` (added after it, in the order of the list
+    kernels' :func:`~vitattn.kernels._common._score_tile`); ``-inf`` where ``ok`` is false (``MASKED``:
+    slots past the grid width or the keys)."""
     k = load_slots(k_base, tok0, k_tile, offs_n, ok, offs_d, head_d, MASKED, EVEN_D, OFFS32)
     add_base, s_am, s_an, keep_base, s_mm, s_mn = masks
     s = _qk_tile(q, k, offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_mm, s_mn,
                  HAS_ADD, HAS_KEEP, F32_DOT, False, EVEN_M, not MASKED)  # fmt: skip
-    if BIAS:
+    if BIAS and not SCALED_BIAS:
         s = add_outer(s, r, c, BLOCK_M, NR, TILE_W, False)
     z = s * (scale * unit)
+    if BIAS and SCALED_BIAS:
+        z = add_outer(z, r, c, BLOCK_M, NR, TILE_W, False)
     if MASKED:
         z = tl.where(ok[None, :], z, float("-inf"))
     return z

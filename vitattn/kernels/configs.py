@@ -254,7 +254,13 @@ def autotune_list(
 # ``TILE_W + NR`` factor rows per query tile) at the cost of more row factors (``NR = BLOCK_N / TILE_W``
 # per query and tile); the widths are the ones with the fewest instructions per score in the static
 # report (docs/kernels.md). The forward takes whole-tile chunks: one row factor per query row and tile.
-GRID_TILE_W: dict[str, int] = {"fwd_softmax": 64, "fwd_entmax15": 64, "bwd_dkdv": 16, "bwd_dq": 32}
+GRID_TILE_W: dict[str, int] = {
+    "fwd_softmax": 64,
+    "fwd_entmax15": 64,
+    "fwd_entmax_alpha": 64,
+    "bwd_dkdv": 16,
+    "bwd_dq": 32,
+}
 GRID_TILE_W_BY_ROWS: dict[tuple[str, int], int] = {("bwd_dkdv", 16): 32}
 
 

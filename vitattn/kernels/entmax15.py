@@ -44,7 +44,6 @@ import triton.language as tl
 from ._common import (
     NEWTON_MAX_STEPS,
     NEWTON_TOL,
-    _coords_advance,
     _coords_start,
     _coords_step,
     _dot,
@@ -392,7 +391,7 @@ def _fwd_entmax15_kernel(
     # every tile is y = z / 2 (the 1/2 of entmax-1.5 folded into the scale and the Gaussian amplitude)
     alpha_y = alpha * 0.5
     kr0, kc0 = _coords_start(tl.arange(0, BLOCK_N), num_prefix, grid_w)
-    step_r, step_c, gw = _coords_step(BLOCK_N, grid_w)
+    _step_r, _step_c, gw = _coords_step(BLOCK_N, grid_w)  # with tiles of tokens a bias comes with a window
     ctr_r, half_r, ctr_c, half_c = 0.0, 0.0, 0.0, 0.0
     if WINDOW:  # the window's key tiles (every tile without one) and its bounds per query
         ctr_r, half_r, ctr_c, half_c = window_rows(WIN, offs_m, n_q)
@@ -477,8 +476,6 @@ def _fwd_entmax15_kernel(
                 y, it == 0, m, ref, k_lo, s1_lo, s2_lo, k_hi, s1_hi, s2_hi, count_p,
                 masked, UNIFORM, BLOCK_M, BLOCK_N, ROW_PARTS, SQUARES,
             )  # fmt: skip
-            if GAUSS and not WINDOW:
-                kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
     k_lo, s1_lo, s2_lo = tl.sum(k_lo, 1), tl.sum(s1_lo, 1), tl.sum(s2_lo, 1)
     k_hi, s1_hi, s2_hi = tl.sum(k_hi, 1), tl.sum(s1_hi, 1), tl.sum(s2_hi, 1)
     if masked:
@@ -569,8 +566,6 @@ def _fwd_entmax15_kernel(
                 if SPARSE:  # a key above some row's threshold: record the tile (the last pass' list stays)
                     tl.store(list_row + n_list, start_n // BLOCK_N, mask=live)
                     n_list += live.to(tl.int32)
-                if GAUSS and not WINDOW:
-                    kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
         s1, s2, near = tl.sum(s1, 1), tl.sum(s2, 1), tl.min(near, 1)
         steps += 1
         live = ~done
@@ -663,8 +658,6 @@ def _fwd_entmax15_kernel(
             v = load_tile_at(v_base, start_n, v_tile, offs_n, offs_dv, n_k, head_dv, EVEN_N, EVEN_D, OFFS32)
             acc, acc_g, g_sum = _output_tile(y, v, m, tau_fin, acc, acc_g, g_sum, FOLD, STORE_OG, F32_DOT,
                                              BLOCK_M, BLOCK_N, ROW_PARTS)  # fmt: skip
-            if GAUSS and not SPARSE and not WINDOW:
-                kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
 
     row = bh.to(tl.int64) * n_q
     _store_tile(O + row * head_dv, acc, offs_m, offs_dv, head_dv, 1, n_q, head_dv, EVEN_M, EVEN_D)

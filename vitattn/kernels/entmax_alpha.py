@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    _coords_advance,
     _coords_start,
     _coords_step,
     _dot,
@@ -41,11 +40,22 @@ from ._common import (
     _offset,
     _program,
     _store_tile,
+    col_factors,
+    key_slots,
     load_tile_at,
+    row_factors,
     threshold_excess,
     tile_offsets,
 )
-from ._tiles import coords_jump, listed_scores, tile_index, tile_list, window_rows
+from ._tiles import (
+    coords_jump,
+    grid_scores,
+    listed_scores,
+    load_slots,
+    tile_index,
+    tile_list,
+    window_rows,
+)
 from .env import interpret_requested
 
 # A Newton step below this (2^-21, in units of the row's scale 1) ends the row's search.
@@ -88,6 +98,39 @@ def alpha_powers(u, beta):
     l = fast_log2(u)
     g = tl.where(u > 0.0, tl.exp2(l * (beta - 1.0)), 0.0)
     return g * u, g, l
+
+
+@triton.jit
+def _alpha_max(z, m, count, MASKED: tl.constexpr):
+    """The first pass over one key tile ``z``: the row max and (``MASKED``) the finite keys' count."""
+    m = tl.maximum(m, tl.max(z, 1))
+    if MASKED:
+        count += tl.sum(tl.where(z > float("-inf"), 1.0, 0.0), 1)
+    return m, count
+
+
+@triton.jit
+def _alpha_sums(z, m, a, beta, tau, s_p, s_g, FOLD: tl.constexpr):
+    """A Newton pass over one key tile ``z`` at the thresholds ``a m + tau``: ``S += sum u^beta``,
+    ``T += sum u^(beta - 1)``."""
+    u = tl.maximum(threshold_excess(z, m, a, tau, FOLD), 0.0)
+    p, g, _l = alpha_powers(u, beta[:, None])
+    return s_p + tl.sum(p, 1), s_g + tl.sum(g, 1)
+
+
+@triton.jit
+def _alpha_output(z, v, m, a, beta, tau, acc, acc_g, p_sum, g_sum, FOLD: tl.constexpr,
+                  STORE_OG: tl.constexpr, F32_DOT: tl.constexpr):  # fmt: skip
+    """The output pass over one key tile: ``acc += p V``, ``p_sum += sum p`` (and, with ``STORE_OG``,
+    ``acc_g += g V``, ``g_sum += sum g``)."""
+    u = tl.maximum(threshold_excess(z, m, a, tau, FOLD), 0.0)
+    p, g, _l = alpha_powers(u, beta[:, None])
+    acc += _dot(p.to(v.dtype), v, F32_DOT)
+    p_sum += tl.sum(p, 1)
+    if STORE_OG:
+        acc_g += _dot(g.to(v.dtype), v, F32_DOT)
+        g_sum += tl.sum(g, 1)
+    return acc, acc_g, p_sum, g_sum
 
 
 @triton.jit
@@ -142,6 +185,7 @@ def _fwd_entmax_alpha_kernel(
     s_eb,
     s_eh,
     s_em,
+    grid_h,
     WLIST,
     WCNT,
     n_wcols,
@@ -161,11 +205,16 @@ def _fwd_entmax_alpha_kernel(
     EVEN_D: tl.constexpr,
     UNIFORM: tl.constexpr = False,
     OFFS32: tl.constexpr = False,
+    GWP: tl.constexpr = 16,
+    PAD_W: tl.constexpr = False,
+    GRID_TW: tl.constexpr = 16,
 ):
     """``O[b, h, rows] = alpha-entmax(z) V``, ``STAT`` (and ``OG``) for one block of query rows.
 
     Shapes as in the softmax kernel; ``ENT`` float32 alphas ``(B, H, Nq)`` (strides ``s_e*``); OG contiguous
-    float32 ``(B, H, Nq, Dv)`` (written if ``STORE_OG``).
+    float32 ``(B, H, Nq, Dv)`` (written if ``STORE_OG``). With a Gaussian bias and no window the passes
+    visit grid-aligned key tiles (``GWP``, ``PAD_W``, ``GRID_TW``, ``grid_h`` as in the softmax kernel;
+    ``EVEN_N`` then means no prefix keys and whole tiles of grid rows), else tiles of ``BLOCK_N`` tokens.
     """
     prologue = _fwd_prologue(Q, K, V, ADD, KEEP, DEN, ALPHA, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_vb, s_vh,
                              s_ab, s_ah, s_mb, s_mh, s_db, s_dh, s_dp, s_dc, s_alb, s_alh, s_alp, n_heads,
@@ -180,33 +229,72 @@ def _fwd_entmax_alpha_kernel(
     _bh, b, h = _program(n_heads)
     a, beta = alpha_rows(ENT, b, h, s_eb, s_eh, s_em, offs_m, n_q)
     kr0, kc0 = _coords_start(tl.arange(0, BLOCK_N), num_prefix, grid_w)
-    step_r, step_c, gw = _coords_step(BLOCK_N, grid_w)
+    _step_r, _step_c, gw = _coords_step(BLOCK_N, grid_w)
     ctr_r, half_r, ctr_c, half_c = 0.0, 0.0, 0.0, 0.0
     if WINDOW:  # the window's key tiles (every tile without one) and its bounds per query
         ctr_r, half_r, ctr_c, half_c = window_rows(WIN, offs_m, n_q)
     n_wit, wrow = tile_list(WLIST, WCNT, n_wcols, 0, tl.cdiv(n_q, BLOCK_M), n_k, BLOCK_N, WINDOW, UNIFORM)
     masked = HAS_ADD or HAS_KEEP or WINDOW
+    FOLD: tl.constexpr = not HAS_ADD  # threshold_excess: a m + tau formed once per row
     masks = (add_base, s_am, s_an, keep_base, s_mm, s_mn)  # listed_scores' operands
     gq = (qr, qc, cr, fr, cc, fc, alpha)
     win = (ctr_r, half_r, ctr_c, half_c, WIN)
+    # grid-aligned key tiles (a Gaussian bias without a window; _common, "grid-aligned key tiles"), as in
+    # the entmax-1.5 forward: the prefix keys' tiles (no bias), then per chunk of TILE_W grid columns (its
+    # column factors once) the tiles of NR whole grid rows (their row factors once per tile)
+    GRID: tl.constexpr = GAUSS and not WINDOW
+    TILE_W: tl.constexpr = GRID_TW
+    CH: tl.constexpr = GWP // GRID_TW
+    NR: tl.constexpr = BLOCK_N // GRID_TW
+    MASKED_G: tl.constexpr = PAD_W or not EVEN_N  # grid slots past the grid width or the keys
+    slot_off, col = key_slots(BLOCK_N, TILE_W, grid_w)
+    kg_tile = tile_offsets(slot_off, offs_d, s_kn, s_kd, OFFS32)
+    vg_tile = tile_offsets(slot_off, offs_dv, s_vn, s_vd, OFFS32)
+    n_pre = tl.cdiv(num_prefix, BLOCK_N)
+    n_gt = tl.cdiv(grid_h, NR)
+    g_step = NR * grid_w
+    # grid_scores adds the bias after the scale (SCALED_BIAS), in the order of the backward's scores: the
+    # same instruction count here (the scale's multiply is not fused: a multiply-add with a follows), and a
+    # key at a support's edge rounds as in the backward (dα of alpha = 2 rows, where g = 1 on the support)
+    offs_b = tl.arange(0, BLOCK_N)
 
     # 1. the row max m (natural units) and the finite keys
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     count = tl.zeros([BLOCK_M], tl.float32)
-    kr, kc = kr0, kc0
-    for it in range(0, n_wit):
-        tile = tile_index(wrow, it, WINDOW)
-        start_n = tile * BLOCK_N
-        if WINDOW and GAUSS:  # a listed tile's grid coordinates (the Gaussian bias')
-            kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-        z, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
-                                  1.0, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
-                                  EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
-        m = tl.maximum(m, tl.max(z, 1))
-        if masked:
-            count += tl.sum(tl.where(z > float("-inf"), 1.0, 0.0), 1)
-        if GAUSS and not WINDOW:
-            kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
+    if GRID:
+        if not EVEN_N:  # prefix keys
+            for t in range(0, n_pre):
+                offs_n = t * BLOCK_N + offs_b
+                z = grid_scores(q, k_base, k_tile, t * BLOCK_N, offs_n, offs_n < num_prefix, offs_m, offs_d,
+                                n_q, n_k, head_d, scale, 1.0, masks, 0.0, 0.0, False, HAS_ADD, HAS_KEEP,
+                                F32_DOT, True, EVEN_M, EVEN_D, BLOCK_M, NR, TILE_W, False)  # fmt: skip
+                m, count = _alpha_max(z, m, count, masked)
+        for ch in tl.static_range(CH):
+            c, _t_c = col_factors(qc, cc, fc, ch * TILE_W * 1.0, TILE_W, False)
+            c = c * alpha[:, None]
+            col_ok = (ch * TILE_W + col) < grid_w
+            a0 = 0.0
+            for i in range(0, n_gt):
+                r, _t_r = row_factors(qr - a0, cr, fr, NR)
+                tok0 = num_prefix + ch * TILE_W + i * g_step
+                offs_n = tok0 + slot_off
+                ok = col_ok & (offs_n < n_k)
+                z = grid_scores(q, k_base, kg_tile, tok0, offs_n, ok, offs_m, offs_d, n_q, n_k, head_d, scale,
+                                1.0, masks, r, c, True, HAS_ADD, HAS_KEEP, F32_DOT, MASKED_G, EVEN_M, EVEN_D,
+                                BLOCK_M, NR, TILE_W, OFFS32, True)  # fmt: skip
+                m, count = _alpha_max(z, m, count, masked)
+                a0 += NR
+    else:
+        for it in range(0, n_wit):
+            tile = tile_index(wrow, it, WINDOW)
+            start_n = tile * BLOCK_N
+            kr, kc = kr0, kc0
+            if WINDOW and GAUSS:  # a listed tile's grid coordinates (the Gaussian bias')
+                kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
+            z, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
+                                      1.0, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
+                                      EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
+            m, count = _alpha_max(z, m, count, masked)
     if masked:
         dead = m == float("-inf")
     else:
@@ -229,21 +317,42 @@ def _fwd_entmax_alpha_kernel(
     while going:
         s_p = tl.zeros([BLOCK_M], tl.float32)
         s_g = tl.zeros([BLOCK_M], tl.float32)
-        kr, kc = kr0, kc0
-        for it in range(0, n_wit):
-            tile = tile_index(wrow, it, WINDOW)
-            start_n = tile * BLOCK_N
-            if WINDOW and GAUSS:
-                kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-            z, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d,
-                                      scale, 1.0, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT,
-                                      WINDOW, EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
-            u = tl.maximum(threshold_excess(z, m, a, tau, not HAS_ADD), 0.0)
-            p, g, _l = alpha_powers(u, beta[:, None])
-            s_p += tl.sum(p, 1)
-            s_g += tl.sum(g, 1)
-            if GAUSS and not WINDOW:
-                kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
+        if GRID:
+            if not EVEN_N:  # prefix keys
+                for t in range(0, n_pre):
+                    offs_n = t * BLOCK_N + offs_b
+                    ok = offs_n < num_prefix
+                    z = grid_scores(q, k_base, k_tile, t * BLOCK_N, offs_n, ok, offs_m, offs_d, n_q, n_k,
+                                    head_d, scale, 1.0, masks, 0.0, 0.0, False, HAS_ADD, HAS_KEEP, F32_DOT,
+                                    True, EVEN_M, EVEN_D, BLOCK_M, NR, TILE_W, False)  # fmt: skip
+                    s_p, s_g = _alpha_sums(z, m, a, beta, tau, s_p, s_g, FOLD)
+            for ch in tl.static_range(CH):
+                c, _t_c = col_factors(qc, cc, fc, ch * TILE_W * 1.0, TILE_W, False)
+                c = c * alpha[:, None]
+                col_ok = (ch * TILE_W + col) < grid_w
+                a0 = 0.0
+                for i in range(0, n_gt):
+                    r, _t_r = row_factors(qr - a0, cr, fr, NR)
+                    tok0 = num_prefix + ch * TILE_W + i * g_step
+                    offs_n = tok0 + slot_off
+                    ok = col_ok & (offs_n < n_k)
+                    z = grid_scores(q, k_base, kg_tile, tok0, offs_n, ok, offs_m, offs_d, n_q, n_k, head_d,
+                                    scale, 1.0, masks, r, c, True, HAS_ADD, HAS_KEEP, F32_DOT, MASKED_G,
+                                    EVEN_M, EVEN_D, BLOCK_M, NR, TILE_W, OFFS32, True)  # fmt: skip
+                    s_p, s_g = _alpha_sums(z, m, a, beta, tau, s_p, s_g, FOLD)
+                    a0 += NR
+        else:
+            for it in range(0, n_wit):
+                tile = tile_index(wrow, it, WINDOW)
+                start_n = tile * BLOCK_N
+                kr, kc = kr0, kc0
+                if WINDOW and GAUSS:
+                    kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
+                z, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d,
+                                          scale, 1.0, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP,
+                                          F32_DOT, WINDOW, EVEN_M, EVEN_N, EVEN_D, BLOCK_N,
+                                          OFFS32)  # fmt: skip
+                s_p, s_g = _alpha_sums(z, m, a, beta, tau, s_p, s_g, FOLD)
         steps += 1
         below = s_p >= 1.0  # tau is at or below the root
         lo = tl.where(below, tau, lo)
@@ -266,25 +375,47 @@ def _fwd_entmax_alpha_kernel(
     g_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     acc_g = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    kr, kc = kr0, kc0
-    for it in range(0, n_wit):
-        tile = tile_index(wrow, it, WINDOW)
-        start_n = tile * BLOCK_N
-        if WINDOW and GAUSS:  # a listed tile's grid coordinates (the Gaussian bias')
-            kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
-        z, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
-                                  1.0, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
-                                  EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
-        u = tl.maximum(threshold_excess(z, m, a, tau, not HAS_ADD), 0.0)
-        p, g, _l = alpha_powers(u, beta[:, None])
-        v = load_tile_at(v_base, start_n, v_tile, offs_n, offs_dv, n_k, head_dv, EVEN_N, EVEN_D, OFFS32)
-        acc += _dot(p.to(v.dtype), v, F32_DOT)
-        p_sum += tl.sum(p, 1)
-        if STORE_OG:
-            acc_g += _dot(g.to(v.dtype), v, F32_DOT)
-            g_sum += tl.sum(g, 1)
-        if GAUSS and not WINDOW:
-            kr, kc = _coords_advance(kr, kc, step_r, step_c, gw)
+    if GRID:
+        if not EVEN_N:  # prefix keys
+            for t in range(0, n_pre):
+                offs_n = t * BLOCK_N + offs_b
+                ok = offs_n < num_prefix
+                z = grid_scores(q, k_base, k_tile, t * BLOCK_N, offs_n, ok, offs_m, offs_d, n_q, n_k, head_d,
+                                scale, 1.0, masks, 0.0, 0.0, False, HAS_ADD, HAS_KEEP, F32_DOT, True, EVEN_M,
+                                EVEN_D, BLOCK_M, NR, TILE_W, False)  # fmt: skip
+                v = load_slots(v_base, t * BLOCK_N, v_tile, offs_n, ok, offs_dv, head_dv, True, EVEN_D, False)
+                acc, acc_g, p_sum, g_sum = _alpha_output(z, v, m, a, beta, tau, acc, acc_g, p_sum, g_sum,
+                                                         FOLD, STORE_OG, F32_DOT)  # fmt: skip
+        for ch in tl.static_range(CH):
+            c, _t_c = col_factors(qc, cc, fc, ch * TILE_W * 1.0, TILE_W, False)
+            c = c * alpha[:, None]
+            col_ok = (ch * TILE_W + col) < grid_w
+            a0 = 0.0
+            for i in range(0, n_gt):
+                r, _t_r = row_factors(qr - a0, cr, fr, NR)
+                tok0 = num_prefix + ch * TILE_W + i * g_step
+                offs_n = tok0 + slot_off
+                ok = col_ok & (offs_n < n_k)
+                z = grid_scores(q, k_base, kg_tile, tok0, offs_n, ok, offs_m, offs_d, n_q, n_k, head_d, scale,
+                                1.0, masks, r, c, True, HAS_ADD, HAS_KEEP, F32_DOT, MASKED_G, EVEN_M, EVEN_D,
+                                BLOCK_M, NR, TILE_W, OFFS32, True)  # fmt: skip
+                v = load_slots(v_base, tok0, vg_tile, offs_n, ok, offs_dv, head_dv, MASKED_G, EVEN_D, OFFS32)
+                acc, acc_g, p_sum, g_sum = _alpha_output(z, v, m, a, beta, tau, acc, acc_g, p_sum, g_sum,
+                                                         FOLD, STORE_OG, F32_DOT)  # fmt: skip
+                a0 += NR
+    else:
+        for it in range(0, n_wit):
+            tile = tile_index(wrow, it, WINDOW)
+            start_n = tile * BLOCK_N
+            kr, kc = kr0, kc0
+            if WINDOW and GAUSS:  # a listed tile's grid coordinates (the Gaussian bias')
+                kr, kc = coords_jump(kr0, kc0, tile, BLOCK_N, gw)
+            z, offs_n = listed_scores(q, k_base, k_tile, start_n, offs_m, offs_d, n_q, n_k, head_d, scale,
+                                      1.0, masks, gq, kr, kc, win, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, WINDOW,
+                                      EVEN_M, EVEN_N, EVEN_D, BLOCK_N, OFFS32)  # fmt: skip
+            v = load_tile_at(v_base, start_n, v_tile, offs_n, offs_dv, n_k, head_dv, EVEN_N, EVEN_D, OFFS32)
+            acc, acc_g, p_sum, g_sum = _alpha_output(z, v, m, a, beta, tau, acc, acc_g, p_sum, g_sum, FOLD,
+                                                     STORE_OG, F32_DOT)  # fmt: skip
 
     row = bh.to(tl.int64) * n_q
     out = acc / tl.where(p_sum > 0.0, p_sum, 1.0)[:, None]

@@ -849,13 +849,14 @@ def _forward(
     live = q.new_empty(0, dtype=torch.uint8)
     n_k = launch.k.shape[2]
     grid_keys = launch.grid_keys(name) if name == "fwd_softmax" else None
-    if name == "fwd_entmax15":
-        live = torch.zeros(live_shape(b, h, n_q, n_k), device=q.device, dtype=torch.uint8)
-        meta.update(SPARSE=True, GRAIN=live_grain())
+    if name in ("fwd_entmax15", "fwd_entmax_alpha"):
         args.append(launch.grid_rows())
         if launch.window is None:  # a Gaussian bias: grid-aligned key tiles
             grid_keys = launch.grid_keys(name)
             meta.update(launch.grid_flags())
+    if name == "fwd_entmax15":
+        live = torch.zeros(live_shape(b, h, n_q, n_k), device=q.device, dtype=torch.uint8)
+        meta.update(SPARSE=True, GRAIN=live_grain())
 
     def tile_args(tile: configs.TileConfig) -> list[Any]:
         extra = []

@@ -127,17 +127,18 @@ class Build:
         Gaussian bias the softmax forward and dQ visit the prefix keys in a loop of their own (where there
         is more than one) and then the chunks of grid columns (see ``_common``): the forward one key loop
         per chunk (unrolled), dQ one key loop inside a loop over the chunks."""
-        if self.pass_ == "fwd" and self.normalizer == "entmax15" and self.bias == "gaussian" and not self.window:
-            # grid-aligned key tiles: each pass a key loop per chunk (unrolled); a prefix loop in the first
-            # and search passes where there is more than one prefix token, in the output pass (its list)
-            # wherever there are prefix keys
+        if self.pass_ == "fwd" and self.normalizer != "softmax" and self.bias == "gaussian" and not self.window:
+            # grid-aligned key tiles: each pass a key loop per chunk (unrolled) and a prefix loop where
+            # there is more than one prefix token; entmax-1.5's output pass iterates the prefix tiles'
+            # list (a loop) wherever there are prefix keys
             call = EVEN_CALL if self.even else RAGGED_CALL
             gwp = max(16, 1 << (int(call["grid"][1]) - 1).bit_length())
             cfg = self.config
             chunks = gwp // configs.grid_tile_w(gwp, cfg.block_m, cfg.block_n, self.kernel)
             prefix = int(call["prefix"])
             scan = [1] * (chunks + (1 if prefix > 1 else 0))
-            return scan + scan + [3] * (chunks + (1 if prefix > 0 else 0))
+            listed = self.normalizer == "entmax15" and prefix > 0
+            return scan + scan + [3] * (chunks + (1 if prefix > 1 or listed else 0))
         if self.pass_ == "fwd" and self.normalizer != "softmax":
             return [1, 1, 3]  # entmax-1.5, alpha-entmax: max, search, output (+OG)
         per = {"fwd": 2, "bwd_dkdv": 4, "bwd_dq": 3}.get(self.pass_, 1)
