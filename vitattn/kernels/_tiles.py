@@ -18,7 +18,9 @@ from ._common import (
     _score_tile,
     _tile_ptrs,
     add_outer,
+    col_factors,
     load_tile_at,
+    row_factors,
     warp_uniform,
 )
 
@@ -260,3 +262,33 @@ def grid_scores(
     if MASKED:
         z = tl.where(ok[None, :], z, float("-inf"))
     return z
+
+
+@triton.jit
+def prefix_tile(t, num_prefix, BLOCK_N: tl.constexpr):
+    """``(tok0, offs_n, ok)`` of the prefix keys' tile ``t``: its first token, its tokens, and those that
+    are prefix keys (the tile has no Gaussian bias)."""
+    offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    return t * BLOCK_N, offs_n, offs_n < num_prefix
+
+
+@triton.jit
+def grid_chunk(qc, cc, fc, amp, col, ch, grid_w, TILE_W: tl.constexpr):
+    """``(c, col_ok)`` of chunk ``ch`` of grid columns: its column factors times ``amp`` (per query row;
+    :func:`~vitattn.kernels._common.col_factors`) and which key slots lie inside the grid width (``col``
+    from :func:`~vitattn.kernels._common.key_slots`)."""
+    c, _t = col_factors(qc, cc, fc, ch * TILE_W * 1.0, TILE_W, False)
+    return c * amp[:, None], (ch * TILE_W + col) < grid_w
+
+
+@triton.jit
+def grid_tile(qr, cr, fr, row0, ch, i, slot_off, col_ok, num_prefix, grid_w, n_k, TILE_W: tl.constexpr,
+              NR: tl.constexpr):  # fmt: skip
+    """``(r, tok0, offs_n, ok)`` of tile ``i`` of chunk ``ch`` (grid rows from ``row0``, a float): its row
+    factors (:func:`~vitattn.kernels._common.row_factors`), its first slot's token, its slots' tokens
+    (``slot_off`` from :func:`~vitattn.kernels._common.key_slots`) and the slots inside the grid width
+    (``col_ok``) and the keys."""
+    r, _t = row_factors(qr - row0, cr, fr, NR)
+    tok0 = num_prefix + ch * TILE_W + i * (NR * grid_w)
+    offs_n = tok0 + slot_off
+    return r, tok0, offs_n, col_ok & (offs_n < n_k)

@@ -49,10 +49,8 @@ from ._common import (
     _dot,
     _fwd_prologue,
     _store_tile,
-    col_factors,
     key_slots,
     load_tile_at,
-    row_factors,
     row_partial_mins,
     row_partial_sums,
     threshold_excess,
@@ -61,9 +59,12 @@ from ._common import (
 )
 from ._tiles import (
     coords_jump,
+    grid_chunk,
     grid_scores,
+    grid_tile,
     listed_scores,
     load_slots,
+    prefix_tile,
     small_int_to_float,
     tile_index,
     tile_list,
@@ -416,9 +417,7 @@ def _fwd_entmax15_kernel(
     kg_tile = tile_offsets(slot_off, offs_d, s_kn, s_kd, OFFS32)
     n_pre = tl.cdiv(num_prefix, BLOCK_N)
     n_gt = tl.cdiv(grid_h, NR)
-    g_step = NR * grid_w
     amp = alpha / scale  # the bias in units of q kᵀ (grid_scores scales it with the scores)
-    offs_b = tl.arange(0, BLOCK_N)
 
     # 1. row max m of y, the finite keys, and exact sums at two levels fixed by the first block's max
     # (the sums as partial sums per row: row_partial_sums)
@@ -435,8 +434,8 @@ def _fwd_entmax15_kernel(
         vis = tl.full([], 0, tl.int32)  # the tiles visited: the first one's row max fixes the levels
         if not EVEN_N:  # prefix keys
             for t in range(0, n_pre):
-                offs_n = t * BLOCK_N + offs_b
-                y = grid_scores(q, k_base, k_tile, t * BLOCK_N, offs_n, offs_n < num_prefix, offs_m, offs_d,
+                tok0, offs_n, ok = prefix_tile(t, num_prefix, BLOCK_N)
+                y = grid_scores(q, k_base, k_tile, tok0, offs_n, ok, offs_m, offs_d,
                                 n_q, n_k, head_d, scale, 0.5, masks, 0.0, 0.0, False, HAS_ADD, HAS_KEEP,
                                 F32_DOT, True, EVEN_M, EVEN_D, BLOCK_M, NR, TILE_W, False)  # fmt: skip
                 m, ref, k_lo, s1_lo, s2_lo, k_hi, s1_hi, s2_hi, count_p = _first_sums(
@@ -445,15 +444,12 @@ def _fwd_entmax15_kernel(
                 )  # fmt: skip
                 vis += 1
         for ch in tl.static_range(CH):
-            c, _t_c = col_factors(qc, cc, fc, ch * TILE_W * 1.0, TILE_W, False)
-            c = c * amp[:, None]
-            col_ok = (ch * TILE_W + col) < grid_w
+            c, col_ok = grid_chunk(qc, cc, fc, amp, col, ch, grid_w, TILE_W)
             a0 = 0.0
             for i in range(0, n_gt):
-                r, _t_r = row_factors(qr - a0, cr, fr, NR)
-                tok0 = num_prefix + ch * TILE_W + i * g_step
-                offs_n = tok0 + slot_off
-                y = grid_scores(q, k_base, kg_tile, tok0, offs_n, col_ok & (offs_n < n_k), offs_m, offs_d,
+                r, tok0, offs_n, ok = grid_tile(qr, cr, fr, a0, ch, i, slot_off, col_ok, num_prefix,
+                                                grid_w, n_k, TILE_W, NR)  # fmt: skip
+                y = grid_scores(q, k_base, kg_tile, tok0, offs_n, ok, offs_m, offs_d,
                                 n_q, n_k, head_d, scale, 0.5, masks, r, c, True, HAS_ADD, HAS_KEEP, F32_DOT,
                                 MASKED_G, EVEN_M, EVEN_D, BLOCK_M, NR, TILE_W, OFFS32)  # fmt: skip
                 m, ref, k_lo, s1_lo, s2_lo, k_hi, s1_hi, s2_hi, count_p = _first_sums(
@@ -516,9 +512,8 @@ def _fwd_entmax15_kernel(
         if GRID:
             if not EVEN_N:  # prefix keys
                 for t in range(0, n_pre):
-                    offs_n = t * BLOCK_N + offs_b
-                    ok = offs_n < num_prefix
-                    y = grid_scores(q, k_base, k_tile, t * BLOCK_N, offs_n, ok, offs_m, offs_d, n_q, n_k,
+                    tok0, offs_n, ok = prefix_tile(t, num_prefix, BLOCK_N)
+                    y = grid_scores(q, k_base, k_tile, tok0, offs_n, ok, offs_m, offs_d, n_q, n_k,
                                     head_d, scale, 0.5, masks, 0.0, 0.0, False, HAS_ADD, HAS_KEEP, F32_DOT,
                                     True, EVEN_M, EVEN_D, BLOCK_M, NR, TILE_W, False)  # fmt: skip
                     s0, s1, s2, near, live = _search_sums(y, m, tau, s0, s1, s2, near, offs_m, n_q, FOLD,
@@ -528,17 +523,13 @@ def _fwd_entmax15_kernel(
                     n_list += live.to(tl.int32)
             tl.store(list_row, n_list)
             for ch in tl.static_range(CH):
-                c, _t_c = col_factors(qc, cc, fc, ch * TILE_W * 1.0, TILE_W, False)
-                c = c * amp[:, None]
-                col_ok = (ch * TILE_W + col) < grid_w
+                c, col_ok = grid_chunk(qc, cc, fc, amp, col, ch, grid_w, TILE_W)
                 list_ch = list_pre + n_pre + ch * n_gt
                 n_list = tl.full([], 0, tl.int32)
                 a0 = 0.0
                 for i in range(0, n_gt):
-                    r, _t_r = row_factors(qr - a0, cr, fr, NR)
-                    tok0 = num_prefix + ch * TILE_W + i * g_step
-                    offs_n = tok0 + slot_off
-                    ok = col_ok & (offs_n < n_k)
+                    r, tok0, offs_n, ok = grid_tile(qr, cr, fr, a0, ch, i, slot_off, col_ok, num_prefix,
+                                                    grid_w, n_k, TILE_W, NR)  # fmt: skip
                     y = grid_scores(q, k_base, kg_tile, tok0, offs_n, ok, offs_m, offs_d, n_q, n_k, head_d,
                                     scale, 0.5, masks, r, c, True, HAS_ADD, HAS_KEEP, F32_DOT, MASKED_G,
                                     EVEN_M, EVEN_D, BLOCK_M, NR, TILE_W, OFFS32)  # fmt: skip
@@ -599,29 +590,25 @@ def _fwd_entmax15_kernel(
         if not EVEN_N:  # prefix keys
             for it in range(0, n_iter):
                 t = tl.load(list_pre + it)
-                offs_n = t * BLOCK_N + offs_b
-                ok = offs_n < num_prefix
+                tok0, offs_n, ok = prefix_tile(t, num_prefix, BLOCK_N)
                 _mark_live(live_base, cells_q, offs_n, ok, n_cells_q, n_cells_k, GRAIN, True, BLOCK_M,
                            BLOCK_N)  # fmt: skip
-                y = grid_scores(q, k_base, k_tile, t * BLOCK_N, offs_n, ok, offs_m, offs_d, n_q, n_k, head_d,
+                y = grid_scores(q, k_base, k_tile, tok0, offs_n, ok, offs_m, offs_d, n_q, n_k, head_d,
                                 scale, 0.5, masks, 0.0, 0.0, False, HAS_ADD, HAS_KEEP, F32_DOT, True, EVEN_M,
                                 EVEN_D, BLOCK_M, NR, TILE_W, False)  # fmt: skip
-                v = load_slots(v_base, t * BLOCK_N, v_tile, offs_n, ok, offs_dv, head_dv, True, EVEN_D, False)
+                v = load_slots(v_base, tok0, v_tile, offs_n, ok, offs_dv, head_dv, True, EVEN_D, False)
                 acc, acc_g, g_sum = _output_tile(y, v, m, tau_fin, acc, acc_g, g_sum, FOLD, STORE_OG, F32_DOT,
                                                  BLOCK_M, BLOCK_N, ROW_PARTS)  # fmt: skip
         vg_tile = tile_offsets(slot_off, offs_dv, s_vn, s_vd, OFFS32)
         for ch in tl.static_range(CH):
-            c, _t_c = col_factors(qc, cc, fc, ch * TILE_W * 1.0, TILE_W, False)
-            c = c * amp[:, None]
-            col_ok = (ch * TILE_W + col) < grid_w
+            c, col_ok = grid_chunk(qc, cc, fc, amp, col, ch, grid_w, TILE_W)
             list_ch = list_pre + n_pre + ch * n_gt
             n_iter = warp_uniform(tl.load(list_row + 1 + ch), UNIFORM)
             for it in range(0, n_iter):
                 i = tl.load(list_ch + it)
-                r, _t_r = row_factors(qr - small_int_to_float(i) * NR, cr, fr, NR)
-                tok0 = num_prefix + ch * TILE_W + i * g_step
-                offs_n = tok0 + slot_off
-                ok = col_ok & (offs_n < n_k)
+                row0 = small_int_to_float(i) * NR  # the listed tile's first grid row
+                r, tok0, offs_n, ok = grid_tile(qr, cr, fr, row0, ch, i, slot_off, col_ok, num_prefix,
+                                                grid_w, n_k, TILE_W, NR)  # fmt: skip
                 _mark_live(live_base, cells_q, offs_n, ok, n_cells_q, n_cells_k, GRAIN, MASKED_G, BLOCK_M,
                            BLOCK_N)  # fmt: skip
                 y = grid_scores(q, k_base, kg_tile, tok0, offs_n, ok, offs_m, offs_d, n_q, n_k, head_d, scale,

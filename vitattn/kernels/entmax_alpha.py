@@ -40,18 +40,19 @@ from ._common import (
     _offset,
     _program,
     _store_tile,
-    col_factors,
     key_slots,
     load_tile_at,
-    row_factors,
     threshold_excess,
     tile_offsets,
 )
 from ._tiles import (
     coords_jump,
+    grid_chunk,
     grid_scores,
+    grid_tile,
     listed_scores,
     load_slots,
+    prefix_tile,
     tile_index,
     tile_list,
     window_rows,
@@ -252,11 +253,10 @@ def _fwd_entmax_alpha_kernel(
     vg_tile = tile_offsets(slot_off, offs_dv, s_vn, s_vd, OFFS32)
     n_pre = tl.cdiv(num_prefix, BLOCK_N)
     n_gt = tl.cdiv(grid_h, NR)
-    g_step = NR * grid_w
-    # grid_scores adds the bias after the scale (SCALED_BIAS), in the order of the backward's scores: the
-    # same instruction count here (the scale's multiply is not fused: a multiply-add with a follows), and a
-    # key at a support's edge rounds as in the backward (dα of alpha = 2 rows, where g = 1 on the support)
-    offs_b = tl.arange(0, BLOCK_N)
+    # the column factors carry alpha itself: grid_scores adds the bias after the scale (SCALED_BIAS), in the
+    # order of the backward's scores, at the same instruction count (the scale's multiply is not fused here:
+    # a multiply-add with a follows), so a key at a support's edge rounds as in the backward (dα of alpha = 2
+    # rows, where g = 1 on the support)
 
     # 1. the row max m (natural units) and the finite keys
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -264,21 +264,17 @@ def _fwd_entmax_alpha_kernel(
     if GRID:
         if not EVEN_N:  # prefix keys
             for t in range(0, n_pre):
-                offs_n = t * BLOCK_N + offs_b
-                z = grid_scores(q, k_base, k_tile, t * BLOCK_N, offs_n, offs_n < num_prefix, offs_m, offs_d,
+                tok0, offs_n, ok = prefix_tile(t, num_prefix, BLOCK_N)
+                z = grid_scores(q, k_base, k_tile, tok0, offs_n, ok, offs_m, offs_d,
                                 n_q, n_k, head_d, scale, 1.0, masks, 0.0, 0.0, False, HAS_ADD, HAS_KEEP,
                                 F32_DOT, True, EVEN_M, EVEN_D, BLOCK_M, NR, TILE_W, False)  # fmt: skip
                 m, count = _alpha_max(z, m, count, masked)
         for ch in tl.static_range(CH):
-            c, _t_c = col_factors(qc, cc, fc, ch * TILE_W * 1.0, TILE_W, False)
-            c = c * alpha[:, None]
-            col_ok = (ch * TILE_W + col) < grid_w
+            c, col_ok = grid_chunk(qc, cc, fc, alpha, col, ch, grid_w, TILE_W)
             a0 = 0.0
             for i in range(0, n_gt):
-                r, _t_r = row_factors(qr - a0, cr, fr, NR)
-                tok0 = num_prefix + ch * TILE_W + i * g_step
-                offs_n = tok0 + slot_off
-                ok = col_ok & (offs_n < n_k)
+                r, tok0, offs_n, ok = grid_tile(qr, cr, fr, a0, ch, i, slot_off, col_ok, num_prefix,
+                                                grid_w, n_k, TILE_W, NR)  # fmt: skip
                 z = grid_scores(q, k_base, kg_tile, tok0, offs_n, ok, offs_m, offs_d, n_q, n_k, head_d, scale,
                                 1.0, masks, r, c, True, HAS_ADD, HAS_KEEP, F32_DOT, MASKED_G, EVEN_M, EVEN_D,
                                 BLOCK_M, NR, TILE_W, OFFS32, True)  # fmt: skip
@@ -320,22 +316,17 @@ def _fwd_entmax_alpha_kernel(
         if GRID:
             if not EVEN_N:  # prefix keys
                 for t in range(0, n_pre):
-                    offs_n = t * BLOCK_N + offs_b
-                    ok = offs_n < num_prefix
-                    z = grid_scores(q, k_base, k_tile, t * BLOCK_N, offs_n, ok, offs_m, offs_d, n_q, n_k,
+                    tok0, offs_n, ok = prefix_tile(t, num_prefix, BLOCK_N)
+                    z = grid_scores(q, k_base, k_tile, tok0, offs_n, ok, offs_m, offs_d, n_q, n_k,
                                     head_d, scale, 1.0, masks, 0.0, 0.0, False, HAS_ADD, HAS_KEEP, F32_DOT,
                                     True, EVEN_M, EVEN_D, BLOCK_M, NR, TILE_W, False)  # fmt: skip
                     s_p, s_g = _alpha_sums(z, m, a, beta, tau, s_p, s_g, FOLD)
             for ch in tl.static_range(CH):
-                c, _t_c = col_factors(qc, cc, fc, ch * TILE_W * 1.0, TILE_W, False)
-                c = c * alpha[:, None]
-                col_ok = (ch * TILE_W + col) < grid_w
+                c, col_ok = grid_chunk(qc, cc, fc, alpha, col, ch, grid_w, TILE_W)
                 a0 = 0.0
                 for i in range(0, n_gt):
-                    r, _t_r = row_factors(qr - a0, cr, fr, NR)
-                    tok0 = num_prefix + ch * TILE_W + i * g_step
-                    offs_n = tok0 + slot_off
-                    ok = col_ok & (offs_n < n_k)
+                    r, tok0, offs_n, ok = grid_tile(qr, cr, fr, a0, ch, i, slot_off, col_ok, num_prefix,
+                                                    grid_w, n_k, TILE_W, NR)  # fmt: skip
                     z = grid_scores(q, k_base, kg_tile, tok0, offs_n, ok, offs_m, offs_d, n_q, n_k, head_d,
                                     scale, 1.0, masks, r, c, True, HAS_ADD, HAS_KEEP, F32_DOT, MASKED_G,
                                     EVEN_M, EVEN_D, BLOCK_M, NR, TILE_W, OFFS32, True)  # fmt: skip
@@ -378,24 +369,19 @@ def _fwd_entmax_alpha_kernel(
     if GRID:
         if not EVEN_N:  # prefix keys
             for t in range(0, n_pre):
-                offs_n = t * BLOCK_N + offs_b
-                ok = offs_n < num_prefix
-                z = grid_scores(q, k_base, k_tile, t * BLOCK_N, offs_n, ok, offs_m, offs_d, n_q, n_k, head_d,
+                tok0, offs_n, ok = prefix_tile(t, num_prefix, BLOCK_N)
+                z = grid_scores(q, k_base, k_tile, tok0, offs_n, ok, offs_m, offs_d, n_q, n_k, head_d,
                                 scale, 1.0, masks, 0.0, 0.0, False, HAS_ADD, HAS_KEEP, F32_DOT, True, EVEN_M,
                                 EVEN_D, BLOCK_M, NR, TILE_W, False)  # fmt: skip
-                v = load_slots(v_base, t * BLOCK_N, v_tile, offs_n, ok, offs_dv, head_dv, True, EVEN_D, False)
+                v = load_slots(v_base, tok0, v_tile, offs_n, ok, offs_dv, head_dv, True, EVEN_D, False)
                 acc, acc_g, p_sum, g_sum = _alpha_output(z, v, m, a, beta, tau, acc, acc_g, p_sum, g_sum,
                                                          FOLD, STORE_OG, F32_DOT)  # fmt: skip
         for ch in tl.static_range(CH):
-            c, _t_c = col_factors(qc, cc, fc, ch * TILE_W * 1.0, TILE_W, False)
-            c = c * alpha[:, None]
-            col_ok = (ch * TILE_W + col) < grid_w
+            c, col_ok = grid_chunk(qc, cc, fc, alpha, col, ch, grid_w, TILE_W)
             a0 = 0.0
             for i in range(0, n_gt):
-                r, _t_r = row_factors(qr - a0, cr, fr, NR)
-                tok0 = num_prefix + ch * TILE_W + i * g_step
-                offs_n = tok0 + slot_off
-                ok = col_ok & (offs_n < n_k)
+                r, tok0, offs_n, ok = grid_tile(qr, cr, fr, a0, ch, i, slot_off, col_ok, num_prefix,
+                                                grid_w, n_k, TILE_W, NR)  # fmt: skip
                 z = grid_scores(q, k_base, kg_tile, tok0, offs_n, ok, offs_m, offs_d, n_q, n_k, head_d, scale,
                                 1.0, masks, r, c, True, HAS_ADD, HAS_KEEP, F32_DOT, MASKED_G, EVEN_M, EVEN_D,
                                 BLOCK_M, NR, TILE_W, OFFS32, True)  # fmt: skip
