@@ -131,11 +131,7 @@ class Build:
             # grid-aligned key tiles: each pass a key loop per chunk (unrolled) and a prefix loop where
             # there is more than one prefix token; entmax-1.5's output pass iterates the prefix tiles'
             # list (a loop) wherever there are prefix keys
-            call = EVEN_CALL if self.even else RAGGED_CALL
-            gwp = max(16, 1 << (int(call["grid"][1]) - 1).bit_length())
-            cfg = self.config
-            chunks = gwp // configs.grid_tile_w(gwp, cfg.block_m, cfg.block_n, self.kernel)
-            prefix = int(call["prefix"])
+            chunks, prefix = self.grid_chunks()
             scan = [1] * (chunks + (1 if prefix > 1 else 0))
             listed = self.normalizer == "entmax15" and prefix > 0
             return scan + scan + [3] * (chunks + (1 if prefix > 1 or listed else 0))
@@ -148,13 +144,18 @@ class Build:
             call = EVEN_CALL if self.even else RAGGED_CALL
             loops = 1 + (1 if int(call["prefix"]) > 1 else 0)
         elif self.bias == "gaussian" and self.pass_ == "fwd" and not self.lists:
-            call = EVEN_CALL if self.even else RAGGED_CALL
-            gwp = max(16, 1 << (int(call["grid"][1]) - 1).bit_length())
             # a single prefix token is specialized to a constant by the JIT: its "loop" is straight code
-            cfg = self.config
-            tile_w = configs.grid_tile_w(gwp, cfg.block_m, cfg.block_n, self.kernel)
-            loops = gwp // tile_w + (1 if int(call["prefix"]) > 1 else 0)
+            chunks, prefix = self.grid_chunks()
+            loops = chunks + (1 if prefix > 1 else 0)
         return [per] * loops
+
+    def grid_chunks(self) -> tuple[int, int]:
+        """``(CH, P)`` of the compiled call's grid-aligned key tiles: the chunks of grid columns (the padded
+        grid width, a power of two >= 16, over ``configs.grid_tile_w``) and the prefix tokens."""
+        call = EVEN_CALL if self.even else RAGGED_CALL
+        gwp = max(16, 1 << (int(call["grid"][1]) - 1).bit_length())
+        cfg = self.config
+        return gwp // configs.grid_tile_w(gwp, cfg.block_m, cfg.block_n, self.kernel), int(call["prefix"])
 
     @property
     def call_head_dim(self) -> int:
