@@ -5,7 +5,8 @@ flag is set). Tiles are 32 x 32 here (``configs.INTERPRET``), in the forward and
 
 The visits are counted by wrapping the kernels' helpers: the forward's output pass is the only caller of
 ``entmax15._dot`` (``p V`` and ``g V``: two per visited tile when a gradient is needed), and each visited
-tile of the dK/dV and dQ kernels calls ``backward._score_tile`` once. The live tiles come from the
+tile of the list kernels' dK/dV and dQ calls ``backward_lists._score_tile`` once (with a Gaussian bias the
+grid-aligned kernels' ``backward._dkdv_tile`` and ``backward._dq_tile``). The live tiles come from the
 reference backend's weights (``return_weights=True``): a tile is live when one of its weights is > 0.
 """
 
@@ -66,27 +67,33 @@ def _count(monkeypatch, module, name: str) -> list[int]:
 
 
 def _visits(monkeypatch, q, k, v, **kw):
-    """``(out, grads, forward output-pass tiles, backward tiles)`` of a triton call with gradients."""
+    """``(out, grads, forward output-pass tiles, backward tiles)`` of a triton call with gradients; the
+    backward's as ``(list kernels' dK/dV + dQ, grid-aligned dK/dV, grid-aligned dQ)``."""
     ops.kernels()
     fwd = _count(monkeypatch, importlib.import_module("vitattn.kernels.entmax15"), "_dot")
     bwd = _count(monkeypatch, importlib.import_module("vitattn.kernels.backward_lists"), "_score_tile")
+    grid_module = importlib.import_module("vitattn.kernels.backward")
+    grid_kv, grid_q = (_count(monkeypatch, grid_module, name) for name in ("_dkdv_tile", "_dq_tile"))
     leaves = [t.float().requires_grad_() for t in (q, k, v)]
     out = attention(*leaves, normalizer="entmax15", backend="triton", **kw)
     grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
     monkeypatch.undo()
-    return out, grads, len(fwd) // 2, len(bwd)
+    return out, grads, len(fwd) // 2, (len(bwd), len(grid_kv), len(grid_q))
 
 
-def grid_tile_ids(n: int, prefix: int, grid: tuple[int, int]) -> torch.Tensor:
-    """Per key token, the grid-aligned key tile the Gaussian entmax-1.5 forward visits it in (``_common``,
-    "grid-aligned key tiles"): the prefix tokens' tiles of ``TILE`` tokens first, then per chunk of
-    ``TILE_W`` grid columns its tiles of ``TILE // TILE_W`` whole grid rows."""
+def grid_tile_ids(n: int, prefix: int, grid: tuple[int, int], kernel: str = "fwd_entmax15") -> torch.Tensor:
+    """Per key token, the grid-aligned key tile ``kernel`` visits it in (``_common``, "grid-aligned key
+    tiles"): the prefix tokens' tiles of ``TILE`` tokens first, then the tiles of ``TILE // TILE_W`` whole
+    grid rows of each chunk of ``TILE_W`` grid columns (chunk by chunk; dK/dV's programs: row by row)."""
     gh, gw = grid
-    tile_w = configs.grid_tile_w(ops.grid_pad(gw), TILE, TILE, "fwd_entmax15")
+    tile_w = configs.grid_tile_w(ops.grid_pad(gw), TILE, TILE, kernel)
     rows = TILE // tile_w
     n_pre, n_tiles = -(-prefix // TILE), -(-gh // rows)
+    n_chunks = ops.grid_pad(gw) // tile_w
     patch = torch.arange(n - prefix)
-    ids = n_pre + (patch % gw // tile_w) * n_tiles + patch // gw // rows
+    chunk, row_tile = patch % gw // tile_w, patch // gw // rows
+    by_rows = kernel.startswith("bwd_dkdv")
+    ids = n_pre + (row_tile * n_chunks + chunk if by_rows else chunk * n_tiles + row_tile)
     return torch.cat([torch.arange(prefix) // TILE, ids])
 
 
@@ -101,25 +108,47 @@ def grid_live_keys(probs: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor
     return per_tile[..., ids], per_tile
 
 
-def _check(monkeypatch, q, k, v, grid_ids: torch.Tensor | None = None, **kw) -> float:
+def marked_tiles(keys: torch.Tensor, ids: torch.Tensor, prefix: int, grid_w: int) -> torch.Tensor:
+    """``(B, H, query tiles, tiles)`` bool: the tiles (``ids`` per key) holding a key whose cell of the
+    live map the forward marked, ``keys`` the keys of its live grid tiles. The map's key axis: the prefix
+    tokens, then from the next cell of :func:`ops.live_grain` keys the grid padded to ``GWP`` columns."""
+    grain = ops.live_grain()
+    gwp = ops.grid_pad(grid_w)
+    token = torch.arange(keys.shape[-1])
+    patch = token - prefix
+    first = -(-prefix // grain) * grain
+    place = torch.where(patch < 0, token, first + patch // grid_w * gwp + patch % grid_w)
+    cell = torch.nn.functional.one_hot(place // grain).double()  # (keys, cells)
+    marked_cells = keys.double() @ cell > 0
+    return marked_cells.double() @ cell.T @ torch.nn.functional.one_hot(ids).double() > 0
+
+
+def _check(monkeypatch, q, k, v, layout: tuple[int, tuple[int, int]] | None = None, **kw) -> float:
     """Visited == live in every pass, values and gradients equal the reference; returns the live fraction.
-    With ``grid_ids`` (the forward's grid-aligned key tiles, :func:`grid_tile_ids`) the forward visits the
-    live grid tiles and the backward the tiles holding a key of one."""
-    out, grads, fwd_tiles, bwd_tiles = _visits(monkeypatch, q, k, v, **kw)
+    With a Gaussian bias on ``layout`` (prefix tokens, grid) the forward visits the live grid-aligned key
+    tiles (:func:`grid_tile_ids`) and the backward's grid-aligned kernels the tiles of their own holding a
+    key in a cell of the live map the forward marked (:func:`marked_tiles`), a superset of the live ones
+    (here, with 32-key tiles of 16 or 32 grid columns and 16-key cells, the live ones)."""
+    out, grads, fwd_tiles, (bwd_tiles, kv_tiles, q_tiles) = _visits(monkeypatch, q, k, v, **kw)
     ref_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     ref, probs = attention(*ref_leaves, normalizer="entmax15", backend="reference", return_weights=True, **kw)
     want = torch.autograd.grad(ref, ref_leaves, torch.ones_like(ref))
     live = live_tiles(probs)
-    fwd_live = bwd_live = int(live.sum())
-    if grid_ids is not None:
-        keys, per_tile = grid_live_keys(probs, grid_ids)
-        fwd_live = int(per_tile.sum())
-        n_k = keys.shape[-1]
-        t_k = -(-n_k // TILE)
-        padded = torch.nn.functional.pad(keys, (0, t_k * TILE - n_k))
-        bwd_live = int(padded.unflatten(3, (t_k, TILE)).any(4).sum())  # the token tiles meeting a live one
-    assert fwd_tiles == fwd_live, (fwd_tiles, fwd_live)
-    assert bwd_tiles == 2 * bwd_live, (bwd_tiles, bwd_live)  # dK/dV and dQ
+    if layout is None:
+        assert fwd_tiles == int(live.sum()), (fwd_tiles, int(live.sum()))
+        assert bwd_tiles == 2 * int(live.sum()), (bwd_tiles, int(live.sum()))  # dK/dV and dQ
+        assert kv_tiles == q_tiles == 0
+    else:
+        prefix, grid = layout
+        keys, per_tile = grid_live_keys(probs, grid_tile_ids(q.shape[2], prefix, grid))
+        assert fwd_tiles == int(per_tile.sum()), (fwd_tiles, int(per_tile.sum()))
+        assert bwd_tiles == 0
+        for kernel, visited in (("bwd_dkdv_entmax15", kv_tiles), ("bwd_dq", q_tiles)):
+            ids = grid_tile_ids(q.shape[2], prefix, grid, kernel)
+            needed = grid_live_keys(probs, ids)[1]
+            marked = marked_tiles(keys, ids, prefix, grid[1])
+            assert not (needed & ~marked).any()
+            assert visited == int(marked.sum()), (kernel, visited, int(marked.sum()), int(needed.sum()))
     torch.testing.assert_close(out.double(), ref, atol=2e-5 * ref.abs().max().item(), rtol=0)
     for a, w in zip(grads, want, strict=True):
         torch.testing.assert_close(a.double(), w, atol=4e-5 * w.abs().max().item(), rtol=0)
@@ -142,8 +171,9 @@ def test_gaussian_bias_with_a_prefix_visits_the_live_tiles_only(monkeypatch):
     g = torch.Generator().manual_seed(3)
     sigma = torch.exp(torch.randn(1, 2, 144, 2, generator=g, dtype=torch.float64) * 0.3) * 0.5
     alpha = torch.full((1, 2, 144, 1), 8.0, dtype=torch.float64)
-    ids = grid_tile_ids(q.shape[2], 1, (12, 12))
-    fraction = _check(monkeypatch, q, k, v, grid_ids=ids, bias=GaussianBias(sigma, alpha, (12, 12), 1))
+    fraction = _check(
+        monkeypatch, q, k, v, layout=(1, (12, 12)), bias=GaussianBias(sigma, alpha, (12, 12), 1)
+    )
     assert fraction < 0.9
 
 

@@ -78,7 +78,7 @@ def test_report_covers_every_pickable_build(report):
             built = {tuple(r[f] for f in fields) for r in mine}
             variants = itertools.product((False, True), aot.NORMALIZERS, aot.BIAS_KINDS, aot.PASSES)
             for window, normalizer, bias, pass_ in variants:
-                kernel = aot.kernel_name(normalizer, pass_, window)
+                kernel = aot.kernel_name(normalizer, pass_, window, bias)
                 traits = configs.bias_traits(normalizer, bias, window, ragged=ragged)
                 tiles = configs.autotune_list(kernel, 16, traits, arch=arch)
                 for c in tiles:

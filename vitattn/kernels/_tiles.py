@@ -42,10 +42,29 @@ def tile_list(
     the count marked warp-uniform with ``UNIFORM``: :func:`warp_uniform`), else every tile of ``n_inner``
     rows or keys."""
     if SPARSE:
-        slot = (n_programs * bh + tl.program_id(0)).to(tl.int64)
-        return warp_uniform(tl.load(CNT + slot), UNIFORM), LIST + slot * n_list_cols
+        return listed(LIST, CNT, n_list_cols, n_programs * bh + tl.program_id(0), UNIFORM)
     else:
         return tl.cdiv(n_inner, BLOCK), LIST
+
+
+@triton.jit
+def listed(LIST, CNT, n_list_cols, slot, UNIFORM: tl.constexpr = False):
+    """``(count, row)`` of list ``slot``: ``CNT[slot]`` tiles listed in ``LIST[slot, :]`` (int32
+    ``(lists, n_list_cols)``), the count marked warp-uniform with ``UNIFORM``."""
+    slot = slot.to(tl.int64)
+    return warp_uniform(tl.load(CNT + slot), UNIFORM), LIST + slot * n_list_cols
+
+
+@triton.jit
+def listed_with_last(LIST, CNT, n_list_cols, slot, last, UNIFORM: tl.constexpr = False):
+    """``(count, row, has_last)``: list ``slot`` as :func:`listed` without its tile ``last`` (the largest
+    index a list may hold: a partial tile the loop visits apart, with bound masks) and whether it was
+    listed (a list is in increasing order)."""
+    slot = slot.to(tl.int64)
+    row = LIST + slot * n_list_cols
+    count = tl.load(CNT + slot)
+    has_last = (count > 0) & (tl.load(row + tl.maximum(count - 1, 0)) == last)
+    return warp_uniform(count - has_last.to(tl.int32), UNIFORM), row, has_last
 
 
 @triton.jit

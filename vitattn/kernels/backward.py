@@ -24,6 +24,12 @@ grid column, ``W = sum_rows R dZ`` and ``W2 = sum_rows t_row R dZ``: two multipl
 reductions over the columns once per chunk). No loop branches on data: every tile's loads are
 unconditional. Atomics only for a broadcast additive mask, after reducing the tile over the broadcast
 rows or columns.
+
+Besides softmax, entmax-1.5 with a Gaussian bias and no window runs here (``ENTMAX``; the other entmax
+backwards are :mod:`.backward_lists`), over its live tiles only (``SPARSE``): lists built from the
+forward's live-tile map for these kernels' own grid-aligned tiles (``ops.grid_tile_lists``), per key block
+its query tiles (dK/dV) and per query block its prefix tiles and, per chunk of grid columns, its tiles of
+grid rows (dQ; a partial last tile, when listed, visited apart with its bound masks as without lists).
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from ._common import (
     tile_offsets,
     tile_ptrs_at,
 )
+from ._tiles import listed, listed_with_last, small_int_to_float, tile_index, tile_list
 
 
 @triton.jit
@@ -137,6 +144,73 @@ def _bwd_factors_kernel(
 
 
 @triton.jit
+def _dkdv_tile(
+    dk,
+    dv,
+    q_ld,
+    do_ld,
+    r_ld,
+    c_ld,
+    offs_m,
+    k,
+    v,
+    offs_n,
+    offs_d,
+    offs_dv,
+    n_q,
+    n_k,
+    head_d,
+    head_dv,
+    scale,
+    su,
+    STAT,
+    DELTA,
+    row,
+    add_base,
+    s_am,
+    s_an,
+    keep_base,
+    s_mm,
+    s_mn,
+    ENTMAX: tl.constexpr,
+    GAUSS: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    WHOLE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    NR: tl.constexpr,
+    TILE_W: tl.constexpr,
+):
+    """One query tile (rows ``offs_m``; its Q, dO and, with ``GAUSS``, factor pointers ``*_ld``) of the
+    key block ``k``, ``v``: ``(dk, dv)`` updated."""
+    if EVEN_M and EVEN_D:
+        q = tl.load(q_ld)
+        do = tl.load(do_ld)
+    elif EVEN_M:
+        q = tl.load(q_ld, mask=(offs_d < head_d)[None, :], other=0.0)
+        do = tl.load(do_ld, mask=(offs_dv < head_dv)[None, :], other=0.0)
+    else:
+        q = tl.load(q_ld, mask=(offs_m < n_q)[:, None] & (offs_d < head_d)[None, :], other=0.0)
+        do = tl.load(do_ld, mask=(offs_m < n_q)[:, None] & (offs_dv < head_dv)[None, :], other=0.0)
+    stat, delta = _row_stats(STAT, DELTA, row, offs_m, n_q, EVEN_M)
+    s_t = _qk_tile(
+        k, q, offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+        HAS_ADD, HAS_KEEP, F32_DOT, True, EVEN_M, WHOLE,
+    )  # fmt: skip
+    if GAUSS:
+        s_t = add_outer(s_t, tl.load(r_ld), tl.load(c_ld), BLOCK_M, NR, TILE_W, True)
+    p_t, g_t = _probs(s_t * su, stat, ENTMAX, True)
+    dv += _dot(p_t.to(do.dtype), do, F32_DOT)
+    dp_t = _dot(v, tl.trans(do), F32_DOT)
+    ds_t = g_t * (dp_t - delta[None, :])
+    dk += _dot(ds_t.to(q.dtype), q, F32_DOT)
+    return dk, dv
+
+
+@triton.jit
 def _bwd_dkdv_kernel(
     Q,
     K,
@@ -189,6 +263,9 @@ def _bwd_dkdv_kernel(
     clamp,
     n_qp,
     n_fr,
+    LIST,
+    CNT,
+    n_list_cols,
     ENTMAX: tl.constexpr,
     GAUSS: tl.constexpr,
     HAS_ADD: tl.constexpr,
@@ -205,6 +282,8 @@ def _bwd_dkdv_kernel(
     PAD_W: tl.constexpr,
     GRID_TW: tl.constexpr = 16,
     OFFS32: tl.constexpr = False,
+    SPARSE: tl.constexpr = False,
+    UNIFORM: tl.constexpr = False,
 ):
     """``DK``, ``DV`` (contiguous, like K and V) for one block of keys. DO contiguous ``(B, H, Nq, Dv)``.
 
@@ -214,7 +293,9 @@ def _bwd_dkdv_kernel(
     one chunk of ``TILE_W`` columns) and each query tile's factors are loaded from ``FACT``
     (:func:`_bwd_factors_kernel`, ``n_fr`` rows of ``n_qp`` queries). Keys outside the grid or past
     ``Nk`` load zeros and are never stored: their scores need no mask (each key's gradient reads only
-    its own scores). ``GWP``, ``PAD_W``, ``GRID_TW``, ``EVEN_N`` as in the softmax forward.
+    its own scores). ``GWP``, ``PAD_W``, ``GRID_TW``, ``EVEN_N`` as in the softmax forward. ``SPARSE``:
+    only the query tiles listed in ``LIST`` (int32 ``(B * H, key blocks, n_list_cols)``, ``CNT`` of them,
+    ``ops.grid_tile_lists``); ``UNIFORM``: the count marked warp-uniform (``_common.warp_uniform``).
     """
     WHOLE: tl.constexpr = EVEN_N and not PAD_W  # every key of every block is valid
     bh, b, h = _program(n_heads)
@@ -287,42 +368,47 @@ def _bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    for start_m in range(0, n_q, BLOCK_M):
-        offs_m = start_m + offs_mb
-        q_ld = tile_ptrs_at(q_at, q_tile, q_ptrs, OFFS32)
-        do_ld = tile_ptrs_at(do_at, do_tile, do_ptrs, OFFS32)
-        if EVEN_M and EVEN_D:
-            q = tl.load(q_ld)
-            do = tl.load(do_ld)
-        elif EVEN_M:
-            q = tl.load(q_ld, mask=(offs_d < head_d)[None, :], other=0.0)
-            do = tl.load(do_ld, mask=(offs_dv < head_dv)[None, :], other=0.0)
-        else:
-            q = tl.load(q_ld, mask=(offs_m < n_q)[:, None] & (offs_d < head_d)[None, :], other=0.0)
-            do = tl.load(do_ld, mask=(offs_m < n_q)[:, None] & (offs_dv < head_dv)[None, :], other=0.0)
-        stat, delta = _row_stats(STAT, DELTA, row, offs_m, n_q, EVEN_M)
-        s_t = _qk_tile(
-            k, q, offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_mm, s_mn,
-            HAS_ADD, HAS_KEEP, F32_DOT, True, EVEN_M, WHOLE,
-        )  # fmt: skip
-        if GAUSS:
-            r_f = tl.load(tile_ptrs_at(fact + start_m, r_tile, r_ptrs, OFFS32))
-            c_f = tl.load(tile_ptrs_at(fact + start_m, c_tile, c_ptrs, OFFS32))
-            if not OFFS32:
-                r_ptrs += BLOCK_M
-                c_ptrs += BLOCK_M
-            s_t = add_outer(s_t, r_f, c_f, BLOCK_M, NR, TILE_W, True)
-        p_t, g_t = _probs(s_t * su, stat, ENTMAX, True)
-        dv += _dot(p_t.to(do.dtype), do, F32_DOT)
-        dp_t = _dot(v, tl.trans(do), F32_DOT)
-        ds_t = g_t * (dp_t - delta[None, :])
-        dk += _dot(ds_t.to(q.dtype), q, F32_DOT)
-        if OFFS32:
-            q_at += q_step
-            do_at += do_step
-        else:
-            q_ptrs += q_step
-            do_ptrs += do_step
+    if SPARSE:  # entmax-1.5: the query tiles listed for this key block (ops.grid_tile_lists)
+        n_iter, list_row = tile_list(
+            LIST, CNT, n_list_cols, bh, tl.num_programs(0), n_q, BLOCK_M, True, UNIFORM
+        )
+        for it in range(0, n_iter):
+            start_m = tl.load(list_row + it) * BLOCK_M
+            q_off = tl.cast(start_m, tl.int64) * s_qm
+            do_off = tl.cast(start_m, tl.int64) * head_dv
+            q_ld = tile_ptrs_at(q_at + q_off, q_tile, q_ptrs + q_off, OFFS32)
+            do_ld = tile_ptrs_at(do_at + do_off, do_tile, do_ptrs + do_off, OFFS32)
+            r_ld, c_ld = 0, 0
+            if GAUSS:
+                r_ld = tile_ptrs_at(fact + start_m, r_tile, r_ptrs + start_m, OFFS32)
+                c_ld = tile_ptrs_at(fact + start_m, c_tile, c_ptrs + start_m, OFFS32)
+            dk, dv = _dkdv_tile(
+                dk, dv, q_ld, do_ld, r_ld, c_ld, start_m + offs_mb, k, v, offs_n, offs_d, offs_dv, n_q, n_k,
+                head_d, head_dv, scale, su, STAT, DELTA, row, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+                ENTMAX, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, EVEN_M, EVEN_D, WHOLE, BLOCK_M, NR, TILE_W,
+            )  # fmt: skip
+    else:
+        for start_m in range(0, n_q, BLOCK_M):
+            q_ld = tile_ptrs_at(q_at, q_tile, q_ptrs, OFFS32)
+            do_ld = tile_ptrs_at(do_at, do_tile, do_ptrs, OFFS32)
+            r_ld, c_ld = 0, 0
+            if GAUSS:
+                r_ld = tile_ptrs_at(fact + start_m, r_tile, r_ptrs, OFFS32)
+                c_ld = tile_ptrs_at(fact + start_m, c_tile, c_ptrs, OFFS32)
+                if not OFFS32:
+                    r_ptrs += BLOCK_M
+                    c_ptrs += BLOCK_M
+            dk, dv = _dkdv_tile(
+                dk, dv, q_ld, do_ld, r_ld, c_ld, start_m + offs_mb, k, v, offs_n, offs_d, offs_dv, n_q, n_k,
+                head_d, head_dv, scale, su, STAT, DELTA, row, add_base, s_am, s_an, keep_base, s_mm, s_mn,
+                ENTMAX, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, EVEN_M, EVEN_D, WHOLE, BLOCK_M, NR, TILE_W,
+            )  # fmt: skip
+            if OFFS32:
+                q_at += q_step
+                do_at += do_step
+            else:
+                q_ptrs += q_step
+                do_ptrs += do_step
 
     out_row = bh.to(tl.int64) * n_k
     dk_ptrs = _tile_ptrs(DK + out_row * head_d, offs_n, offs_d, head_d, 1)
@@ -496,6 +582,25 @@ def _dq_tile(
 
 
 @triton.jit
+def _grid_tile_at(
+    tile, key0, step, slot_off, offs_d, offs_dv, k_base, v_base, s_kn, s_kd, s_vn, s_vd, k_ptrs, v_ptrs,
+    NR: tl.constexpr, OFFS32: tl.constexpr,
+):  # fmt: skip
+    """Where dQ's ``tile``-th tile of grid rows of a chunk (first key ``key0``, ``step`` keys per tile)
+    lies: ``(a0, offs_n, k_at, v_at, k_ptrs, v_ptrs)``, its first grid row (float), its key slots and its K
+    / V scalar pointers (``OFFS32``; ``k_ptrs``, ``v_ptrs`` returned as they are) or pointer tiles, as the
+    dense loop carries them."""
+    first = key0 + tile * step
+    k_at = k_base + tl.cast(first, tl.int64) * s_kn
+    v_at = v_base + tl.cast(first, tl.int64) * s_vn
+    offs_n = first + slot_off
+    if not OFFS32:
+        k_ptrs = _tile_ptrs(k_base, offs_n, offs_d, s_kn, s_kd)
+        v_ptrs = _tile_ptrs(v_base, offs_n, offs_dv, s_vn, s_vd)
+    return small_int_to_float(tile * NR), offs_n, k_at, v_at, k_ptrs, v_ptrs
+
+
+@triton.jit
 def _bwd_dq_kernel(
     Q,
     K,
@@ -551,6 +656,9 @@ def _bwd_dq_kernel(
     num_prefix,
     grid_w,
     clamp,
+    LIST,
+    CNT,
+    n_list_cols,
     ENTMAX: tl.constexpr,
     GAUSS: tl.constexpr,
     HAS_ADD: tl.constexpr,
@@ -572,6 +680,8 @@ def _bwd_dq_kernel(
     GRID_TW: tl.constexpr = 16,
     OFFS32: tl.constexpr = False,
     ROW_PAIR: tl.constexpr = True,
+    SPARSE: tl.constexpr = False,
+    UNIFORM: tl.constexpr = False,
 ):
     """``DQ`` (contiguous like Q) for one block of queries, plus the bias gradients.
 
@@ -581,7 +691,9 @@ def _bwd_dq_kernel(
     ``(B, H, Np, 2)`` and DALPHA contiguous float32 ``(B, H, Np)``. The keys are visited as in the
     softmax forward (``GWP``, ``PAD_W``, ``GRID_TW``, ``EVEN_N`` as there), its K / V tiles through
     pointers (on sm_90 TMA descriptors cost more instructions here than they save: the loads are not its
-    registers' problem).
+    registers' problem). ``SPARSE``: only the key tiles listed in ``LIST`` (int32 ``(B * H, query blocks *
+    (CH + 1), n_list_cols)``, ``CNT`` per list: the prefix tiles, then each chunk's tiles of grid rows,
+    ``ops.grid_tile_lists``); ``UNIFORM`` as in dK/dV.
     """
     bh, b, h = _program(n_heads)
     offs_m = _block_offsets(BLOCK_M)
@@ -643,9 +755,15 @@ def _bwd_dq_kernel(
     g_alpha = tl.zeros([BLOCK_M], tl.float32)
     g_row = tl.zeros([BLOCK_M], tl.float32)
     g_col = tl.zeros([BLOCK_M], tl.float32)
+    # with SPARSE (entmax-1.5) the tiles of ops.grid_tile_lists: per query block a list of the prefix
+    # tiles, then one per chunk of its tiles of grid rows
+    lists = (bh * tl.num_programs(0) + tl.program_id(0)) * (CH + 1)
     if GAUSS and not EVEN_N:  # the prefix keys: tiles of their own, no bias
-        for t0 in range(0, num_prefix, BLOCK_N):
-            offs_n = t0 + tl.arange(0, BLOCK_N)
+        n_pre_it, pre_row = tl.cdiv(num_prefix, BLOCK_N), LIST
+        if SPARSE:
+            n_pre_it, pre_row = listed(LIST, CNT, n_list_cols, lists, UNIFORM)
+        for it in range(0, n_pre_it):
+            offs_n = tile_index(pre_row, it, SPARSE) * BLOCK_N + tl.arange(0, BLOCK_N)
             k_ptrs = _tile_ptrs(k_base, offs_n, offs_d, s_kn, s_kd)
             v_ptrs = _tile_ptrs(v_base, offs_n, offs_dv, s_vn, s_vd)
             k, v = _load_kv(k_ptrs, v_ptrs, offs_n < num_prefix, d_ok, dv_ok, True, EVEN_D)
@@ -683,7 +801,17 @@ def _bwd_dq_kernel(
         k_step = tl.cast(step, tl.int64) * s_kn
         v_step = tl.cast(step, tl.int64) * s_vn
         a0 = 0.0
-        for _i in range(n_main):
+        n_it = n_main
+        if SPARSE:  # its listed tiles, the partial one (index n_main) apart
+            n_it, list_row, partial = listed_with_last(
+                LIST, CNT, n_list_cols, lists + 1 + ch, n_main, UNIFORM
+            )
+        for it in range(n_it):
+            if SPARSE:  # the listed tile of grid rows
+                a0, offs_n, k_at, v_at, k_ptrs, v_ptrs = _grid_tile_at(
+                    tl.load(list_row + it), key0, step, slot_off, offs_d, offs_dv, k_base, v_base, s_kn, s_kd,
+                    s_vn, s_vd, k_ptrs, v_ptrs, NR, OFFS32,
+                )  # fmt: skip
             r = 0.0
             r_t = 0.0
             if GAUSS:
@@ -697,16 +825,24 @@ def _bwd_dq_kernel(
                 ENTMAX, GAUSS, GAUSS_GRAD, HAS_ADD, HAS_KEEP, F32_DOT, ADD_GRAD, DADD_BCAST_M, DADD_BCAST_N,
                 PAD_W, EVEN_M, BLOCK_M, NR, TILE_W, ROW_PAIR,
             )  # fmt: skip
-            if OFFS32:
-                k_at += k_step
-                v_at += v_step
-            else:
-                k_ptrs += k_step
-                v_ptrs += v_step
-            offs_n += step
-            a0 += NR
+            if not SPARSE:
+                if OFFS32:
+                    k_at += k_step
+                    v_at += v_step
+                else:
+                    k_ptrs += k_step
+                    v_ptrs += v_step
+                offs_n += step
+                a0 += NR
         if not EVEN_N:  # the last, partial tile
-            if first + n_main * step < n_k:
+            if SPARSE:
+                a0, offs_n, k_at, v_at, k_ptrs, v_ptrs = _grid_tile_at(
+                    n_main, key0, step, slot_off, offs_d, offs_dv, k_base, v_base, s_kn, s_kd, s_vn, s_vd,
+                    k_ptrs, v_ptrs, NR, OFFS32,
+                )  # fmt: skip
+            else:
+                partial = first + n_main * step < n_k
+            if partial:
                 r = 0.0
                 r_t = 0.0
                 if GAUSS:

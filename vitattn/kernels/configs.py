@@ -254,11 +254,16 @@ def autotune_list(
 # ``TILE_W + NR`` factor rows per query tile) at the cost of more row factors (``NR = BLOCK_N / TILE_W``
 # per query and tile); the widths are the ones with the fewest instructions per score in the static
 # report (docs/kernels.md). The forward takes whole-tile chunks: one row factor per query row and tile.
+# entmax-1.5's dK/dV (``bwd_dkdv_entmax15``: the same kernel over the live tiles' lists) takes the
+# forward's width: 0.3-0.6 more instructions per score than 16 columns, where on local weights a key block
+# of one grid row holds the live keys of a query tile that a 4-row, 16-column block spreads over up to
+# four times the tiles (docs/kernels.md, "Block-sparse entmax-1.5").
 GRID_TILE_W: dict[str, int] = {
     "fwd_softmax": 64,
     "fwd_entmax15": 64,
     "fwd_entmax_alpha": 64,
     "bwd_dkdv": 16,
+    "bwd_dkdv_entmax15": 64,
     "bwd_dq": 32,
 }
 GRID_TILE_W_BY_ROWS: dict[tuple[str, int], int] = {("bwd_dkdv", 16): 32}

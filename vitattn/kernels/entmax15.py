@@ -277,8 +277,9 @@ def _mark_live(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Marks the live-tile map's cells of the query block (``cells_q``) and the key slots ``offs_n``
-    (``ok``: those inside the keys, with ``MASKED``): one store per query cell and key slot."""
+    """Marks the live-tile map's cells of the query block (``cells_q``) and the key slots ``offs_n`` (their
+    positions along the map's key axis: tokens, or ``ops.live_key_index`` with grid-aligned key tiles;
+    ``ok``: those inside the keys, with ``MASKED``): one store per query cell and key slot."""
     inside = cells_q[:, None] < n_cells_q
     if MASKED:
         inside = inside & ok[None, :]
@@ -373,7 +374,8 @@ def _fwd_entmax15_kernel(
     program's row of ``LIST`` (int32 scratch ``(B * H * cdiv(Nq, BLOCK_M), ops.entmax_list_cols)``: with
     grid-aligned tiles, whatever ``SPARSE`` says, ``CH + 1`` counts and then a list per section), the
     output pass visits those only and marks them in ``LIVE`` (uint8 ``(B * H, n_cells_q, n_cells_k)``,
-    cells of ``GRAIN x GRAIN`` scores, zero-initialized: what the backward's tile lists are built from).
+    cells of ``GRAIN x GRAIN`` scores, zero-initialized: what the backward's tile lists are built from;
+    with grid-aligned tiles the keys' axis is ``ops.live_key_index``'s).
     ``GAUSS_SQUARES``: a Gaussian forward with whole tiles keeps its sums of squares per score slot
     (:func:`_add_squares`; the other forwards always do). ``GWP``, ``PAD_W``, ``GRID_TW`` and ``grid_h``
     as in the softmax kernel (the grid-aligned key tiles of a Gaussian bias without a window; ``EVEN_N``
@@ -600,8 +602,13 @@ def _fwd_entmax15_kernel(
                 acc, acc_g, g_sum = _output_tile(y, v, m, tau_fin, acc, acc_g, g_sum, FOLD, STORE_OG, F32_DOT,
                                                  BLOCK_M, BLOCK_N, ROW_PARTS)  # fmt: skip
         vg_tile = tile_offsets(slot_off, offs_dv, s_vn, s_vd, OFFS32)
+        # the live map's key axis: the prefix tokens, then the grid padded to GWP columns from the next
+        # cell (ops.live_key_index): a slot's position from its chunk's first one
+        map_slots, _col = key_slots(BLOCK_N, TILE_W, GWP)
+        map_first = tl.cdiv(num_prefix, GRAIN) * GRAIN
         for ch in tl.static_range(CH):
             c, col_ok = grid_chunk(qc, cc, fc, amp, col, ch, grid_w, TILE_W)
+            map_ch = map_first + ch * TILE_W + map_slots
             list_ch = list_pre + n_pre + ch * n_gt
             n_iter = warp_uniform(tl.load(list_row + 1 + ch), UNIFORM)
             for it in range(0, n_iter):
@@ -609,8 +616,8 @@ def _fwd_entmax15_kernel(
                 row0 = small_int_to_float(i) * NR  # the listed tile's first grid row
                 r, tok0, offs_n, ok = grid_tile(qr, cr, fr, row0, ch, i, slot_off, col_ok, num_prefix,
                                                 grid_w, n_k, TILE_W, NR)  # fmt: skip
-                _mark_live(live_base, cells_q, offs_n, ok, n_cells_q, n_cells_k, GRAIN, MASKED_G, BLOCK_M,
-                           BLOCK_N)  # fmt: skip
+                _mark_live(live_base, cells_q, map_ch + i * (NR * GWP), ok, n_cells_q, n_cells_k, GRAIN,
+                           MASKED_G, BLOCK_M, BLOCK_N)  # fmt: skip
                 y = grid_scores(q, k_base, kg_tile, tok0, offs_n, ok, offs_m, offs_d, n_q, n_k, head_d, scale,
                                 0.5, masks, r, c, True, HAS_ADD, HAS_KEEP, F32_DOT, MASKED_G, EVEN_M, EVEN_D,
                                 BLOCK_M, NR, TILE_W, OFFS32)  # fmt: skip

@@ -386,22 +386,23 @@ def offsets_fit_i32(launch: KernelLaunch, factor_slab: int = 0) -> bool:
     return max(*spans, factor_slab) < I32_LIMIT
 
 
-def tile_offsets_pay(launch: KernelLaunch) -> bool:
+def tile_offsets_pay(launch: KernelLaunch, lists: bool = True) -> bool:
     """Whether the kernels hold each tile's 32-bit offsets (``OFFS32``, ``_common.tile_offsets``), where
-    they fit: at head dims up to 64, and in the list kernels without a Gaussian bias or alpha-entmax.
-    Those offsets are registers for the whole loop: the full static report measured spills where they
-    were held at head dim 128 (the plain dK/dV at 64x128 w8, entmax-1.5's masked forwards at 64x32) and in
-    the list kernels' Gaussian and alpha-entmax dK/dV at head dim 64 (docs/kernels.md)."""
+    they fit: at head dims up to 64, and in the list kernels (``lists``: the launch's kernels are, where
+    it has them) without a Gaussian bias or alpha-entmax. Those offsets are registers for the whole loop:
+    the full static report measured spills where they were held at head dim 128 (the plain dK/dV at
+    64x128 w8, entmax-1.5's masked forwards at 64x32) and in the list kernels' Gaussian and alpha-entmax
+    dK/dV at head dim 64 (docs/kernels.md)."""
     if launch.q.shape[3] > 64 or launch.v.shape[3] > 64:
         return False
-    return not (launch.lists and (launch.den is not None or launch.ent is not None))
+    return not (lists and launch.lists and (launch.den is not None or launch.ent is not None))
 
 
-def use_tile_offsets(launch: KernelLaunch, factor_slab: int = 0) -> bool:
+def use_tile_offsets(launch: KernelLaunch, factor_slab: int = 0, lists: bool = True) -> bool:
     """The ``OFFS32`` flag of a launch: its tile offsets fit in 32 bits (:func:`offsets_fit_i32`, with a
     Gaussian factor slab of ``factor_slab`` floats per ``(b, h)``) and holding them pays
-    (:func:`tile_offsets_pay`)."""
-    return offsets_fit_i32(launch, factor_slab) and tile_offsets_pay(launch)
+    (:func:`tile_offsets_pay`; ``lists=False``: for the grid-aligned backward kernels)."""
+    return offsets_fit_i32(launch, factor_slab) and tile_offsets_pay(launch, lists)
 
 
 def factor_rows(n_q: int, num_prefix: int, grid_w: int) -> tuple[int, int]:
@@ -629,6 +630,14 @@ class KernelLaunch:
         return self.normalizer != "softmax" or self.window is not None
 
     @property
+    def list_backward(self) -> bool:
+        """Whether the backward runs the list kernels (``*_lists``): as :attr:`lists`, but entmax-1.5 with a
+        Gaussian bias and no window runs the grid-aligned kernels (:mod:`.backward`, the bias per tile)
+        over lists of its live grid-aligned tiles (:func:`grid_tile_lists`)."""
+        grid = self.normalizer == "entmax15" and self.den is not None and self.window is None
+        return self.lists and not grid
+
+    @property
     def normalizer(self) -> str:
         """``"softmax"``, ``"entmax15"`` or ``"entmax_alpha"`` (a tensor of alphas)."""
         if self.ent is not None:
@@ -703,12 +712,18 @@ class KernelLaunch:
         n_k = self.k.shape[2]
         if self.den is None:
             return triton.cdiv(n_k, block_n)
-        keys = self.grid_keys("bwd_dkdv")
+        keys = self.grid_keys(self.dkdv_tiles)
         assert keys is not None
         tile_w = keys.tile_w(block_m, block_n)
         rows = self.grid_rows()
         chunks = grid_pad(self.grid_w) // tile_w
         return triton.cdiv(self.num_prefix, block_n) + chunks * triton.cdiv(rows, block_n // tile_w)
+
+    @property
+    def dkdv_tiles(self) -> str:
+        """The key of dK/dV's grid-aligned tile width (:data:`configs.GRID_TILE_W`): entmax-1.5's own
+        (over its live tiles), else ``"bwd_dkdv"``."""
+        return "bwd_dkdv_entmax15" if self.normalizer == "entmax15" else "bwd_dkdv"
 
     def grid_flags(self) -> dict[str, Any]:
         """``GWP`` (the padded grid width; 16 without a Gaussian bias) and ``PAD_W`` (it exceeds the
@@ -762,10 +777,30 @@ def live_grain() -> int:
     return configs.INTERPRET_LIVE_GRAIN if interpret_requested() else configs.LIVE_GRAIN
 
 
-def live_shape(b: int, h: int, n_q: int, n_k: int) -> tuple[int, int, int, int]:
-    """The shape of the live-tile map of an entmax-1.5 forward: uint8 ``(B, H, cells of Nq, cells of Nk)``."""
+def live_shape(
+    b: int, h: int, n_q: int, n_k: int, grid: tuple[int, int] | None = None
+) -> tuple[int, int, int, int]:
+    """The shape of the live-tile map of an entmax-1.5 forward: uint8 ``(B, H, cells of Nq, cells of the
+    keys)``. The keys are tokens, or with grid-aligned key tiles (``grid``: the prefix tokens and the grid
+    width; a Gaussian bias without a window) the prefix tokens and then the padded grid
+    (:func:`live_key_index`)."""
     grain = live_grain()
-    return b, h, -(-n_q // grain), -(-n_k // grain)
+    if grid is None:
+        return b, h, -(-n_q // grain), -(-n_k // grain)
+    prefix, grid_w = grid
+    rows = (n_k - prefix) // grid_w
+    return b, h, -(-n_q // grain), -(-prefix // grain) + -(-rows * grid_pad(grid_w) // grain)
+
+
+def live_key_index(keys: torch.Tensor, prefix: int, grid_w: int) -> torch.Tensor:
+    """The position of key tokens ``keys`` along the key axis of a live map with grid-aligned key tiles
+    (:func:`live_shape`): a prefix token's own index, a grid key's ``P + row * GWP + col`` with ``P`` the
+    prefix tokens rounded up to whole cells and ``GWP`` the padded grid width (a cell never holds keys
+    of two grid-aligned tiles that the kernels' tiles keep apart)."""
+    grain = live_grain()
+    first = -(-prefix // grain) * grain
+    patch = keys - prefix
+    return torch.where(patch < 0, keys, first + patch // grid_w * grid_pad(grid_w) + patch % grid_w)
 
 
 def tile_lists(
@@ -776,19 +811,89 @@ def tile_lists(
     when a cell it covers is, or (a tile side below the cell's) the cell it lies in. Per program (query
     tile, or key tile if ``by_cols``: the dK/dV kernel's transposed list), its live inner tiles in order,
     int32 ``(B * H, programs, inner tiles)``, and their count, int32 ``(B * H, programs)``."""
-    grain = live_grain()
-    b, h, c_r, c_c = live.shape
-    cells = live.reshape(b * h, c_r, c_c)
-    # a tile finer than a cell (the 16-query dK/dV and 16-key dQ tiles): each cell repeated per tile in it
-    r_r, r_c = max(grain // block_rows, 1), max(grain // block_cols, 1)
-    cells = cells.repeat_interleave(r_r, dim=1).repeat_interleave(r_c, dim=2)
-    c_r, c_c = c_r * r_r, c_c * r_c
-    f_r, f_c = max(block_rows // grain, 1), max(block_cols // grain, 1)
-    t_r, t_c = -(-n_rows // block_rows), -(-n_cols // block_cols)
-    pad = (0, max(t_c * f_c - c_c, 0), 0, max(t_r * f_r - c_r, 0))
-    cells = torch.nn.functional.pad(cells, pad)[:, : t_r * f_r, : t_c * f_c]
-    tiles = cells.reshape(b * h, t_r, f_r, t_c, f_c).amax(dim=(2, 4)) != 0
+    cells = _pool_cells(live.flatten(0, 1), 1, block_rows, n_rows)
+    tiles = _pool_cells(cells, 2, block_cols, n_cols) != 0
     return windows.compact(tiles.transpose(1, 2) if by_cols else tiles)
+
+
+def _pool_cells(cells: torch.Tensor, dim: int, block: int, n: int) -> torch.Tensor:
+    """``cells`` (dimension ``dim`` in cells of :func:`live_grain` tokens, ``n`` tokens) pooled into tiles
+    of ``block`` tokens along ``dim``: a tile is marked when a cell it covers is, or (a tile finer than a
+    cell: sm_90's 16-query dK/dV and 16-key dQ tiles) the cell it lies in: ``cdiv(n, block)`` along ``dim``,
+    non-zero where marked."""
+    grain = live_grain()
+    cells = cells.movedim(dim, -1)
+    cells = cells.repeat_interleave(max(grain // block, 1), dim=-1)
+    per = max(block // grain, 1)
+    tiles = -(-n // block)
+    cells = torch.nn.functional.pad(cells, (0, max(tiles * per - cells.shape[-1], 0)))[..., : tiles * per]
+    return cells.unflatten(-1, (tiles, per)).amax(-1).movedim(-1, dim)
+
+
+def grid_key_tiles(grid: GridKeys, n_k: int, block_m: int, block_n: int, by_chunks: bool) -> torch.Tensor:
+    """The keys of each grid-aligned key tile of ``grid.kernel`` at a ``block_m x block_n`` tile (``_common``,
+    "grid-aligned key tiles"): int64 ``(tiles, block_n)``, -1 in slots past the prefix keys, the grid
+    width or the grid rows. The prefix keys' tiles first, then the tiles of ``NR`` grid rows of each chunk of
+    ``TILE_W`` columns: chunk-major (``by_chunks``: dQ's order) or, as dK/dV's programs, row-major."""
+    tile_w = grid.tile_w(block_m, block_n)
+    p, w = grid.num_prefix, grid.grid_w
+    rows = (n_k - p) // w
+    nr = block_n // tile_w
+    pre = torch.arange(-(-p // block_n) * block_n).view(-1, block_n)
+    pre = torch.where(pre < p, pre, -1)
+    chunk, row_tile = grid_pad(w) // tile_w, -(-rows // nr)
+    ch = torch.arange(chunk).view(chunk, 1, 1, 1)
+    rt = torch.arange(row_tile).view(1, row_tile, 1, 1)
+    r = rt * nr + torch.arange(nr).view(1, 1, nr, 1)
+    c = ch * tile_w + torch.arange(tile_w).view(1, 1, 1, tile_w)
+    keys = torch.where((r < rows) & (c < w), p + r * w + c, -1)  # (chunk, row tile, nr, tile_w)
+    if not by_chunks:
+        keys = keys.transpose(0, 1)
+    return torch.cat([pre, keys.reshape(-1, block_n)])
+
+
+_GRID_MEMBERS: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def _grid_members(
+    grid: GridKeys, n_k: int, block_m: int, block_n: int, by_keys: bool, cells: int, device: torch.device
+) -> torch.Tensor:
+    """float32 ``(cells, tiles)`` on ``device``: 1 where a cell of the live map holds a key of a
+    grid-aligned key tile (:func:`grid_key_tiles`, dQ's order unless ``by_keys``); cached (no host copy
+    after the first call of a layout and tile)."""
+    key = (grid, n_k, block_m, block_n, by_keys, cells, device)
+    found = _GRID_MEMBERS.get(key)
+    if found is None:
+        grain = live_grain()
+        keys = grid_key_tiles(grid, n_k, block_m, block_n, by_chunks=not by_keys)
+        index = torch.where(keys < 0, cells * grain, live_key_index(keys, grid.num_prefix, grid.grid_w))
+        member = torch.zeros(keys.shape[0], cells + 1).scatter_(1, index // grain, 1.0)
+        found = _GRID_MEMBERS[key] = member[:, :cells].T.contiguous().to(device)
+    return found
+
+
+def grid_tile_lists(
+    live: torch.Tensor, grid: GridKeys, n_q: int, n_k: int, block_m: int, block_n: int, by_keys: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(LIST, CNT)`` of the grid-aligned backward of entmax-1.5 (a Gaussian bias, no window) from the
+    forward's live-tile map ``live`` (:func:`live_shape` with ``grid``): a grid-aligned key tile
+    (:func:`grid_key_tiles`) is live for a query tile when a cell holding one of its keys is. ``by_keys``
+    (dK/dV): per key tile (program) its live query tiles, as :func:`tile_lists`. Else (dQ) per query tile
+    ``CH + 1`` lists, int32 ``(B * H, query tiles * (CH + 1), longest)``: its live prefix tiles, then per
+    chunk of grid columns its live tiles of grid rows (by index in the chunk), and their counts
+    ``(B * H, query tiles * (CH + 1))``."""
+    member = _grid_members(grid, n_k, block_m, block_n, by_keys, live.shape[3], live.device)
+    rows = _pool_cells(live.flatten(0, 1), 1, block_m, n_q)  # (B * H, query tiles, key cells)
+    tiles = (rows.float() @ member) > 0  # (B * H, query tiles, key tiles)
+    if by_keys:
+        return windows.compact(tiles.transpose(1, 2))
+    n_pre = -(-grid.num_prefix // block_n)
+    chunk = grid_pad(grid.grid_w) // grid.tile_w(block_m, block_n)
+    main = tiles[..., n_pre:].unflatten(-1, (chunk, -1))  # (B * H, query tiles, CH, row tiles)
+    longest = max(n_pre, main.shape[-1], 1)
+    pad = lambda t: torch.nn.functional.pad(t, (0, longest - t.shape[-1]))  # noqa: E731
+    sections = torch.cat([pad(tiles[..., None, :n_pre]), pad(main)], dim=2)
+    return windows.compact(sections.flatten(1, 2))
 
 
 def entmax_list_cols(launch: KernelLaunch, grid: GridKeys | None, block_m: int, block_n: int) -> int:
@@ -855,7 +960,8 @@ def _forward(
             grid_keys = launch.grid_keys(name)
             meta.update(launch.grid_flags())
     if name == "fwd_entmax15":
-        live = torch.zeros(live_shape(b, h, n_q, n_k), device=q.device, dtype=torch.uint8)
+        layout = (launch.num_prefix, launch.grid_w) if grid_keys is not None else None
+        live = torch.zeros(live_shape(b, h, n_q, n_k, layout), device=q.device, dtype=torch.uint8)
         meta.update(SPARSE=True, GRAIN=live_grain())
 
     def tile_args(tile: configs.TileConfig) -> list[Any]:
@@ -908,7 +1014,7 @@ def _gaussian_terms(launch: KernelLaunch, dummy: torch.Tensor) -> tuple[torch.Te
     q = launch.q
     b, h, n_q, _ = q.shape
     fact, n_qp, n_fr = dummy, 0, 0
-    if launch.den is not None and launch.lists:  # the Gaussian row terms, once per query (read by dK/dV)
+    if launch.den is not None and launch.list_backward:  # the list kernels' row terms, once per query
         assert launch.alpha is not None
         fact = torch.empty(b * h, 5, n_q, device=q.device, dtype=torch.float32)
         block = configs.INTERPRET_DELTA_ROWS if interpret_requested() else configs.ROW_TERMS_ROWS
@@ -974,6 +1080,22 @@ def _list_tile_args(
     return tile_args
 
 
+def _grid_list_args(
+    launch: KernelLaunch, live: torch.Tensor, by_keys: bool
+) -> Callable[[configs.TileConfig], list[Any]]:
+    """The grid-aligned backward's tile lists (:func:`grid_tile_lists`) per tile: ``LIST, CNT, n_list_cols``
+    of dK/dV (``by_keys``) or dQ."""
+    n_q, n_k = launch.q.shape[2], launch.k.shape[2]
+    grid = launch.grid_keys(launch.dkdv_tiles if by_keys else "bwd_dq")
+    assert grid is not None
+
+    def tile_args(tile: configs.TileConfig) -> list[Any]:
+        order, count = grid_tile_lists(live, grid, n_q, n_k, tile.block_m, tile.block_n, by_keys)
+        return [order, count, order.shape[-1]]
+
+    return tile_args
+
+
 def _additive_grad(
     add: torch.Tensor | None, shape: tuple[int, int, int, int], none: torch.Tensor
 ) -> tuple[int, torch.Tensor, list[int], bool, bool]:
@@ -1014,7 +1136,7 @@ def _backward(
         return q.new_empty(0, dtype=torch.float32)
 
     delta = _row_deltas(o_or_og, do)
-    lists = launch.lists
+    lists = launch.list_backward
     fact, n_qp, n_fr = _gaussian_terms(launch, dummy)
 
     dq = torch.empty(b, h, n_q, d, device=q.device, dtype=q.dtype)
@@ -1049,15 +1171,23 @@ def _backward(
         dq_tail = [ent_args[0], dent if ent_grad else dummy, *ent_args[1:]]
         dq_meta: dict[str, Any] = dict(ENT_GRAD=ent_grad)
         dq_extra: dict[str, Any] = dict(tile_args=_list_tile_args(launch, live, False, dummy))
-    else:  # plain softmax: grid-aligned Gaussian tiles, no lists
+    else:  # softmax, and entmax-1.5 with a Gaussian bias: grid-aligned Gaussian tiles
         del meta["WINDOW"]
         meta.update(launch.grid_flags())
-        meta["OFFS32"] = use_tile_offsets(launch, n_qp * n_fr)
+        meta["OFFS32"] = use_tile_offsets(launch, n_qp * n_fr, lists=False)
         dkdv_args = [q, k, v, do, stat, delta, fact, dk, dvv, *operands, *strides, *scalars, n_qp, n_fr]
         dkdv_blocks = lambda bm, bn: (launch.key_blocks(bm, bn), b * h)  # noqa: E731
-        dkdv_extra = dict(grid_keys=launch.grid_keys("bwd_dkdv"))
+        dkdv_extra = dict(grid_keys=launch.grid_keys(launch.dkdv_tiles))
         dq_tail, dq_extra = [], dict(grid_keys=launch.grid_keys("bwd_dq"))
         dq_meta = {"ROW_PAIR": configs.DQ_ROW_PAIR_BY_ARCH[device_arch([q])]}
+        if launch.normalizer == "entmax15":  # the live grid-aligned tiles of the forward's map
+            meta["SPARSE"] = True
+            meta["UNIFORM"] = not interpret_requested()
+            dkdv_extra["tile_args"] = _grid_list_args(launch, live, True)
+            dq_extra["tile_args"] = _grid_list_args(launch, live, False)
+        else:
+            dkdv_args += [dummy, dummy, 0]
+            dq_tail = [dummy, dummy, 0]
     suffix = "_lists" if lists else ""
     _launch("bwd_dkdv" + suffix, dkdv_blocks, dkdv_args, meta, launch.shape, launch.even_d, **dkdv_extra)
     dq_extra["reset"] = dadd.zero_ if add_mode == 2 else None  # atomics accumulate: reset after benchmarking
@@ -1124,7 +1254,8 @@ def _attention_fwd_fake(
     stat = q.new_empty(b, h, n_q, dtype=torch.float32)
     og = q.new_empty(b, h, n_q, dv if store_og and (entmax or ent is not None) else 0, dtype=torch.float32)
     sparse = entmax and ent is None
-    live = q.new_empty(live_shape(b, h, n_q, k.shape[2]) if sparse else (0,), dtype=torch.uint8)
+    grid = (num_prefix, grid_w) if den is not None and not window else None  # grid-aligned key tiles
+    live = q.new_empty(live_shape(b, h, n_q, k.shape[2], grid) if sparse else (0,), dtype=torch.uint8)
     return out, stat, og, live
 
 

@@ -84,10 +84,13 @@ CALL_BATCH, CALL_HEADS = 2, 4
 CALL_WINDOW, CALL_DILATION = (7, 7), (2, 2)
 
 
-def kernel_name(normalizer: str, pass_: str, window: bool = False) -> str:
+def kernel_name(normalizer: str, pass_: str, window: bool = False, bias: str = "none") -> str:
     """The kernel (``ops``' name, its autotune list's key) of a variant: the ``*_lists`` kernels for a
-    window, entmax-1.5's live tiles and alpha-entmax (the row kernels keep their own names)."""
-    lists = normalizer != "softmax" or window
+    window, entmax-1.5's live tiles and alpha-entmax, but the grid-aligned backward for entmax-1.5 with a
+    Gaussian bias and no window (``ops.KernelLaunch.list_backward``; the row kernels keep their own
+    names)."""
+    grid = normalizer == "entmax15" and bias == "gaussian" and not window
+    lists = (normalizer != "softmax" or window) and not grid
     if pass_ == "fwd":
         return "fwd_softmax_lists" if normalizer == "softmax" and window else f"fwd_{normalizer}"
     if pass_ in ("bwd_dkdv", "bwd_dq") and lists:
@@ -114,12 +117,15 @@ class Build:
 
     @property
     def lists(self) -> bool:
-        """Whether the build is one of the list kernels (a window, entmax-1.5, alpha-entmax; ops.KernelLaunch)."""
+        """Whether the build is one of the list kernels (a window, entmax-1.5, alpha-entmax; ops.KernelLaunch;
+        entmax-1.5's backward with a Gaussian bias and no window runs the grid-aligned kernels)."""
+        if self.pass_ != "fwd" and self.normalizer == "entmax15" and self.bias == "gaussian":
+            return self.window
         return self.normalizer != "softmax" or self.window
 
     @property
     def kernel(self) -> str:
-        return kernel_name(self.normalizer, self.pass_, self.window)
+        return kernel_name(self.normalizer, self.pass_, self.window, self.bias)
 
     @property
     def dots(self) -> list[int]:
@@ -141,8 +147,10 @@ class Build:
         loops = 1
         if self.bias == "gaussian" and self.pass_ == "bwd_dq" and not self.lists:
             # dQ's chunks of grid columns are a loop (one key loop in the code) after the prefix keys' loop
+            # (entmax-1.5's: its list's, wherever there are prefix keys)
             call = EVEN_CALL if self.even else RAGGED_CALL
-            loops = 1 + (1 if int(call["prefix"]) > 1 else 0)
+            prefix = int(call["prefix"])
+            loops = 1 + (1 if prefix > 1 or (prefix and self.normalizer == "entmax15") else 0)
         elif self.bias == "gaussian" and self.pass_ == "fwd" and not self.lists:
             # a single prefix token is specialized to a constant by the JIT: its "loop" is straight code
             chunks, prefix = self.grid_chunks()
@@ -262,7 +270,9 @@ def build_source(build: Build) -> Any:
     from .. import ops
 
     if build.pass_ in ROW_PASSES:
-        normalizer = "entmax15" if build.pass_ == "rows" else "softmax"  # rows: the list kernels' row terms
+        # rows: the list kernels' Gaussian row terms (alpha-entmax's backward; entmax-1.5's runs the
+        # grid-aligned kernels with a Gaussian bias and no window)
+        normalizer = "entmax_alpha" if build.pass_ == "rows" else "softmax"
         rec = launches(normalizer, "gaussian", True, build.head_dim, build.dtype, build.arch)[
             ROW_KERNELS[build.pass_]
         ]
@@ -364,7 +374,7 @@ def plan(
             name = f"{normalizer}/{bias}/{pass_}"
             if patterns and not any(fnmatch.fnmatch(name, p) for p in patterns):
                 continue
-            kernel = kernel_name(normalizer, pass_, win)
+            kernel = kernel_name(normalizer, pass_, win, bias)
             tiles = [(cfg, True) for cfg in own[kernel]]
             if all_configs:
                 for other in configs.AUTOTUNE_BY_ARCH.values():
@@ -516,9 +526,10 @@ RATIO_LIMITS: dict[str, float] = {
     # the plain dQ, 3 of them the floor of one multiply-add each; dK/dV's bias ~2.5 (a multiply-add and 1.5
     # factor loads per score)
     "gaussian_vs_plain_bwd": 1.385,
-    # goal 2.0, NOT met: measured 3.485 (entmax-1.5 forward at 64x64 w4 with 4 search passes + dK/dV 64x128 w8
-    # + dQ 64x64: 73.6 + 11.2 + 8.4 against the tutorial's 9.4 + 9.5 + 7.9 instructions per score); the
-    # forward sweeps q kᵀ 2 + passes times (first pass 17.6, each search pass 11.5, the output pass 9.9)
+    # goal 2.0, NOT met: measured 3.187 (entmax-1.5 forward at 128x64 w8 with 4 search passes + dK/dV 64x128
+    # w8 + dQ 64x64: 66.3 + 11.2 + 8.4 against the tutorial's 9.6 + 9.5 + 7.9 instructions per score); the
+    # forward sweeps q kᵀ 2 + passes times (first pass 16.8, each search pass 10.2, the output pass 9.0);
+    # the bound is the value before α-entmax's threshold fold cut it from 3.485
     "entmax_vs_flash_fwd_bwd": 3.49,
 }
 
