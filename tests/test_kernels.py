@@ -33,6 +33,7 @@ import torch
 
 from vitattn.functional import GaussianBias, attention, explain
 from vitattn.functional.dispatch import AttentionCall
+from vitattn.functional.window import WindowMask
 from vitattn.kernels import backend as backend_module
 from vitattn.kernels import configs
 from vitattn.kernels.backend import TritonBackend
@@ -286,6 +287,32 @@ def test_tile_offsets_pay_where_measured(d, entmax, gauss, alpha_entmax, pays):
     assert ops.tile_offsets_pay(launch) is pays
     assert ops.use_tile_offsets(launch) is pays  # these offsets fit: the flag is the measured rule
     assert not ops.use_tile_offsets(launch, 2**31)
+
+
+@pytest.mark.parametrize(
+    ("entmax", "gauss", "alpha_entmax", "window", "lists"),
+    [
+        (False, True, False, False, False),  # LocAt: the grid-aligned kernels
+        (True, True, False, False, False),  # entmax-1.5 + Gaussian: grid-aligned, over its live tiles
+        (False, True, True, False, False),  # alpha-entmax + Gaussian: grid-aligned
+        (True, False, False, False, True),  # entmax-1.5 without a bias: its live token tiles
+        (False, False, True, False, True),  # alpha-entmax without a bias
+        (True, True, False, True, True),  # a window: its tile lists
+    ],
+)
+def test_backward_family(entmax, gauss, alpha_entmax, window, lists):
+    """``KernelLaunch.list_backward``: a Gaussian bias without a window takes the grid-aligned backward
+    for every normalizer (the bias per tile), which holds its tile offsets at head dim 64."""
+    n, d = 64, 64
+    q = torch.empty(1, 2, n, d, device="meta")
+    den = torch.empty(1, 2, n, 2, device="meta") if gauss else None
+    alpha = torch.empty(1, 2, n, device="meta") if gauss else None
+    ent = torch.empty(1, 2, n, device="meta") if alpha_entmax else None
+    win = WindowMask((8, 8), (3, 3)) if window else None
+    launch = ops.KernelLaunch(q, q, q, None, None, den, alpha, d**-0.5, 0, 8, 0.0, entmax, False, ent, win)
+    assert launch.list_backward is lists
+    if not lists:
+        assert ops.use_tile_offsets(launch, lists=False)
 
 
 @interpreted

@@ -25,11 +25,14 @@ reductions over the columns once per chunk). No loop branches on data: every til
 unconditional. Atomics only for a broadcast additive mask, after reducing the tile over the broadcast
 rows or columns.
 
-Besides softmax, entmax-1.5 with a Gaussian bias and no window runs here (``ENTMAX``; the other entmax
-backwards are :mod:`.backward_lists`), over its live tiles only (``SPARSE``): lists built from the
-forward's live-tile map for these kernels' own grid-aligned tiles (``ops.grid_tile_lists``), per key block
-its query tiles (dK/dV) and per query block its prefix tiles and, per chunk of grid columns, its tiles of
-grid rows (dQ; a partial last tile, when listed, visited apart with its bound masks as without lists).
+Besides softmax, entmax-1.5 and alpha-entmax with a Gaussian bias and no window run here (``ENTMAX`` 1
+and 2; the other entmax backwards are :mod:`.backward_lists`). alpha-entmax's bias is added after the
+scale, its forward's order (the factors ``C alpha`` and ``R``: ``_bwd_factors_kernel``'s ``SCALED``), and
+dQ also writes the alphas' gradient. entmax-1.5 visits its live tiles only (``SPARSE``): lists built from
+the forward's live-tile map for these kernels' own grid-aligned tiles (``ops.grid_tile_lists``), per key
+block its query tiles (dK/dV) and per query block its prefix tiles and, per chunk of grid columns, its
+tiles of grid rows (dQ; a partial last tile, when listed, visited apart with its bound masks as without
+lists).
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ from ._common import (
     tile_ptrs_at,
 )
 from ._tiles import listed, listed_with_last, small_int_to_float, tile_index, tile_list
+from .entmax_alpha import alpha_powers, alpha_rows, alpha_rows_at
+
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -99,12 +105,15 @@ def _bwd_factors_kernel(
     scale,
     GWP: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    SCALED: tl.constexpr = False,
 ):
     """The Gaussian factors of every query, once: ``FACT`` contiguous float32 ``(B * H, n_fr, n_qp)``
     (queries padded to ``n_qp``): rows ``0 .. GWP - 1`` the column factors ``C = 2^(t_col)`` of grid
     column ``b`` (any value past the grid width), rows ``GWP + a`` the row factors ``R alpha / scale``
     of grid row ``a`` (0 past the grid's rows; the last rows are all 0: the factors of prefix keys).
-    The dK/dV kernel loads them per query tile instead of recomputing them per key block."""
+    The dK/dV kernel loads them per query tile instead of recomputing them per key block. ``SCALED``
+    (alpha-entmax, whose bias is added after the scale): ``C alpha`` and ``R`` instead, the products its
+    forward forms."""
     bh, b, h = _program(n_heads)
     offs_m = _block_offsets(BLOCK_M)
     qr, qc = _coords_start(offs_m, num_prefix, grid_w)
@@ -130,14 +139,19 @@ def _bwd_factors_kernel(
     ok = offs_m < n_qp
     col = 0.0
     for _b in range(GWP):
-        tl.store(ptrs, tl.exp2(axis_exponent(qc - col, cc, fc)), mask=ok)
+        c = tl.exp2(axis_exponent(qc - col, cc, fc))
+        if SCALED:
+            c = c * alpha
+        tl.store(ptrs, c, mask=ok)
         ptrs += n_qp
         col += 1.0
     n_rows = (n_q - num_prefix) // grid_w
     amp = alpha / scale
     row = 0.0
     for a in range(n_fr - GWP):
-        f = tl.exp2(axis_exponent(qr - row, cr, fr)) * amp
+        f = tl.exp2(axis_exponent(qr - row, cr, fr))
+        if not SCALED:
+            f = f * amp
         tl.store(ptrs, tl.where(a < n_rows, f, 0.0), mask=ok)
         ptrs += n_qp
         row += 1.0
@@ -172,6 +186,8 @@ def _dkdv_tile(
     keep_base,
     s_mm,
     s_mn,
+    ent_base,
+    s_em,
     ENTMAX: tl.constexpr,
     GAUSS: tl.constexpr,
     HAS_ADD: tl.constexpr,
@@ -185,7 +201,8 @@ def _dkdv_tile(
     TILE_W: tl.constexpr,
 ):
     """One query tile (rows ``offs_m``; its Q, dO and, with ``GAUSS``, factor pointers ``*_ld``) of the
-    key block ``k``, ``v``: ``(dk, dv)`` updated."""
+    key block ``k``, ``v``: ``(dk, dv)`` updated. alpha-entmax (``ENTMAX == 2``): the tile's alphas from
+    ``ent_base`` (stride ``s_em``), the bias added after the scale."""
     if EVEN_M and EVEN_D:
         q = tl.load(q_ld)
         do = tl.load(do_ld)
@@ -200,9 +217,17 @@ def _dkdv_tile(
         k, q, offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_mm, s_mn,
         HAS_ADD, HAS_KEEP, F32_DOT, True, EVEN_M, WHOLE,
     )  # fmt: skip
-    if GAUSS:
-        s_t = add_outer(s_t, tl.load(r_ld), tl.load(c_ld), BLOCK_M, NR, TILE_W, True)
-    p_t, g_t = _probs(s_t * su, stat, ENTMAX, True)
+    if ENTMAX == 2:
+        a_q, beta_q = alpha_rows_at(ent_base, s_em, offs_m, n_q)
+        z_t = s_t * su
+        if GAUSS:
+            z_t = add_outer(z_t, tl.load(r_ld), tl.load(c_ld), BLOCK_M, NR, TILE_W, True)
+        u_t = tl.maximum(z_t * a_q[None, :] - stat[None, :], 0.0)
+        p_t, g_t, _l = alpha_powers(u_t, beta_q[None, :])
+    else:
+        if GAUSS:
+            s_t = add_outer(s_t, tl.load(r_ld), tl.load(c_ld), BLOCK_M, NR, TILE_W, True)
+        p_t, g_t = _probs(s_t * su, stat, ENTMAX, True)
     dv += _dot(p_t.to(do.dtype), do, F32_DOT)
     dp_t = _dot(v, tl.trans(do), F32_DOT)
     ds_t = g_t * (dp_t - delta[None, :])
@@ -263,6 +288,10 @@ def _bwd_dkdv_kernel(
     clamp,
     n_qp,
     n_fr,
+    ENT,
+    s_eb,
+    s_eh,
+    s_em,
     LIST,
     CNT,
     n_list_cols,
@@ -348,12 +377,15 @@ def _bwd_dkdv_kernel(
             other=0.0,
         )
     row = bh.to(tl.int64) * n_q
-    # softmax: scores and the saved log-sum-exp in base 2; entmax-1.5: in units of z / 2
-    if ENTMAX:
+    # softmax: scores and the saved log-sum-exp in base 2; entmax-1.5: in units of z / 2; alpha-entmax: z
+    if ENTMAX == 2:
+        unit = 1.0
+    elif ENTMAX:
         unit = 0.5
     else:
         unit = LOG2E
     su = scale * unit
+    ent_base = _offset(ENT, b, h, s_eb, s_eh)
     offs_mb = tl.arange(0, BLOCK_M)
     # one query tile's offsets; the loop advances the scalar pointers q_at, do_at (and the factors' start_m)
     q_tile = tile_offsets(offs_mb, offs_d, s_qm, s_qd, OFFS32)
@@ -385,7 +417,8 @@ def _bwd_dkdv_kernel(
             dk, dv = _dkdv_tile(
                 dk, dv, q_ld, do_ld, r_ld, c_ld, start_m + offs_mb, k, v, offs_n, offs_d, offs_dv, n_q, n_k,
                 head_d, head_dv, scale, su, STAT, DELTA, row, add_base, s_am, s_an, keep_base, s_mm, s_mn,
-                ENTMAX, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, EVEN_M, EVEN_D, WHOLE, BLOCK_M, NR, TILE_W,
+                ent_base, s_em, ENTMAX, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, EVEN_M, EVEN_D, WHOLE, BLOCK_M, NR,
+                TILE_W,
             )  # fmt: skip
     else:
         for start_m in range(0, n_q, BLOCK_M):
@@ -401,7 +434,8 @@ def _bwd_dkdv_kernel(
             dk, dv = _dkdv_tile(
                 dk, dv, q_ld, do_ld, r_ld, c_ld, start_m + offs_mb, k, v, offs_n, offs_d, offs_dv, n_q, n_k,
                 head_d, head_dv, scale, su, STAT, DELTA, row, add_base, s_am, s_an, keep_base, s_mm, s_mn,
-                ENTMAX, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, EVEN_M, EVEN_D, WHOLE, BLOCK_M, NR, TILE_W,
+                ent_base, s_em, ENTMAX, GAUSS, HAS_ADD, HAS_KEEP, F32_DOT, EVEN_M, EVEN_D, WHOLE, BLOCK_M, NR,
+                TILE_W,
             )  # fmt: skip
             if OFFS32:
                 q_at += q_step
@@ -513,6 +547,10 @@ def _dq_tile(
     r,
     r_t,
     c,
+    a,
+    beta,
+    e_s,
+    e_t,
     ENTMAX: tl.constexpr,
     BIAS: tl.constexpr,
     GRAD: tl.constexpr,
@@ -528,16 +566,21 @@ def _dq_tile(
     NR: tl.constexpr,
     TILE_W: tl.constexpr,
     ROW_PAIR: tl.constexpr,
+    ENT_GRAD: tl.constexpr = False,
 ):
-    """One key tile (``k``, ``v``) of dQ: ``(dq, w, w2)`` updated. ``r`` (``R``), ``c`` (``C alpha / scale``):
-    the bias factors of :func:`add_outer` (``BIAS``; ``r`` and ``r_t`` pairs of vectors for ``NR == 2``,
-    :func:`_dq_row_terms`); with ``GRAD`` the Gaussian gradient accumulators
-    ``w = sum_rows R dZ`` and ``w2 = sum_rows t_row R dZ``, ``(BLOCK_M, TILE_W)``: per query and grid
-    column, summed over the tile's grid rows (``r_t = t_row R``)."""
+    """One key tile (``k``, ``v``) of dQ: ``(dq, w, w2, e_s, e_t)`` updated. ``r`` (``R``), ``c`` (``C alpha
+    / scale``; alpha-entmax, ``ENTMAX == 2``: ``C alpha``, the bias added after the scale): the bias factors
+    of :func:`add_outer` (``BIAS``; ``r`` and ``r_t`` pairs of vectors for ``NR == 2``,
+    :func:`_dq_row_terms`); with ``GRAD`` the Gaussian gradient accumulators ``w = sum_rows R dZ`` and
+    ``w2 = sum_rows t_row R dZ``, ``(BLOCK_M, TILE_W)``: per query and grid column, summed over the tile's
+    grid rows (``r_t = t_row R``). alpha-entmax: ``a = alpha - 1``, ``beta = 1 / a`` per row; with
+    ``ENT_GRAD`` the alphas' gradient sums ``e_s = sum p``, ``e_t = sum dZ u (1 - ln2 log2 u)``."""
     s = _qk_tile(
         q, k, offs_m, offs_n, n_q, n_k, scale, add_base, s_am, s_an, keep_base, s_mm, s_mn,
         HAS_ADD, HAS_KEEP, F32_DOT, False, EVEN_M, not MASKED,
     )  # fmt: skip
+    if ENTMAX == 2:  # z, the bias added after the scale (the forward's order)
+        s = s * su
     if BIAS:
         if NR == 2 and ROW_PAIR:  # the pair of _dq_row_terms: each grid row's half of the tile apart
             r0, r1 = r
@@ -548,9 +591,18 @@ def _dq_tile(
             s = add_outer(s, r, c, BLOCK_M, NR, TILE_W, False)
     if MASKED:
         s = tl.where(ok[None, :], s, float("-inf"))
-    p, g = _probs(s * su, stat_u, ENTMAX, False)
+    if ENTMAX == 2:
+        u = tl.maximum(s * a[:, None] - stat_u[:, None], 0.0)
+        p, g, l2 = alpha_powers(u, beta[:, None])
+        if ENT_GRAD:
+            e_s += tl.sum(p, 1)
+            w_ent = tl.where(u > 0.0, u - LN2 * (u * l2), 0.0)
+    else:
+        p, g = _probs(s * su, stat_u, ENTMAX, False)
     dp = _dot(do, tl.trans(v), F32_DOT)
     ds = g * (dp - delta[:, None])
+    if ENT_GRAD:
+        e_t += tl.sum(ds * w_ent, 1)
     dq += _dot(ds.to(k.dtype), k, F32_DOT)
     _add_grad(
         dadd_base,
@@ -578,7 +630,7 @@ def _dq_tile(
         else:
             w += tl.sum(ds3 * r[:, :, None], 1)
             w2 += tl.sum(ds3 * r_t[:, :, None], 1)
-    return dq, w, w2
+    return dq, w, w2, e_s, e_t
 
 
 @triton.jit
@@ -656,6 +708,11 @@ def _bwd_dq_kernel(
     num_prefix,
     grid_w,
     clamp,
+    ENT,
+    DENT,
+    s_eb,
+    s_eh,
+    s_em,
     LIST,
     CNT,
     n_list_cols,
@@ -682,6 +739,7 @@ def _bwd_dq_kernel(
     ROW_PAIR: tl.constexpr = True,
     SPARSE: tl.constexpr = False,
     UNIFORM: tl.constexpr = False,
+    ENT_GRAD: tl.constexpr = False,
 ):
     """``DQ`` (contiguous like Q) for one block of queries, plus the bias gradients.
 
@@ -693,7 +751,8 @@ def _bwd_dq_kernel(
     pointers (on sm_90 TMA descriptors cost more instructions here than they save: the loads are not its
     registers' problem). ``SPARSE``: only the key tiles listed in ``LIST`` (int32 ``(B * H, query blocks *
     (CH + 1), n_list_cols)``, ``CNT`` per list: the prefix tiles, then each chunk's tiles of grid rows,
-    ``ops.grid_tile_lists``); ``UNIFORM`` as in dK/dV.
+    ``ops.grid_tile_lists``); ``UNIFORM`` as in dK/dV. alpha-entmax (``ENTMAX == 2``): the alphas ``ENT``
+    (strides ``s_e*``) and, with ``ENT_GRAD``, their gradient written to ``DENT`` (float32 ``(B, H, Nq)``).
     """
     bh, b, h = _program(n_heads)
     offs_m = _block_offsets(BLOCK_M)
@@ -709,9 +768,13 @@ def _bwd_dq_kernel(
     do = _load_tile(DO + row * head_dv, offs_m, offs_dv, head_dv, 1, n_q, head_dv, EVEN_M, EVEN_D)
     stat, delta = _row_stats(STAT, DELTA, row, offs_m, n_q, EVEN_M)
     dadd_base = _offset(DADD, b, h, s_gb, s_gh)
-    # softmax: scores and the saved log-sum-exp in base 2; entmax-1.5: in units of z / 2
+    # softmax: scores and the saved log-sum-exp in base 2; entmax-1.5: in units of z / 2; alpha-entmax: z
     stat_u = stat
-    if ENTMAX:
+    a, beta = 0.0, 0.0
+    if ENTMAX == 2:
+        unit = 1.0
+        a, beta = alpha_rows(ENT, b, h, s_eb, s_eh, s_em, offs_m, n_q)
+    elif ENTMAX:
         unit = 0.5
     else:
         unit = LOG2E
@@ -742,6 +805,8 @@ def _bwd_dq_kernel(
             clamp,
         )
         amp = alpha / scale
+        if ENTMAX == 2:  # the column factors carry alpha itself (the bias added after the scale)
+            amp = alpha
     else:
         TILE_W: tl.constexpr = BLOCK_N  # type: ignore[no-redef]
         CH: tl.constexpr = 1  # type: ignore[no-redef]
@@ -755,6 +820,8 @@ def _bwd_dq_kernel(
     g_alpha = tl.zeros([BLOCK_M], tl.float32)
     g_row = tl.zeros([BLOCK_M], tl.float32)
     g_col = tl.zeros([BLOCK_M], tl.float32)
+    e_s = tl.zeros([BLOCK_M], tl.float32)  # alpha's gradient: sum p, sum dZ u (1 - ln2 log2 u)
+    e_t = tl.zeros([BLOCK_M], tl.float32)
     # with SPARSE (entmax-1.5) the tiles of ops.grid_tile_lists: per query block a list of the prefix
     # tiles, then one per chunk of its tiles of grid rows
     lists = (bh * tl.num_programs(0) + tl.program_id(0)) * (CH + 1)
@@ -767,12 +834,12 @@ def _bwd_dq_kernel(
             k_ptrs = _tile_ptrs(k_base, offs_n, offs_d, s_kn, s_kd)
             v_ptrs = _tile_ptrs(v_base, offs_n, offs_dv, s_vn, s_vd)
             k, v = _load_kv(k_ptrs, v_ptrs, offs_n < num_prefix, d_ok, dv_ok, True, EVEN_D)
-            dq, _w, _w2 = _dq_tile(
+            dq, _w, _w2, e_s, e_t = _dq_tile(
                 dq, 0.0, 0.0, q, do, k, v, offs_n < num_prefix, offs_m, offs_n, n_q, n_k, scale, su,
                 stat_u, delta, add_base, s_am, s_an, keep_base, s_mm, s_mn, dadd_base, s_gm, s_gn,
-                0.0, 0.0, 0.0,
+                0.0, 0.0, 0.0, a, beta, e_s, e_t,
                 ENTMAX, False, False, HAS_ADD, HAS_KEEP, F32_DOT, ADD_GRAD, DADD_BCAST_M, DADD_BCAST_N,
-                True, EVEN_M, BLOCK_M, NR, TILE_W, ROW_PAIR,
+                True, EVEN_M, BLOCK_M, NR, TILE_W, ROW_PAIR, ENT_GRAD,
             )  # fmt: skip
 
     n_main = n_rows // NR
@@ -819,11 +886,11 @@ def _bwd_dq_kernel(
             k_ld = tile_ptrs_at(k_at, k_tile, k_ptrs, OFFS32)
             v_ld = tile_ptrs_at(v_at, v_tile, v_ptrs, OFFS32)
             k, v = _load_kv(k_ld, v_ld, ok, d_ok, dv_ok, PAD_W, EVEN_D)
-            dq, w, w2 = _dq_tile(
+            dq, w, w2, e_s, e_t = _dq_tile(
                 dq, w, w2, q, do, k, v, ok, offs_m, offs_n, n_q, n_k, scale, su, stat_u, delta,
-                add_base, s_am, s_an, keep_base, s_mm, s_mn, dadd_base, s_gm, s_gn, r, r_t, c,
-                ENTMAX, GAUSS, GAUSS_GRAD, HAS_ADD, HAS_KEEP, F32_DOT, ADD_GRAD, DADD_BCAST_M, DADD_BCAST_N,
-                PAD_W, EVEN_M, BLOCK_M, NR, TILE_W, ROW_PAIR,
+                add_base, s_am, s_an, keep_base, s_mm, s_mn, dadd_base, s_gm, s_gn, r, r_t, c, a, beta, e_s,
+                e_t, ENTMAX, GAUSS, GAUSS_GRAD, HAS_ADD, HAS_KEEP, F32_DOT, ADD_GRAD, DADD_BCAST_M,
+                DADD_BCAST_N, PAD_W, EVEN_M, BLOCK_M, NR, TILE_W, ROW_PAIR, ENT_GRAD,
             )  # fmt: skip
             if not SPARSE:
                 if OFFS32:
@@ -851,12 +918,12 @@ def _bwd_dq_kernel(
                 k_ld = tile_ptrs_at(k_at, k_tile, k_ptrs, OFFS32)
                 v_ld = tile_ptrs_at(v_at, v_tile, v_ptrs, OFFS32)
                 k, v = _load_kv(k_ld, v_ld, ok_t, d_ok, dv_ok, True, EVEN_D)
-                dq, w, w2 = _dq_tile(
+                dq, w, w2, e_s, e_t = _dq_tile(
                     dq, w, w2, q, do, k, v, ok_t, offs_m, offs_n, n_q, n_k, scale, su,
                     stat_u, delta, add_base, s_am, s_an, keep_base, s_mm, s_mn, dadd_base, s_gm, s_gn,
-                    r, r_t, c,
+                    r, r_t, c, a, beta, e_s, e_t,
                     ENTMAX, GAUSS, GAUSS_GRAD, HAS_ADD, HAS_KEEP, F32_DOT, ADD_GRAD, DADD_BCAST_M,
-                    DADD_BCAST_N, True, EVEN_M, BLOCK_M, NR, TILE_W, ROW_PAIR,
+                    DADD_BCAST_N, True, EVEN_M, BLOCK_M, NR, TILE_W, ROW_PAIR, ENT_GRAD,
                 )  # fmt: skip
         if GAUSS_GRAD:  # the column factors again, without alpha / scale, and their exponents
             c, t_c = col_factors(qc, cc, fc, ch * TILE_W * 1.0, TILE_W, False)
@@ -866,6 +933,8 @@ def _bwd_dq_kernel(
             g_row += tl.sum(c * w2, 1)
 
     _store_tile(DQ + row * head_d, dq * scale, offs_m, offs_d, head_d, 1, n_q, head_d, EVEN_M, EVEN_D)
+    if ENT_GRAD:  # backward_lists' form: beta^2 (sum dZ u (1 - ln2 log2 u) + delta (sum p - 1))
+        tl.store(DENT + row + offs_m, beta * beta * (e_t + delta * (e_s - 1.0)), mask=offs_m < n_q)
     if GAUSS_GRAD:
         n_p = n_q - num_prefix
         p_idx = offs_m - num_prefix

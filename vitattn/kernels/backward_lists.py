@@ -1,8 +1,9 @@
 """Backward kernels over compact tile lists: entmax-1.5 (its live tiles), alpha-entmax (a tensor of
-alphas) and neighbourhood windows (their tiles), for every bias kind. The softmax backward without a
-window, and entmax-1.5's with a Gaussian bias and no window (over lists of its live grid-aligned tiles),
-are :mod:`.backward` (grid-aligned Gaussian tiles, the bias factorised per tile); here the Gaussian bias is
-still built per score, from row terms saved once per query.
+alphas) and neighbourhood windows (their tiles), for every bias kind but a Gaussian one without a window.
+The softmax backward without a window and the entmaxes' with a Gaussian bias and no window (entmax-1.5's
+over lists of its live grid-aligned tiles) are :mod:`.backward` (grid-aligned Gaussian tiles, the bias
+factorised per tile); here the Gaussian bias (with a window) is still built per score, from row terms
+saved once per query.
 
 With ``dP = dO Vᵀ`` and the saved statistic (see :func:`vitattn.kernels._common._probs`), the score
 gradient of every normalizer has one form::

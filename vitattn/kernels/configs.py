@@ -165,16 +165,34 @@ AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
         ),
         # the Gaussian gradients' per-query accumulators spill the 64-query tiles of 32 or more keys at
         # head dim 128 (the 128-query 32-key one, 8 warps, stays clear); a mask's gradient tile with bound
-        # masks spills the 64-key tiles at any head dim, every tile but the 16-key one at head dim 128
+        # masks spills the 64-key tiles at any head dim, every tile but the 16-key one at head dim 128;
+        # alpha-entmax with a Gaussian bias (its alphas' gradient besides) spills the 64-key tiles (92 B at
+        # 64x64, 24 B at 128x64) and, with bound masks at head dim 128, the 128x32 one (44 B)
         "bwd_dq": (
             TileConfig(
-                64, 64, 4, 3, max_head_dim_fp32=64, max_head_dim_gauss=64, max_head_dim_masked_ragged=0
+                64,
+                64,
+                4,
+                3,
+                max_head_dim_fp32=64,
+                max_head_dim_gauss=64,
+                max_head_dim_alpha=0,
+                max_head_dim_masked_ragged=0,
             ),
             TileConfig(64, 32, 4, 3, max_head_dim_gauss=64, max_head_dim_masked_ragged=64),
             TileConfig(
-                128, 64, 8, 3, max_head_dim_fp32=64, max_head_dim_gauss=64, max_head_dim_masked_ragged=0
+                128,
+                64,
+                8,
+                3,
+                max_head_dim_fp32=64,
+                max_head_dim_gauss=64,
+                max_head_dim_alpha=0,
+                max_head_dim_masked_ragged=0,
             ),
-            TileConfig(128, 32, 8, 3, max_head_dim_fp32=64, max_head_dim_masked_ragged=64),
+            TileConfig(
+                128, 32, 8, 3, max_head_dim_fp32=64, max_head_dim_masked_ragged=64, max_head_dim_alpha=64
+            ),
             TileConfig(64, 16, 4, 3),
         ),
         # the list kernels (softmax_lists, backward_lists: windows, entmax-1.5's live tiles, alpha-entmax),

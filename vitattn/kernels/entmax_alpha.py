@@ -86,8 +86,13 @@ else:
 def alpha_rows(ENT, b, h, s_eb, s_eh, s_em, offs_m, n_q):
     """``(a, beta)`` of the query rows ``offs_m``: ``a = alpha - 1`` from the alphas ``ENT`` (strides
     ``s_e*``, 0 on broadcast dims) and ``beta = 1 / a``; padded rows get alpha = 2."""
-    ptrs = _offset(ENT, b, h, s_eb, s_eh) + offs_m.to(tl.int64) * s_em
-    a = tl.load(ptrs, mask=offs_m < n_q, other=2.0).to(tl.float32) - 1.0
+    return alpha_rows_at(_offset(ENT, b, h, s_eb, s_eh), s_em, offs_m, n_q)
+
+
+@triton.jit
+def alpha_rows_at(ent_base, s_em, offs_m, n_q):
+    """:func:`alpha_rows` from the ``(b, h)`` row's base pointer ``ent_base``."""
+    a = tl.load(ent_base + offs_m.to(tl.int64) * s_em, mask=offs_m < n_q, other=2.0).to(tl.float32) - 1.0
     return a, 1.0 / a
 
 

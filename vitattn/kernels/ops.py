@@ -631,10 +631,10 @@ class KernelLaunch:
 
     @property
     def list_backward(self) -> bool:
-        """Whether the backward runs the list kernels (``*_lists``): as :attr:`lists`, but entmax-1.5 with a
-        Gaussian bias and no window runs the grid-aligned kernels (:mod:`.backward`, the bias per tile)
-        over lists of its live grid-aligned tiles (:func:`grid_tile_lists`)."""
-        grid = self.normalizer == "entmax15" and self.den is not None and self.window is None
+        """Whether the backward runs the list kernels (``*_lists``): as :attr:`lists`, but entmax-1.5 and
+        alpha-entmax with a Gaussian bias and no window run the grid-aligned kernels (:mod:`.backward`, the
+        bias per tile; entmax-1.5 over lists of its live grid-aligned tiles, :func:`grid_tile_lists`)."""
+        grid = self.normalizer != "softmax" and self.den is not None and self.window is None
         return self.lists and not grid
 
     @property
@@ -1059,6 +1059,7 @@ def _gaussian_terms(launch: KernelLaunch, dummy: torch.Tensor) -> tuple[torch.Te
             [launch.den],
             GWP=gwp,
             BLOCK_M=block,
+            SCALED=launch.normalizer == "entmax_alpha",  # its bias added after the scale
         )
     return fact, n_qp, n_fr
 
@@ -1171,15 +1172,17 @@ def _backward(
         dq_tail = [ent_args[0], dent if ent_grad else dummy, *ent_args[1:]]
         dq_meta: dict[str, Any] = dict(ENT_GRAD=ent_grad)
         dq_extra: dict[str, Any] = dict(tile_args=_list_tile_args(launch, live, False, dummy))
-    else:  # softmax, and entmax-1.5 with a Gaussian bias: grid-aligned Gaussian tiles
+    else:  # softmax, and the entmaxes with a Gaussian bias: grid-aligned Gaussian tiles
         del meta["WINDOW"]
         meta.update(launch.grid_flags())
         meta["OFFS32"] = use_tile_offsets(launch, n_qp * n_fr, lists=False)
-        dkdv_args = [q, k, v, do, stat, delta, fact, dk, dvv, *operands, *strides, *scalars, n_qp, n_fr]
+        dkdv_args = [q, k, v, do, stat, delta, fact, dk, dvv, *operands, *strides, *scalars, n_qp, n_fr,
+                     *ent_args]  # fmt: skip
         dkdv_blocks = lambda bm, bn: (launch.key_blocks(bm, bn), b * h)  # noqa: E731
         dkdv_extra = dict(grid_keys=launch.grid_keys(launch.dkdv_tiles))
-        dq_tail, dq_extra = [], dict(grid_keys=launch.grid_keys("bwd_dq"))
-        dq_meta = {"ROW_PAIR": configs.DQ_ROW_PAIR_BY_ARCH[device_arch([q])]}
+        dq_tail = [ent_args[0], dent if ent_grad else dummy, *ent_args[1:]]
+        dq_extra = dict(grid_keys=launch.grid_keys("bwd_dq"))
+        dq_meta = {"ROW_PAIR": configs.DQ_ROW_PAIR_BY_ARCH[device_arch([q])], "ENT_GRAD": ent_grad}
         if launch.normalizer == "entmax15":  # the live grid-aligned tiles of the forward's map
             meta["SPARSE"] = True
             meta["UNIFORM"] = not interpret_requested()
@@ -1187,7 +1190,7 @@ def _backward(
             dq_extra["tile_args"] = _grid_list_args(launch, live, False)
         else:
             dkdv_args += [dummy, dummy, 0]
-            dq_tail = [dummy, dummy, 0]
+            dq_tail += [dummy, dummy, 0]
     suffix = "_lists" if lists else ""
     _launch("bwd_dkdv" + suffix, dkdv_blocks, dkdv_args, meta, launch.shape, launch.even_d, **dkdv_extra)
     dq_extra["reset"] = dadd.zero_ if add_mode == 2 else None  # atomics accumulate: reset after benchmarking

@@ -86,10 +86,10 @@ CALL_WINDOW, CALL_DILATION = (7, 7), (2, 2)
 
 def kernel_name(normalizer: str, pass_: str, window: bool = False, bias: str = "none") -> str:
     """The kernel (``ops``' name, its autotune list's key) of a variant: the ``*_lists`` kernels for a
-    window, entmax-1.5's live tiles and alpha-entmax, but the grid-aligned backward for entmax-1.5 with a
-    Gaussian bias and no window (``ops.KernelLaunch.list_backward``; the row kernels keep their own
+    window, entmax-1.5's live tiles and alpha-entmax, but the grid-aligned backward for both entmaxes with
+    a Gaussian bias and no window (``ops.KernelLaunch.list_backward``; the row kernels keep their own
     names)."""
-    grid = normalizer == "entmax15" and bias == "gaussian" and not window
+    grid = normalizer != "softmax" and bias == "gaussian" and not window
     lists = (normalizer != "softmax" or window) and not grid
     if pass_ == "fwd":
         return "fwd_softmax_lists" if normalizer == "softmax" and window else f"fwd_{normalizer}"
@@ -118,8 +118,8 @@ class Build:
     @property
     def lists(self) -> bool:
         """Whether the build is one of the list kernels (a window, entmax-1.5, alpha-entmax; ops.KernelLaunch;
-        entmax-1.5's backward with a Gaussian bias and no window runs the grid-aligned kernels)."""
-        if self.pass_ != "fwd" and self.normalizer == "entmax15" and self.bias == "gaussian":
+        the entmaxes' backward with a Gaussian bias and no window runs the grid-aligned kernels)."""
+        if self.pass_ != "fwd" and self.normalizer != "softmax" and self.bias == "gaussian":
             return self.window
         return self.normalizer != "softmax" or self.window
 
@@ -270,10 +270,10 @@ def build_source(build: Build) -> Any:
     from .. import ops
 
     if build.pass_ in ROW_PASSES:
-        # rows: the list kernels' Gaussian row terms (alpha-entmax's backward; entmax-1.5's runs the
-        # grid-aligned kernels with a Gaussian bias and no window)
-        normalizer = "entmax_alpha" if build.pass_ == "rows" else "softmax"
-        rec = launches(normalizer, "gaussian", True, build.head_dim, build.dtype, build.arch)[
+        # rows: the list kernels' Gaussian row terms (a window's backward; without one the Gaussian
+        # backwards run the grid-aligned kernels, with the factors)
+        rows = build.pass_ == "rows"
+        rec = launches("softmax", "gaussian", True, build.head_dim, build.dtype, build.arch, rows)[
             ROW_KERNELS[build.pass_]
         ]
         return jit_source(rec.fn, rec.args, dict(rec.meta), build.arch)
@@ -392,7 +392,7 @@ def plan(
             have = {
                 (b.bias, b.pass_, b.config, b.head_dim)
                 for b in builds
-                if b.arch == arch and b.even and not b.window
+                if b.arch == arch and b.even and not b.window and b.normalizer == "softmax"
             }
             for pass_ in PASSES:
                 kernel = "fwd_softmax" if pass_ == "fwd" else pass_
