@@ -65,9 +65,7 @@ from ._common import (
     tile_ptrs_at,
 )
 from ._tiles import listed, listed_with_last, small_int_to_float, tile_index, tile_list
-from .entmax_alpha import alpha_powers, alpha_rows, alpha_rows_at
-
-LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+from .entmax_alpha import alpha_grad, alpha_grad_weights, alpha_powers, alpha_rows, alpha_rows_at
 
 
 @triton.jit
@@ -596,7 +594,7 @@ def _dq_tile(
         p, g, l2 = alpha_powers(u, beta[:, None])
         if ENT_GRAD:
             e_s += tl.sum(p, 1)
-            w_ent = tl.where(u > 0.0, u - LN2 * (u * l2), 0.0)
+            w_ent = alpha_grad_weights(u, l2)
     else:
         p, g = _probs(s * su, stat_u, ENTMAX, False)
     dp = _dot(do, tl.trans(v), F32_DOT)
@@ -933,8 +931,8 @@ def _bwd_dq_kernel(
             g_row += tl.sum(c * w2, 1)
 
     _store_tile(DQ + row * head_d, dq * scale, offs_m, offs_d, head_d, 1, n_q, head_d, EVEN_M, EVEN_D)
-    if ENT_GRAD:  # backward_lists' form: beta^2 (sum dZ u (1 - ln2 log2 u) + delta (sum p - 1))
-        tl.store(DENT + row + offs_m, beta * beta * (e_t + delta * (e_s - 1.0)), mask=offs_m < n_q)
+    if ENT_GRAD:
+        tl.store(DENT + row + offs_m, alpha_grad(beta, e_t, e_s, delta), mask=offs_m < n_q)
     if GAUSS_GRAD:
         n_p = n_q - num_prefix
         p_idx = offs_m - num_prefix

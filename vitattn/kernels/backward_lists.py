@@ -62,9 +62,7 @@ from ._tiles import (
     window_penalty,
     window_rows,
 )
-from .entmax_alpha import alpha_powers, alpha_rows
-
-LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+from .entmax_alpha import alpha_grad, alpha_grad_weights, alpha_powers, alpha_rows
 
 
 @triton.jit
@@ -480,7 +478,7 @@ def _bwd_dq_kernel(
             p, g, l2 = alpha_powers(u, beta[:, None])
             if ENT_GRAD:  # two tiles (g, w) live across the dot instead of three (g, u, log2 u)
                 e_s += tl.sum(p, 1)
-                w = tl.where(u > 0.0, u - LN2 * (u * l2), 0.0)
+                w = alpha_grad_weights(u, l2)
         else:
             p, g = _probs(z, stat_u, ENTMAX, False)
         v = load_tile_at(v_base, start_n, v_tile, offs_n, offs_dv, n_k, head_dv, EVEN_N, EVEN_D, OFFS32)
@@ -504,12 +502,7 @@ def _bwd_dq_kernel(
 
     _store_tile(DQ + row * head_d, dq * scale, offs_m, offs_d, head_d, 1, n_q, head_d, EVEN_M, EVEN_D)
     if ENT_GRAD:
-        # entmax_alpha's closed form, d alpha = beta^2 (sum dP p - delta) - beta (sum dP p ln p - delta H)
-        # with delta = sum dP g / sum g, H = sum p ln p, ln p = beta ln2 log2 u, written with dZ = g (dP -
-        # delta) and p = g u as beta^2 (sum dZ u (1 - ln2 log2 u) + delta (sum p - 1)): no difference of
-        # two nearly equal sums
-        d_alpha = beta * beta * (e_t + delta * (e_s - 1.0))
-        tl.store(DENT + row + offs_m, d_alpha, mask=offs_m < n_q)
+        tl.store(DENT + row + offs_m, alpha_grad(beta, e_t, e_s, delta), mask=offs_m < n_q)
     if GAUSS_GRAD:
         n_p = n_q - num_prefix
         p_idx = offs_m - num_prefix

@@ -96,6 +96,25 @@ def alpha_rows_at(ent_base, s_em, offs_m, n_q):
     return a, 1.0 / a
 
 
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def alpha_grad_weights(u, l):
+    """``w = u (1 - ln2 l)`` where ``u > 0``, else 0 (``l = log2 u``, :func:`alpha_powers`): per score, the
+    factor of ``dZ`` in the backward's sum for the alphas' gradient (:func:`alpha_grad`)."""
+    return tl.where(u > 0.0, u - LN2 * (u * l), 0.0)
+
+
+@triton.jit
+def alpha_grad(beta, sum_dz_w, sum_p, delta):
+    """The gradient to each row's alpha from the backward's sums: ``beta^2 (sum dZ w + delta (sum p - 1))``,
+    ``entmax_alpha``'s closed form ``beta^2 (sum dP p - delta) - beta (sum dP p ln p - delta H)`` written
+    with ``dZ = g (dP - delta)``, ``p = g u`` and ``ln p = beta ln2 log2 u``: no difference of two nearly
+    equal sums."""
+    return beta * beta * (sum_dz_w + delta * (sum_p - 1.0))
+
+
 @triton.jit
 def alpha_powers(u, beta):
     """``(p, g, l)`` of a tile ``u >= 0`` with ``beta`` broadcast to it: ``g = u^(beta - 1)`` (0 where
