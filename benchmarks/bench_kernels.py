@@ -1,12 +1,15 @@
 """The fused Triton kernels against their peers on one GPU, side by side in one process (bf16).
 
 Usage: python benchmarks/bench_kernels.py [--case vit_b n4096 n16384 sparse] [--out results.json]
-       [--rounds 5] [--seconds LIMIT] [--dry-run]
+       [--rounds 5] [--seconds LIMIT [--started EPOCH]] [--dry-run]
 
 The cases, implementations and measurements are :mod:`vitattn.bench.kernels` (``vitattn bench kernels``
 runs all cases into one table); this script runs the named cases, prints each case's ratio table and
 writes the JSON after every mode, so a run killed part-way keeps what it measured; with ``--seconds``
-implementations not started by ``LIMIT - max(10 s, 10 %)`` are skipped (the others are still timed).
+implementations not started by ``LIMIT - max(10 s, 10 %)`` are skipped (the others are still timed), and a
+case not started by then is skipped whole; ``--started`` is when the limit began (seconds since the epoch,
+default: when this script's ``main`` runs), so a caller's ``timeout`` and this deadline count the
+interpreter's start-up alike.
 ``--dry-run``: tiny shapes on the CPU in float32 (set ``TRITON_INTERPRET=1`` for the Triton rows),
 CUDA-only peers skipped.
 """
@@ -28,9 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 5; dry run 1)")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (plumbing only)")
     parser.add_argument("--seconds", type=float, help="time limit: later implementations are skipped near it")
+    parser.add_argument("--started", type=float, help="when --seconds began (time.time(); default: now)")
     args = parser.parse_args(argv)
     start, done = time.time(), []
-    deadline = None if args.seconds is None else start + args.seconds - max(10.0, 0.1 * args.seconds)
+    began = start if args.started is None else args.started
+    deadline = None if args.seconds is None else began + args.seconds - max(10.0, 0.1 * args.seconds)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -39,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(payload(results, start, args.dry_run), indent=1) + "\n")
 
     for name in args.case:
+        if deadline is not None and time.time() > deadline:
+            print(f"{name}: skipped (out of time: the run's time limit is near)\n", flush=True)
+            continue
         (res,) = run_cases([name], dry=args.dry_run, rounds=args.rounds, on_mode=save, deadline=deadline)
         done.append(res)
         save(res)

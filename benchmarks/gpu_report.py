@@ -7,12 +7,16 @@ Usage (the shell script calls these; stdlib only, except ``env`` which imports t
     python benchmarks/gpu_report.py finish NAME --json OUT/NAME.json --kind env|warm|pytest|memcheck|bench \
         [--rc N --seconds S --limit S --log FILE] [--skipped REASON] [--sanitizer PATH] [--note TEXT]
     python benchmarks/gpu_report.py summary OUT [--dry-run]
+    python benchmarks/gpu_report.py runs RUN_DIR [RUN_DIR ...] [--json FILE]
 
 ``finish`` makes sure the step's JSON exists (a step killed before it wrote anything gets a record with
 its exit status and the tail of its log) and adds a ``step`` object: name, status (ok, failed,
 timeout, skipped), rc, seconds, limit, log tail. ``summary`` reads every step's JSON, prints the checks
 (:func:`checks`) and the goals (:func:`goals`) as pass / fail / unknown and writes ``summary.json``;
 its exit status is 1 if a check failed (the speed and memory goals are reported, not enforced).
+``runs`` reads the bench JSON of several runs (each directory one run, each bench file one fresh
+process) and prints, per row, its ratio to the reference in each run with the min / median / max over
+the runs, and per goal how many runs pass it: a ratio counts only where it holds in every process.
 
 The verdict rules, each tested on recorded step outcomes (``tests/test_gpu_check.py``):
 
@@ -480,6 +484,56 @@ def summary(args: argparse.Namespace) -> int:
     return 1 if any(c["status"] == "fail" for c in result["checks"]) else 0
 
 
+def _ratios(rows: dict[tuple[str, str, str], dict[str, Any]], ref: str | None) -> dict[str, float]:
+    """``"case mode impl" -> ms / the reference's ms`` of one run, for the rows that pass their gate."""
+    out: dict[str, float] = {}
+    for (case, mode, impl), row in rows.items():
+        base = rows.get((case, mode, str(ref)))
+        if base is not None and _gate(row) == "ok":
+            out[f"{case} {mode} {impl}"] = float(row["ms"]) / float(base["ms"])
+    return out
+
+
+def runs(args: argparse.Namespace) -> int:
+    """Min / median / max of every ratio and each goal's pass count over several runs (one process each)."""
+    dirs = [Path(d) for d in args.run_dirs]
+    per_run = [_ratios(*_rows(d)) for d in dirs]
+    keys = sorted({k for r in per_run for k in r})
+    table: list[dict[str, Any]] = []
+    for key in keys:
+        values = [r[key] for r in per_run if key in r]
+        ordered = sorted(values)
+        mid = len(ordered) // 2
+        median = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+        table.append(
+            {
+                "row": key,
+                "ratios": [r.get(key) for r in per_run],
+                "min": ordered[0],
+                "median": median,
+                "max": ordered[-1],
+                "runs": len(values),
+            }
+        )
+    verdicts: dict[str, list[str]] = {}
+    texts: dict[str, str] = {}
+    for d in dirs:
+        for g in goals(d):
+            verdicts.setdefault(g["goal"], []).append(g["status"])
+            texts[g["goal"]] = g["text"]
+    print(f"{len(dirs)} runs: " + ", ".join(str(d) for d in dirs))
+    print(f"{'row (ratio = ms / reference ms)':<58} {'min':>6} {'median':>7} {'max':>6}  runs")
+    for t in table:
+        print(f"{t['row']:<58} {t['min']:>6.2f} {t['median']:>7.2f} {t['max']:>6.2f}  {t['runs']}")
+    for name, statuses in verdicts.items():
+        counted = [s for s in statuses if s != "unknown"]
+        passed = sum(s == "pass" for s in counted)
+        print(f"  goal {texts[name]}: {passed} of {len(counted)} runs pass ({', '.join(statuses)})")
+    if args.json:
+        _write(Path(args.json), {"runs": [str(d) for d in dirs], "ratios": table, "goals": verdicts})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -502,12 +556,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("summary")
     p.add_argument("out")
     p.add_argument("--dry-run", action="store_true")
+    p = sub.add_parser("runs")
+    p.add_argument("run_dirs", nargs="+", help="one directory of bench_*.json per run (fresh process)")
+    p.add_argument("--json", help="write the table and the goals' verdicts here")
     args = parser.parse_args(argv)
     if args.cmd == "find-sanitizer":
         exe = find_sanitizer()
         print(exe or "")
         return 0 if exe else 1
-    return {"env": env, "finish": finish, "summary": summary}[args.cmd](args)
+    return {"env": env, "finish": finish, "summary": summary, "runs": runs}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -37,10 +37,19 @@ DRY_CASES = [("softmax", "gaussian_keep", 24), ("entmax15", "add", 24)]
 
 
 def run_case(
-    normalizer: str, kind: str, d: int, dev: str, dt: torch.dtype, n: int = 37, b: int = 2, h: int = 3
+    normalizer: str,
+    kind: str,
+    d: int,
+    dev: str,
+    dt: torch.dtype,
+    n: int = 37,
+    b: int = 2,
+    h: int = 3,
+    check_finite: bool = True,
 ) -> None:
     """Forward + backward of one case, q, k, v ``(B, H, N, D)`` with ``N - 1`` a square (a class token
-    and a square patch grid); raises if a gradient is not finite."""
+    and a square patch grid); raises if a gradient is not finite (unless ``check_finite`` is false: the
+    warm step's compile-only launches leave outputs unwritten)."""
     q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
     leaves = [q, k, v]
     mask: torch.Tensor | None = None
@@ -65,7 +74,7 @@ def run_case(
     grads = torch.autograd.grad(out.float().square().sum(), leaves)
     if dev == "cuda":
         torch.cuda.synchronize()
-    if not all(torch.isfinite(g).all() for g in grads):
+    if check_finite and not all(torch.isfinite(g).all() for g in grads):
         raise FloatingPointError(f"{normalizer} {kind} d={d}: non-finite gradient")
 
 

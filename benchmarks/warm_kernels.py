@@ -87,10 +87,11 @@ def run_job(job: dict[str, Any], dry: bool) -> dict[str, Any]:
 
             dev, dt = ("cpu", torch.float32) if dry else ("cuda", torch.bfloat16)
             normalizer, kind, d = job["args"]
+            # compile only: no kernel runs, so the gradients are unwritten memory (not checked)
             if dry:
-                run_case(normalizer, kind, d, dev, dt, n=17, b=1, h=1)
+                run_case(normalizer, kind, d, dev, dt, n=17, b=1, h=1, check_finite=False)
             else:
-                run_case(normalizer, kind, d, dev, dt)
+                run_case(normalizer, kind, d, dev, dt, check_finite=False)
         elif job["kind"] == "peer":
             from vitattn.bench.kernels import warm_peer
 

@@ -496,3 +496,54 @@ def test_skip_notes_group_by_reason():
         "skipped (needs CUDA): x [fwd+bwd, fwd], z [fwd]",
         "skipped (failed: boom): y [fwd+bwd]",
     ]
+
+
+@pytest.mark.slow  # the whole device check run dry in a subprocess (~40 s)
+def test_dry_run_gives_the_last_bench_step_what_the_earlier_steps_left(dry_run):
+    out, res = dry_run
+    steps = json.loads((out / "summary.json").read_text())["steps"]
+    extra = json.loads((out / "bench_extra.json").read_text())["step"]
+    # the dry run's budget is 300 s and its limits double (extra: 40 s -> 80 s); the steps before it end
+    # far inside their limits, so the last step's limit is the budget's remainder, above its own 80 s
+    used = sum(int(s["seconds"] or 0) for name, s in steps.items() if name != "bench_extra")
+    assert extra["limit_s"] > 80 and extra["limit_s"] <= 300 - used, (extra, used)
+    assert "--started" in (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+
+
+@pytest.mark.slow  # a subprocess importing torch
+def test_bench_deadline_counts_from_started_and_skips_whole_cases(tmp_path):
+    import time
+
+    script = ROOT / "benchmarks" / "bench_kernels.py"
+    out = tmp_path / "bench.json"
+    # a limit that began 100 s ago is already past its deadline: no case starts, each is reported
+    res = subprocess.run(
+        [sys.executable, str(script), "--case", "vit_b", "sparse", "--dry-run", "--seconds", "30",
+         "--started", str(time.time() - 100), "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "vit_b: skipped (out of time" in res.stdout and "sparse: skipped (out of time" in res.stdout
+
+
+def test_runs_gives_min_median_max_per_row_and_goal_pass_counts(tmp_path, capsys):
+    report = _report()
+    dirs = []
+    for i, ours in enumerate((1.0, 1.2, 0.9)):
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        _good_run(d, ours)
+        dirs.append(d)
+    (dirs[2] / "bench_n16384.json").unlink()  # a run without the n16384 case: its goals are unknown there
+    assert report.main(["runs", *map(str, dirs), "--json", str(tmp_path / "runs.json")]) == 0
+    saved = json.loads((tmp_path / "runs.json").read_text())
+    rows = {r["row"]: r for r in saved["ratios"]}
+    g = rows["n4096 fwd+bwd gaussian vitattn"]
+    assert (g["min"], g["median"], g["max"], g["runs"]) == (0.9, 1.0, 1.2, 3)
+    assert rows["n16384 fwd+bwd entmax15 vitattn"]["runs"] == 2
+    assert rows["n16384 fwd+bwd entmax15 vitattn"]["ratios"][2] is None
+    # 1.0 and 0.9 ms are >= 0.95x the throughput of 1.0 ms; 1.2 ms is not
+    assert saved["goals"]["gaussian_vs_flash_n4096"] == ["pass", "fail", "pass"]
+    assert saved["goals"]["entmax_vs_flash_n16384"] == ["fail", "fail", "unknown"]
+    printed = capsys.readouterr().out
+    assert "throughput, n4096: 2 of 3 runs pass (pass, fail, pass)" in printed

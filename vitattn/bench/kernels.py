@@ -211,7 +211,10 @@ def _flex(x: Inputs) -> Callable[[], torch.Tensor]:
     prefix, gw, clamp = gb.num_prefix_tokens, gb.grid_size[1], gb.clamp
 
     def fn() -> torch.Tensor:
+        # one captured tensor per index: FlexAttention's backward refuses a tensor that requires grad
+        # indexed twice in a score_mod (the row and column denominators are two tensors, not one)
         den = gb.denominators()
+        den_row, den_col = den[..., 0].contiguous(), den[..., 1].contiguous()
         alpha = x.alpha[..., 0].float()
         # without autograd, inputs that require grad are refused on the CPU: pass them detached
         q, k, v = (t if torch.is_grad_enabled() else t.detach() for t in (x.q, x.k, x.v))
@@ -221,8 +224,8 @@ def _flex(x: Inputs) -> Callable[[], torch.Tensor]:
             pk = torch.clamp(kv_idx - prefix, min=0)
             dr = (pq // gw - pk // gw).to(torch.float32)
             dc = (pq % gw - pk % gw).to(torch.float32)
-            a_r = torch.clamp(-0.5 * dr * dr, min=clamp) / den[b, h, pq, 0]
-            a_c = torch.clamp(-0.5 * dc * dc, min=clamp) / den[b, h, pq, 1]
+            a_r = torch.clamp(-0.5 * dr * dr, min=clamp) / den_row[b, h, pq]
+            a_c = torch.clamp(-0.5 * dc * dc, min=clamp) / den_col[b, h, pq]
             inside = (q_idx >= prefix) & (kv_idx >= prefix)
             return score + torch.where(inside, alpha[b, h, pq] * torch.exp(a_r + a_c), 0.0)
 
