@@ -6,12 +6,14 @@ Usage: PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --erro
 Each normalizer (softmax, entmax-1.5) runs on tiny ragged shapes (N = 37 = 1 + 6x6, head dim 24 padded
 to 32, and one head dim 128 case) in bf16 through ``attention(..., backend="triton")``: no bias, the
 in-kernel Gaussian bias, a broadcast additive mask (its gradient uses atomics), a boolean mask with a
-dead row plus the Gaussian bias, and a key-padding mask with a bias tensor. Together they launch every
-kernel (forward, the backward's row term, dK/dV, dQ) with every kind of bias operand. With
+dead row plus the Gaussian bias, and a key-padding mask with a bias tensor; alpha-entmax (one alpha per
+head) with the Gaussian bias and with an additive mask; the Gaussian bias in a 3 x 3 window (the list
+kernels) for softmax and entmax-1.5. Together they launch every kernel (forward, the backward's row
+term, dK/dV, dQ) with every kind of bias operand. With
 ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` each tensor is its own ``cudaMalloc``, so the sanitizer sees an
 access past any tensor's end. Autotuning is whatever the environment asks (``gpu_check.sh`` sets
 ``VITATTN_TRITON_TILES=first``: one config per kernel). The JSON is rewritten after every case (a
-killed run keeps the cases it finished); ``--dry-run`` runs two cases at N = 17 on the CPU
+killed run keeps the cases it finished); ``--dry-run`` runs three cases at N = 17 on the CPU
 (``TRITON_INTERPRET=1``).
 """
 
@@ -25,15 +27,28 @@ from pathlib import Path
 
 import torch
 
-from vitattn.functional import GaussianBias, attention
+from vitattn.functional import GaussianBias, WindowMask, attention
 
-# (normalizer, kind, head dim)
+# (normalizer, kind, head dim); "alpha": alpha-entmax with one alpha per head; "gaussian_window": the
+# Gaussian bias in a 3 x 3 neighbourhood window (the list kernels)
 CASES = [
-    (normalizer, kind, d)
-    for normalizer in ("softmax", "entmax15")
-    for kind, d in (("none", 24), ("gaussian", 24), ("add", 24), ("gaussian_keep", 128), ("padding_bias", 24))
+    *(
+        (normalizer, kind, d)
+        for normalizer in ("softmax", "entmax15")
+        for kind, d in (
+            ("none", 24),
+            ("gaussian", 24),
+            ("add", 24),
+            ("gaussian_keep", 128),
+            ("padding_bias", 24),
+        )
+    ),
+    ("alpha", "gaussian", 24),
+    ("alpha", "add", 24),
+    ("softmax", "gaussian_window", 24),
+    ("entmax15", "gaussian_window", 128),
 ]
-DRY_CASES = [("softmax", "gaussian_keep", 24), ("entmax15", "add", 24)]
+DRY_CASES = [("softmax", "gaussian_keep", 24), ("entmax15", "add", 24), ("alpha", "gaussian_window", 24)]
 
 
 def run_case(
@@ -52,7 +67,7 @@ def run_case(
     warm step's compile-only launches leave outputs unwritten)."""
     q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
     leaves = [q, k, v]
-    mask: torch.Tensor | None = None
+    mask: torch.Tensor | WindowMask | None = None
     bias: torch.Tensor | GaussianBias | None = None
     if kind.startswith("gaussian"):
         sigma = torch.rand(1, h, n - 1, 2, device=dev, requires_grad=True)
@@ -70,7 +85,14 @@ def run_case(
         mask = torch.ones(b, 1, 1, n, dtype=torch.bool, device=dev)
         mask[1, ..., -9:] = False
         bias = torch.randn(b, 1, 1, n, device=dev, dtype=dt)
-    out = attention(q, k, v, normalizer=normalizer, mask=mask, bias=bias, backend="triton")
+    if kind == "gaussian_window":
+        side = math.isqrt(n - 1)
+        mask = WindowMask((side, side), 3, num_prefix_tokens=1)
+    norm: str | torch.Tensor = normalizer
+    if normalizer == "alpha":
+        norm = (1.2 + 0.6 * torch.rand(h, device=dev)).requires_grad_()
+        leaves.append(norm)
+    out = attention(q, k, v, normalizer=norm, mask=mask, bias=bias, backend="triton")
     grads = torch.autograd.grad(out.float().square().sum(), leaves)
     if dev == "cuda":
         torch.cuda.synchronize()

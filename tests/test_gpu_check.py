@@ -547,3 +547,19 @@ def test_runs_gives_min_median_max_per_row_and_goal_pass_counts(tmp_path, capsys
     assert saved["goals"]["entmax_vs_flash_n16384"] == ["fail", "fail", "unknown"]
     printed = capsys.readouterr().out
     assert "throughput, n4096: 2 of 3 runs pass (pass, fail, pass)" in printed
+
+
+def test_the_step_limits_fit_the_budget():
+    """The steps' own limits (``step NAME LIMIT`` and the bench specs ``name:LIMIT:cases``) add up to at
+    most the 420 s budget, so that one 10-minute device call leaves time for a rerun."""
+    import re
+
+    text = SCRIPT.read_text()
+    limits = [int(m) for m in re.findall(r"^\s*step \w+ (\d+) ", text, flags=re.M)]
+    specs = re.search(r"for spec in (.+?); do", text)
+    assert specs is not None
+    benches = [int(spec.split(":")[1]) for spec in specs.group(1).split()]
+    memcheck = [m for m in re.findall(r"^\s*step memcheck (\d+) ", text, flags=re.M)]
+    assert len(memcheck) == 2 and len(set(memcheck)) == 1  # one of the two memcheck branches runs
+    total = sum(limits) - int(memcheck[0]) + sum(benches)
+    assert len(benches) == 3 and total <= 420, (limits, benches, total)

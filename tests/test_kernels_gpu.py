@@ -19,8 +19,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from vitattn.functional import GaussianBias, attention, explain
+from vitattn.functional import GaussianBias, WindowMask, attention, explain
 from vitattn.functional.dispatch import AttentionCall
+from vitattn.kernels import configs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 pytestmark = [
@@ -33,7 +34,8 @@ DEV = "cuda"
 TOL = {torch.float32: (1e-5, 3e-5), torch.float16: (3e-3, 6e-3), torch.bfloat16: (2.5e-2, 5e-2)}
 GRIDS = {197: (14, 14), 256: (16, 16), 785: (28, 28), 1025: (32, 32)}
 TILES_ENV = "VITATTN_TRITON_TILES"
-MAX_CONFIGS = 4  # the longest autotune list (configs.AUTOTUNE_BY_ARCH)
+# the longest autotune list of any arch (a shorter list runs its last config past its end)
+MAX_CONFIGS = max(len(tiles) for lists in configs.AUTOTUNE_BY_ARCH.values() for tiles in lists.values())
 
 
 @pytest.fixture(autouse=True)
@@ -66,13 +68,17 @@ def _leaves(normalizer, kind, n, d, dtype, b=2, h=3, seed=0):
     if kind == "key_padding":
         mask = torch.ones(b, 1, 1, n, dtype=torch.bool, device=DEV)
         mask[0, ..., -17:] = False
+    if kind.endswith("window"):  # a 5 x 5 neighbourhood (the list kernels)
+        mask = WindowMask(GRIDS[n], 5, num_prefix_tokens=prefix)
+    if normalizer == "alpha":  # alpha-entmax with one alpha per head (float32, gradients to it)
+        ours["ent_alpha"] = (1.2 + torch.rand(h, device=DEV, generator=g, dtype=torch.float64) * 0.6).float()
     ours = {k: t.requires_grad_() for k, t in ours.items()}
     ref = {k: t.detach().double().requires_grad_() for k, t in ours.items()}
     return ours, ref, mask
 
 
 def _kwargs(leaves, normalizer, n, mask):
-    kw = dict(normalizer=normalizer, mask=mask)
+    kw = dict(normalizer=leaves["ent_alpha"] if normalizer == "alpha" else normalizer, mask=mask)
     if "sigma" in leaves:
         prefix = n - GRIDS[n][0] * GRIDS[n][1]
         kw["bias"] = GaussianBias(leaves["sigma"], leaves["alpha"], GRIDS[n], num_prefix_tokens=prefix)
@@ -118,12 +124,28 @@ CASES = [
     ("entmax15", "add", 197, 64, torch.float16),
     ("entmax15", "key_padding", 1025, 128, torch.bfloat16),
     ("entmax15", "gaussian", 785, 64, torch.float32),
+    # alpha-entmax with a tensor of alphas, and neighbourhood windows (the list kernels)
+    ("alpha", "none", 197, 64, torch.bfloat16),
+    ("alpha", "gaussian", 197, 64, torch.bfloat16),
+    ("alpha", "add", 256, 128, torch.float16),
+    ("softmax", "window", 785, 64, torch.bfloat16),
+    ("softmax", "gaussian_window", 197, 64, torch.bfloat16),
+    ("entmax15", "gaussian_window", 785, 32, torch.bfloat16),
+    ("alpha", "window", 197, 64, torch.bfloat16),
 ]
-# every config of every kernel: ragged lengths with the Gaussian bias (D 64), whole tiles without (D 128)
+# every config of every kernel: ragged lengths with the Gaussian bias (D 64), whole tiles without (D 128);
+# plain softmax at D 64 (the 128 x 64 4-warp forward tile serves it alone), entmax-1.5 without a bias (its
+# live-tile list kernels), alpha-entmax, and a window with the Gaussian bias (the list kernels' tiles)
 CONFIG_CASES = [
-    (normalizer, kind, n, d)
-    for normalizer in ("softmax", "entmax15")
-    for kind, n, d in (("gaussian", 197, 64), ("none", 256, 128))
+    *(
+        (normalizer, kind, n, d)
+        for normalizer in ("softmax", "entmax15")
+        for kind, n, d in (("gaussian", 197, 64), ("none", 256, 128))
+    ),
+    ("softmax", "none", 197, 64),
+    ("entmax15", "none", 197, 64),
+    ("alpha", "gaussian", 197, 64),
+    ("softmax", "gaussian_window", 197, 64),
 ]
 DETERMINISM_CASES = [
     ("softmax", "gaussian", 197, 64),
