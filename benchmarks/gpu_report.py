@@ -38,6 +38,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import sys
 import sysconfig
 from pathlib import Path
@@ -497,21 +498,21 @@ def _ratios(rows: dict[tuple[str, str, str], dict[str, Any]], ref: str | None) -
 def runs(args: argparse.Namespace) -> int:
     """Min / median / max of every ratio and each goal's pass count over several runs (one process each)."""
     dirs = [Path(d) for d in args.run_dirs]
+    missing = [str(d) for d in dirs if not d.is_dir()]
+    if missing:
+        raise SystemExit(f"gpu_report.py runs: run_dirs must be directories; not found: {missing}")
     per_run = [_ratios(*_rows(d)) for d in dirs]
     keys = sorted({k for r in per_run for k in r})
     table: list[dict[str, Any]] = []
     for key in keys:
         values = [r[key] for r in per_run if key in r]
-        ordered = sorted(values)
-        mid = len(ordered) // 2
-        median = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
         table.append(
             {
                 "row": key,
                 "ratios": [r.get(key) for r in per_run],
-                "min": ordered[0],
-                "median": median,
-                "max": ordered[-1],
+                "min": min(values),
+                "median": statistics.median(values),
+                "max": max(values),
                 "runs": len(values),
             }
         )

@@ -547,6 +547,8 @@ def test_runs_gives_min_median_max_per_row_and_goal_pass_counts(tmp_path, capsys
     assert saved["goals"]["entmax_vs_flash_n16384"] == ["fail", "fail", "unknown"]
     printed = capsys.readouterr().out
     assert "throughput, n4096: 2 of 3 runs pass (pass, fail, pass)" in printed
+    with pytest.raises(SystemExit, match="not found"):
+        report.main(["runs", str(dirs[0]), str(tmp_path / "no_such_run")])
 
 
 def test_the_step_limits_fit_the_budget():
