@@ -9,7 +9,8 @@ writes the JSON after every mode, so a run killed part-way keeps what it measure
 implementations not started by ``LIMIT - max(10 s, 10 %)`` are skipped (the others are still timed), and a
 case not started by then is skipped whole; ``--started`` is when the limit began (seconds since the epoch,
 default: when this script's ``main`` runs), so a caller's ``timeout`` and this deadline count the
-interpreter's start-up alike.
+interpreter's start-up alike. At the end, one line per kernel launch whose tile was timed in this process
+(the pick and every candidate's time; the JSON's ``tuning`` holds every pick and how it was got).
 ``--dry-run``: tiny shapes on the CPU in float32 (set ``TRITON_INTERPRET=1`` for the Triton rows),
 CUDA-only peers skipped.
 """
@@ -21,7 +22,7 @@ import json
 import time
 from pathlib import Path
 
-from vitattn.bench.kernels import CASES, CaseResult, payload, run_cases
+from vitattn.bench.kernels import CASES, CaseResult, payload, run_cases, tuning_lines, tuning_log
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in res.skipped:
             print(f"  skipped {s['impl']} ({s['mode']}): {s['reason']}", flush=True)
         print(flush=True)
+    for line in tuning_lines(tuning_log()):
+        print(line, flush=True)
     print(f"wrote {out} ({time.time() - start:.0f}s)", flush=True)
     return 0
 

@@ -113,28 +113,28 @@ step env 15 env -- "${REPORT[@]}" env --json "$OUT/env.json" --peers "$PEERS" --
 
 # compile first, on every core: nothing after this compiles (the Triton cache is shared by the steps)
 CORES="$(nproc 2>/dev/null || echo 2)"
-step warm 120 warm -- "$PY" benchmarks/warm_kernels.py --jobs "$CORES" --out "$OUT/warm.json" "${DRYFLAG[@]}"
+step warm 110 warm -- "$PY" benchmarks/warm_kernels.py --jobs "$CORES" --out "$OUT/warm.json" "${DRYFLAG[@]}"
 
 if [ "$DRY" = 1 ]; then
   reason="dry run: tests/test_kernels_gpu.py needs CUDA (every test in it skips without a GPU)"
   stamp "tests: skipped ($reason)"
   "${REPORT[@]}" finish tests --json "$OUT/tests.json" --kind pytest --skipped "$reason"
 else
-  step tests 95 pytest -- "$PY" -m pytest -v -rs -p no:cacheprovider tests/test_kernels_gpu.py
+  step tests 85 pytest -- "$PY" -m pytest -v -rs -p no:cacheprovider tests/test_kernels_gpu.py
 fi
 
 MEMCHECK=("$PY" benchmarks/memcheck_kernels.py --out "$OUT/memcheck.json" "${DRYFLAG[@]}")
 if [ -n "$SAN" ]; then
-  step memcheck 35 memcheck --sanitizer "$SAN" -- env PYTORCH_NO_CUDA_MEMORY_CACHING=1 VITATTN_TRITON_TILES=first \
+  step memcheck 50 memcheck --sanitizer "$SAN" -- env PYTORCH_NO_CUDA_MEMORY_CACHING=1 VITATTN_TRITON_TILES=first \
     "$SAN" --tool memcheck --error-exitcode 3 --print-limit 20 "${MEMCHECK[@]}"
 else
-  step memcheck 35 memcheck --note "no compute-sanitizer: cases run unchecked" -- \
+  step memcheck 50 memcheck --note "no compute-sanitizer: cases run unchecked" -- \
     env PYTORCH_NO_CUDA_MEMORY_CACHING=1 VITATTN_TRITON_TILES=first "${MEMCHECK[@]}"
 fi
 
 # n4096 and n16384 carry the goals; sparse and vit_b share one step (one JSON), the last, which also takes
 # whatever the earlier steps left of the budget (their limits are upper bounds, rarely used up)
-for spec in n4096:65:n4096 n16384:40:n16384 extra:40:sparse,vit_b; do
+for spec in n4096:70:n4096 n16384:50:n16384 extra:40:sparse,vit_b; do
   IFS=: read -r name limit cases <<<"$spec"
   left=$((BUDGET - ($(date +%s) - START) - RESERVE))
   [ "$name" = extra ] && [ "$left" -gt $((limit * SCALE)) ] && limit=$((left / SCALE))

@@ -495,6 +495,26 @@ def _ratios(rows: dict[tuple[str, str, str], dict[str, Any]], ref: str | None) -
     return out
 
 
+def _picks(out: Path) -> dict[str, str]:
+    """``tuning key -> tile`` of one run, over its bench JSON (``tuning``, written by bench_kernels.py)."""
+    picks: dict[str, str] = {}
+    for path in sorted(out.glob("bench_*.json")):
+        for key, entry in (_read(path).get("tuning") or {}).items():
+            picks[key] = str(entry.get("tile"))
+    return picks
+
+
+def differing_picks(per_run: list[dict[str, str]]) -> dict[str, list[str | None]]:
+    """The tuning keys whose tile is not the same in every run that has them: key -> each run's tile."""
+    keys = sorted({k for r in per_run for k in r})
+    out: dict[str, list[str | None]] = {}
+    for key in keys:
+        tiles = [r.get(key) for r in per_run]
+        if len({t for t in tiles if t is not None}) > 1:
+            out[key] = tiles
+    return out
+
+
 def runs(args: argparse.Namespace) -> int:
     """Min / median / max of every ratio and each goal's pass count over several runs (one process each)."""
     dirs = [Path(d) for d in args.run_dirs]
@@ -530,8 +550,14 @@ def runs(args: argparse.Namespace) -> int:
         counted = [s for s in statuses if s != "unknown"]
         passed = sum(s == "pass" for s in counted)
         print(f"  goal {texts[name]}: {passed} of {len(counted)} runs pass ({', '.join(statuses)})")
+    differ = differing_picks([_picks(d) for d in dirs])
+    for key, tiles in differ.items():
+        print(f"  tile differs between runs: {key}: " + ", ".join(str(t) for t in tiles))
     if args.json:
-        _write(Path(args.json), {"runs": [str(d) for d in dirs], "ratios": table, "goals": verdicts})
+        _write(
+            Path(args.json),
+            {"runs": [str(d) for d in dirs], "ratios": table, "goals": verdicts, "differing_picks": differ},
+        )
     return 0
 
 

@@ -565,3 +565,35 @@ def test_the_step_limits_fit_the_budget():
     assert len(memcheck) == 2 and len(set(memcheck)) == 1  # one of the two memcheck branches runs
     total = sum(limits) - int(memcheck[0]) + sum(benches)
     assert len(benches) == 3 and total <= 420, (limits, benches, total)
+
+
+def test_runs_lists_the_tuning_keys_whose_tile_differs_between_runs(tmp_path, capsys):
+    report = _report()
+    dirs = []
+    for i, tile in enumerate(("128x64 w8 s3", "64x64 w4 s3", "128x64 w8 s3")):
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        _good_run(d, 1.0)
+        bench = d / "bench_n4096.json"
+        data = json.loads(bench.read_text())
+        data["tuning"] = {"fwd|a": {"tile": tile, "source": "timed"}, "dq|b": {"tile": "64x64 w4 s3"}}
+        bench.write_text(json.dumps(data))
+        dirs.append(d)
+    assert report.main(["runs", *map(str, dirs), "--json", str(tmp_path / "runs.json")]) == 0
+    saved = json.loads((tmp_path / "runs.json").read_text())
+    assert saved["differing_picks"] == {"fwd|a": ["128x64 w8 s3", "64x64 w4 s3", "128x64 w8 s3"]}
+    assert "tile differs between runs: fwd|a: 128x64 w8 s3, 64x64 w4 s3" in capsys.readouterr().out
+
+
+def test_bench_reports_each_timed_pick_with_every_candidates_lower_time(monkeypatch):
+    from vitattn.bench import kernels as kb
+
+    ms = {"128x64 w8 s3": [0.9], "64x64 w4 s3": [0.6, 0.5]}
+    log = {
+        "fwd|x": {"tile": "64x64 w4 s3", "source": "timed", "ms": ms},
+        "dq|y": {"tile": "64x64 w4 s3", "source": "disk"},
+    }
+    assert kb.tuning_lines(log) == ["tuned fwd|x: 64x64 w4 s3 (128x64 w8 s3 0.9, 64x64 w4 s3 0.5)"]
+    ops = pytest.importorskip("vitattn.kernels.ops")
+    monkeypatch.setattr(ops, "_TUNING_LOG", log)
+    assert kb.payload([], 0.0, dry=True)["tuning"] == log

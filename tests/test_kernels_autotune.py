@@ -8,6 +8,7 @@ gets the default (first) tile. ``bench`` stands in for ``triton.testing.do_bench
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -28,9 +29,11 @@ def _fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(ops, "_capturing", lambda: False)
     ops._TUNED.clear()
     ops._DISK.clear()
+    ops._TUNING_LOG.clear()
     yield
     ops._TUNED.clear()
     ops._DISK.clear()
+    ops._TUNING_LOG.clear()
 
 
 class Bench:
@@ -66,12 +69,12 @@ def test_key_buckets_lengths_and_keeps_batch_heads_and_flags():
 def test_first_call_benchmarks_then_the_pick_is_reused():
     bench = Bench(fastest=2)
     assert ops.pick_tile(_key(), TILES, bench) == TILES[2]
-    assert bench.timed == list(TILES)
+    assert bench.timed == [*TILES, TILES[2]]  # every tile, then the ones near the best again
     again = Bench(fastest=0)
     assert ops.pick_tile(_key(n_q=256, n_k=256), TILES, again) == TILES[2]  # same bucket: no timing
     assert again.timed == []
     assert ops.pick_tile(_key(n_q=1024, n_k=1024), TILES, again) == TILES[0]  # new bucket: timed
-    assert again.timed == list(TILES)
+    assert again.timed == [*TILES, TILES[0]]
 
 
 def test_picks_are_cached_across_processes():
@@ -93,7 +96,7 @@ def test_a_stored_tile_no_longer_listed_is_tuned_again():
     ops._DISK.clear()
     bench = Bench(fastest=1)
     assert ops.pick_tile(_key(), TILES[:3], bench) == TILES[1]
-    assert bench.timed == list(TILES[:3])
+    assert bench.timed == [*TILES[:3], TILES[1]]
 
 
 def test_no_benchmarking_inside_cuda_graph_capture(monkeypatch):
@@ -189,3 +192,51 @@ def test_bias_traits_names_an_unknown_variant(normalizer, bias, named):
     """A misspelt normalizer or bias kind is an error naming the argument, not the traits of no bias."""
     with pytest.raises(ValueError, match=named):
         configs.bias_traits(normalizer, bias)
+
+
+class Noisy:
+    """Times each tile from a queue of times per tile (ms), one per call."""
+
+    def __init__(self, times: dict[int, list[float]]) -> None:
+        self.times = {TILES[i]: list(t) for i, t in times.items()}
+        self.timed: list[configs.TileConfig] = []
+
+    def __call__(self, tile: configs.TileConfig) -> float:
+        self.timed.append(tile)
+        return self.times[tile].pop(0)
+
+
+def test_tiles_near_the_best_are_timed_again_and_keep_their_lower_time():
+    # tile 1 ran into a slowdown on its first pass (1.2 ms against tile 0's 1.0): timed again, it wins
+    times = {0: [1.0, 1.05], 1: [1.2, 0.9], 2: [1.31, 0.5], 3: [3.0], 4: [math.inf]}
+    bench = Noisy(times)
+    assert ops.pick_tile(_key(), TILES, bench) == TILES[1]
+    # the second pass runs in reverse order, over tiles within RETIME_WITHIN (1.3) of the best first time
+    assert bench.timed == [*TILES, TILES[1], TILES[0]]
+
+
+def test_the_tuning_log_tells_how_each_key_got_its_tile(monkeypatch):
+    ops.pick_tile(_key(), TILES, Noisy({0: [2.0], 1: [1.0, 1.1], 2: [4.0], 3: [5.0], 4: [6.0]}))
+    ops.pick_tile(_key(), TILES, Bench(fastest=0))  # known in memory: the timed record stays
+    ops._TUNED.clear()
+    ops.pick_tile(_key(n_q=1024, n_k=1024), TILES, Bench(fastest=3))
+    ops._TUNED.clear()
+    ops._DISK.clear()
+    ops._TUNING_LOG.clear()  # a new process: the pick from disk
+    ops.pick_tile(_key(n_q=1024, n_k=1024), TILES, Bench(fastest=0))
+    monkeypatch.setenv(ops.TILES_ENV, "2")
+    ops.pick_tile(_key(bh=48), TILES, Bench())
+    log = ops.tuning_log()
+    assert log[_key(n_q=1024, n_k=1024)] == {"tile": ops.tile_name(TILES[3]), "source": "disk"}
+    assert log[_key(bh=48)] == {"tile": ops.tile_name(TILES[2]), "source": "forced"}
+    assert list(log) == [_key(n_q=1024, n_k=1024), _key(bh=48)]
+    monkeypatch.delenv(ops.TILES_ENV)
+    ops._TUNING_LOG.clear()
+    ops._TUNED.clear()
+    ops._DISK.clear()
+    ops.autotune_cache_path().unlink()
+    ops.pick_tile(_key(), TILES, Noisy({0: [2.0], 1: [1.0, 1.1], 2: [4.0], 3: [5.0], 4: [6.0]}))
+    (entry,) = ops.tuning_log().values()
+    assert entry["source"] == "timed" and entry["tile"] == ops.tile_name(TILES[1]) == "64x64 w4 s3"
+    assert entry["ms"][ops.tile_name(TILES[1])] == [1.0, 1.1]
+    assert entry["ms"][ops.tile_name(TILES[0])] == [2.0]  # beyond 1.3x the best: timed once

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -755,7 +756,27 @@ def payload(results: list[CaseResult], start: float, dry: bool) -> dict[str, Any
         "flops": "nominal: 4 B H N^2 D forward, 3.5x for forward + backward",
         "seconds": round(time.time() - start, 1),
         "cases": [r.to_dict() for r in results],
+        "tuning": tuning_log(),
     }
+
+
+def tuning_log() -> dict[str, dict[str, Any]]:
+    """The Triton kernels' tile picks in this process (``vitattn.kernels.ops.tuning_log``: per tuning key
+    the tile, how it was got, and every candidate's times where it was timed here); empty when no
+    kernel was launched (the module is not imported for that)."""
+    ops = sys.modules.get("vitattn.kernels.ops")
+    return ops.tuning_log() if ops is not None else {}
+
+
+def tuning_lines(log: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per tile timed in this process: the key, the pick and each candidate's lower time (ms)."""
+    lines = []
+    for key, entry in log.items():
+        if entry.get("source") != "timed":
+            continue
+        times = ", ".join(f"{tile} {min(ms):.3g}" for tile, ms in entry["ms"].items())
+        lines.append(f"tuned {key}: {entry['tile']} ({times})")
+    return lines
 
 
 def _version(module: str) -> str | None:
