@@ -11,6 +11,8 @@ import json
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 from vitattn.cache import CACHE_ENV  # noqa: E402
@@ -240,3 +242,11 @@ def test_the_tuning_log_tells_how_each_key_got_its_tile(monkeypatch):
     assert entry["source"] == "timed" and entry["tile"] == ops.tile_name(TILES[1]) == "64x64 w4 s3"
     assert entry["ms"][ops.tile_name(TILES[1])] == [1.0, 1.1]
     assert entry["ms"][ops.tile_name(TILES[0])] == [2.0]  # beyond 1.3x the best: timed once
+
+
+@given(a=st.integers(0, 10**7), b=st.integers(1, 4096))
+def test_host_cdiv_and_next_pow2_equal_tritons(a, b):
+    import triton
+
+    assert ops.cdiv(a, b) == triton.cdiv(a, b)
+    assert ops.next_pow2(a + 1) == triton.next_power_of_2(a + 1)  # n >= 1 (Triton's gives 0 for 0)

@@ -67,7 +67,7 @@ class TritonBackend:
         dtype, reason = call_launch_dtype(call)
         if dtype is None:
             return reason
-        reason = float32_reason(q.device.type, dtype, explicit, tf32_allowed())
+        reason = float32_reason(q.device.type, dtype, explicit, _tf32(dtype))
         if reason is not None:
             return reason
         d, dv = q.shape[-1], call.v.shape[-1]
@@ -172,11 +172,17 @@ class TritonBackend:
             int(grid_w),
             clamp,
             entmax,
-            tf32_allowed(),
+            _tf32(dtype),
             (entmax or ent is not None) and grads,
             window,
         )
         return out, None
+
+
+def _tf32(dtype: torch.dtype) -> bool:
+    """Whether float32 dots may use TF32 (:func:`~vitattn.kernels.env.tf32_allowed`); read for float32
+    launches only, the only ones it changes (torch's flags take a warnings filter to read: ~10 us)."""
+    return dtype == torch.float32 and tf32_allowed()
 
 
 def _alphas(call: AttentionCall, n_q: int) -> torch.Tensor:

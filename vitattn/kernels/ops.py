@@ -119,10 +119,22 @@ _TUNING_LOG: dict[str, dict[str, Any]] = {}  # tuning key -> how this process go
 _DISK: dict[str, Any] = {}  # the loaded autotune.json, "entries" -> {scope: {key: [bm, bn, warps, stages]}}
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints. The host code's own: ``triton.cdiv`` is a ``ConstexprFunction`` since
+    Triton 3.5, a few microseconds a call, and a launch computes dozens (docs/kernels.md, host time)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``); ``triton.next_power_of_2`` without its
+    call overhead (see :func:`cdiv`)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
 def seq_bucket(n: int) -> int:
-    """The sequence-length bucket of the tuning key: ``next_power_of_2(n)``, at least 16 (197 and
+    """The sequence-length bucket of the tuning key: ``next_pow2(n)``, at least 16 (197 and
     256 tokens share a tile; 257 does not)."""
-    return max(16, triton.next_power_of_2(int(n)))
+    return max(16, next_pow2(int(n)))
 
 
 def tune_key(
@@ -340,7 +352,7 @@ def tile_candidates(
 
 def grid_pad(grid_w: int) -> int:
     """The padded grid width ``GWP`` of the grid-aligned key tiles: a power of two, at least 16."""
-    return max(16, triton.next_power_of_2(int(grid_w)))
+    return max(16, next_pow2(int(grid_w)))
 
 
 class PerTile:
@@ -466,7 +478,7 @@ def factor_rows(n_q: int, num_prefix: int, grid_w: int) -> tuple[int, int]:
     padded to a multiple of 128 (the largest query tile), and ``GWP`` column rows plus the grid rows
     padded to a multiple of 8 (the most grid rows a key tile covers) and 8 zero rows (prefix keys)."""
     rows = (n_q - num_prefix) // grid_w
-    return triton.cdiv(n_q, 128) * 128, grid_pad(grid_w) + triton.cdiv(rows, 8) * 8 + 8
+    return cdiv(n_q, 128) * 128, grid_pad(grid_w) + cdiv(rows, 8) * 8 + 8
 
 
 @dataclass(frozen=True)
@@ -626,7 +638,7 @@ def capture() -> Any:
 
 def block_dim(d: int) -> int:
     """Head dims are padded (with masks) to a power of two >= 16: the smallest ``tl.dot`` operand."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_pow2(d))
 
 
 def _run_or_warm(
@@ -769,13 +781,13 @@ class KernelLaunch:
         one chunk of ``TILE_W`` columns, :func:`configs.grid_tile_w`)."""
         n_k = self.k.shape[2]
         if self.den is None:
-            return triton.cdiv(n_k, block_n)
+            return cdiv(n_k, block_n)
         keys = self.grid_keys(self.dkdv_tiles)
         assert keys is not None
         tile_w = keys.tile_w(block_m, block_n)
         rows = self.grid_rows()
         chunks = grid_pad(self.grid_w) // tile_w
-        return triton.cdiv(self.num_prefix, block_n) + chunks * triton.cdiv(rows, block_n // tile_w)
+        return cdiv(self.num_prefix, block_n) + chunks * cdiv(rows, block_n // tile_w)
 
     @property
     def dkdv_tiles(self) -> str:
@@ -960,11 +972,11 @@ def entmax_list_cols(launch: KernelLaunch, grid: GridKeys | None, block_m: int, 
     ``CH + 1`` counts (the prefix tiles', each chunk of grid columns') and the lists of the prefix tiles
     and of each chunk's tiles."""
     if grid is None:
-        return triton.cdiv(launch.k.shape[2], block_n)
+        return cdiv(launch.k.shape[2], block_n)
     tile_w = grid.tile_w(block_m, block_n)
     chunks = grid_pad(grid.grid_w) // tile_w
-    rows = triton.cdiv(launch.grid_rows(), block_n // tile_w)
-    return chunks + 1 + triton.cdiv(grid.num_prefix, block_n) + chunks * rows
+    rows = cdiv(launch.grid_rows(), block_n // tile_w)
+    return chunks + 1 + cdiv(grid.num_prefix, block_n) + chunks * rows
 
 
 def _forward(
@@ -1025,7 +1037,7 @@ def _forward(
     def tile_args(tile: configs.TileConfig) -> list[Any]:
         extra = []
         if name == "fwd_entmax15":  # the search's list (scratch) and the live map
-            rows = b * h * triton.cdiv(n_q, tile.block_m)
+            rows = b * h * cdiv(n_q, tile.block_m)
             cols = entmax_list_cols(launch, grid_keys, tile.block_m, tile.block_n)
             scratch = torch.empty(rows, cols, device=q.device, dtype=torch.int32)
             extra = [scratch, live, live.shape[2], live.shape[3]]
@@ -1033,7 +1045,7 @@ def _forward(
             return extra
         return extra + launch.window_args(tile.block_m, tile.block_n, False, dummy)
 
-    grid = lambda bm, bn: (triton.cdiv(n_q, bm), b * h)  # noqa: E731
+    grid = lambda bm, bn: (cdiv(n_q, bm), b * h)  # noqa: E731
     _launch(
         name,
         grid,
@@ -1056,7 +1068,7 @@ def _row_deltas(o_or_og: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     delta_args = (o_or_og, do, delta, b * h * n_q, dv)
     _run_or_warm(
         kernels()["bwd_delta"],
-        (triton.cdiv(b * h * n_q, rows),),
+        (cdiv(b * h * n_q, rows),),
         delta_args,
         [o_or_og],
         BLOCK_M=rows,
@@ -1087,9 +1099,7 @@ def _gaussian_terms(launch: KernelLaunch, dummy: torch.Tensor) -> tuple[torch.Te
             launch.grid_w,
             launch.clamp,
         )
-        _run_or_warm(
-            kernels()["bwd_rows"], (triton.cdiv(n_q, block), b * h), rows_args, [launch.den], BLOCK_M=block
-        )
+        _run_or_warm(kernels()["bwd_rows"], (cdiv(n_q, block), b * h), rows_args, [launch.den], BLOCK_M=block)
     elif launch.den is not None:  # the Gaussian factors of every query, once (read by dK/dV)
         assert launch.alpha is not None
         n_qp, n_fr = factor_rows(n_q, launch.num_prefix, launch.grid_w)
@@ -1112,7 +1122,7 @@ def _gaussian_terms(launch: KernelLaunch, dummy: torch.Tensor) -> tuple[torch.Te
         )
         _run_or_warm(
             kernels()["bwd_factors"],
-            (triton.cdiv(n_qp, block), b * h),
+            (cdiv(n_qp, block), b * h),
             fact_args,
             [launch.den],
             GWP=gwp,
@@ -1225,7 +1235,7 @@ def _backward(
         meta["OFFS32"] = use_tile_offsets(launch)
 
         dkdv_args = [q, k, v, do, stat, delta, fact, dk, dvv, *operands, *strides, *scalars, *ent_args]
-        dkdv_blocks = lambda bm, bn: (triton.cdiv(n_k, bn), b * h)  # noqa: E731
+        dkdv_blocks = lambda bm, bn: (cdiv(n_k, bn), b * h)  # noqa: E731
         dkdv_extra: dict[str, Any] = dict(tile_args=_list_tile_args(launch, live, True, dummy))
         dq_tail = [ent_args[0], dent if ent_grad else dummy, *ent_args[1:]]
         dq_meta: dict[str, Any] = dict(ENT_GRAD=ent_grad)
@@ -1256,7 +1266,7 @@ def _backward(
     dq_args = [q, k, v, do, stat, delta, dq, *grads, *operands, *strides, *g_strides, *scalars, *dq_tail]
     dq_flags = {**meta, **dq_meta, "ADD_GRAD": add_mode, "GAUSS_GRAD": gauss_grad, "DADD_BCAST_M": bcast_m,
                 "DADD_BCAST_N": bcast_n}  # fmt: skip
-    dq_blocks = lambda bm, bn: (triton.cdiv(n_q, bm), b * h)  # noqa: E731
+    dq_blocks = lambda bm, bn: (cdiv(n_q, bm), b * h)  # noqa: E731
     _launch("bwd_dq" + suffix, dq_blocks, dq_args, dq_flags, launch.shape, launch.even_d, **dq_extra)
     return dq, dk, dvv, dadd, dden, dalpha, dent
 
