@@ -47,7 +47,7 @@ def _call(row: dict[str, str], grad: bool, compiling: bool):
     b = 0 if other == "empty batch" else 2
     d = 256 if other == "head dim 256" else 16
     grid, prefix = (3, 3), 1
-    n = prefix + grid[0] * grid[1]
+    n = 16384 if other == "2^29 scores" else prefix + grid[0] * grid[1]  # 2 * 3 * 16384^2 = 1.5 * 2^30
     q, k, v = (torch.randn(b, 3, n, d, device=device, dtype=dtype, requires_grad=grad) for _ in range(3))
     bias: torch.Tensor | GaussianBias | None = None
     if row["bias"] == "dense":

@@ -227,7 +227,7 @@ def test_autocast_dtype_reads_the_autocast_state():
 
 def test_mixed_dtypes_under_cuda_autocast_are_taken(monkeypatch):
     q, v = _fake(2, 3, 17, 32, dtype=F32), _fake(2, 3, 17, 32, dtype=BF16)
-    call = _call(q, q, v)
+    call = _call(q, q, v, normalizer="entmax15")  # (auto leaves a small plain softmax to SDPA anyway)
     assert TritonBackend().unsupported(call) == FLOAT32_REASON  # no autocast: float32 is the common dtype
     assert TritonBackend().unsupported(call, explicit=True) is None
     monkeypatch.setattr(kb, "autocast_dtype", lambda device_type: BF16 if device_type == "cuda" else None)
@@ -292,15 +292,39 @@ def test_float32_reason_is_a_function_of_device_dtype_and_flags():
 
 def test_float32_cuda_inputs_need_tf32_for_auto(monkeypatch):
     backend = TritonBackend()
-    call = _call(_fake(2, 3, 17, 32, dtype=F32))
+    call = _call(_fake(2, 3, 17, 32, dtype=F32), normalizer="entmax15")
     assert backend.unsupported(call) == FLOAT32_REASON
-    assert backend.unsupported(_call(_fake(2, 3, 17, 32, dtype=F16))) is None
+    assert backend.unsupported(_call(_fake(2, 3, 17, 32, dtype=F16), normalizer="entmax15")) is None
     monkeypatch.setenv(env.TF32_ENV, "1")
     assert backend.unsupported(call) is None
     monkeypatch.setenv(env.TF32_ENV, "0")
     assert backend.unsupported(call) == FLOAT32_REASON
     torch.backends.cuda.matmul.allow_tf32 = True  # restored by the fixture
     assert env.tf32_allowed() and backend.unsupported(call) is None
+
+
+def test_auto_leaves_small_plain_softmax_to_sdpa_and_takes_it_from_2_to_the_29_scores():
+    from vitattn.functional import GaussianBias, WindowMask, explain
+
+    backend = TritonBackend()
+    small = _call(_fake(32, 12, 197, 64))  # ViT-B/16: 2^23.8 scores
+    reason = backend.unsupported(small)
+    assert reason is not None and "plain softmax" in reason and "2^29" in reason
+    assert backend.unsupported(small, explicit=True) is None  # backend="triton" still runs it
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(32, 12, 197, 64, device="cuda", dtype=BF16)
+        assert explain(q, q, q).chosen == "sdpa"
+        # the Triton path stays auto's choice for everything SDPA cannot fuse, at any size
+        sigma, alpha = torch.rand(32, 12, 196, 2, device="cuda"), torch.rand(32, 12, 196, 1, device="cuda")
+        assert explain(q, q, q, bias=GaussianBias(sigma, alpha, (14, 14), 1)).chosen == "triton"
+        assert explain(q, q, q, normalizer="entmax15").chosen == "triton"
+        assert explain(q, q, q, mask=torch.ones(197, 197, dtype=torch.bool, device="cuda")).chosen == "triton"
+        assert explain(q, q, q, mask=WindowMask((14, 14), 3, 1)).chosen == "triton"
+    at = 1 << 29  # B * H * N^2 = 2^29 exactly (2 x 2^28: N = 2^14, B * H = 2): taken
+    assert backend.unsupported(_call(_fake(1, 2, 16384, 64))) is None
+    below = _call(_fake(1, 2, 16384, 64), k=_fake(1, 2, 16383, 64), v=_fake(1, 2, 16383, 64))
+    assert "plain softmax over B*H*Nq*Nk = 536838144 < 2^29" in str(backend.unsupported(below))
+    assert kb.PLAIN_SOFTMAX_MIN_SCORES == at
 
 
 @pytest.mark.parametrize(

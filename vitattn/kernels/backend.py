@@ -20,6 +20,13 @@ MAX_HEAD_DIM = 128
 MAX_BATCH_HEADS = 65535  # the launch grid's second axis
 # the kernels' float32 grid coordinates of a Gaussian bias are exact below it (_tiles.coords_jump)
 MAX_GAUSSIAN_TOKENS = 1 << 21
+# backend="auto" leaves a plain softmax call (no bias, no mask, no window) with fewer scores than this
+# (B * H * Nq * Nk) to SDPA: there the Triton path is bound by its host work. Measured on one H200
+# (docs/kernels.md, "Host time per call"): at ViT-B/16's size (B 32, H 12, N 197: 2^23.8 scores) SDPA
+# flash's fwd+bwd took 0.25-0.28 ms against the Triton path's 1.76-2.15 ms; at B 4, H 12, N 4096 (2^29.6) the
+# Triton kernels beat SDPA flash (0.75-1.01x its time), and at N 16384 (2^31.6: 0.68-0.69x). The
+# Triton path's host time there, about 1.7 ms per fwd+bwd, is its kernels' time at about 2^29 scores.
+PLAIN_SOFTMAX_MIN_SCORES = 1 << 29
 NORMALIZERS = ("softmax", "entmax15")
 
 
@@ -103,6 +110,8 @@ class TritonBackend:
             return f"B * H = {q.shape[0] * q.shape[1]} exceeds {MAX_BATCH_HEADS}"
         if min(q.shape[0], q.shape[1], n_q, n_k, d, dv) == 0:
             return "an empty dimension"
+        if not explicit:
+            return _small_plain_softmax(call)
         return None
 
     def path(self, call: AttentionCall) -> str:
@@ -177,6 +186,22 @@ class TritonBackend:
             window,
         )
         return out, None
+
+
+def _small_plain_softmax(call: AttentionCall) -> str | None:
+    """Why ``backend="auto"`` leaves a plain softmax call below :data:`PLAIN_SOFTMAX_MIN_SCORES` scores
+    to SDPA, or ``None``."""
+    plain = isinstance(call.normalizer, str) and call.normalizer == "softmax"
+    if not plain or call.bias is not None or call.mask is not None or call.window is not None:
+        return None
+    b, h, n_q, _ = call.q.shape
+    scores = b * h * n_q * call.k.shape[2]  # no int(): symbolic sizes under torch.compile stay symbolic
+    if scores >= PLAIN_SOFTMAX_MIN_SCORES:
+        return None
+    return (
+        f"plain softmax over B*H*Nq*Nk = {scores} < 2^29 scores: SDPA's fused kernels are faster at this "
+        "size, where the Triton path is bound by its host work (backend='triton' still runs it)"
+    )
 
 
 def _tf32(dtype: torch.dtype) -> bool:
