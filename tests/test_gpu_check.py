@@ -6,6 +6,7 @@ The dry run is a subprocess with ``OMP_NUM_THREADS=1`` (it starts several Python
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -597,3 +598,18 @@ def test_bench_reports_each_timed_pick_with_every_candidates_lower_time(monkeypa
     ops = pytest.importorskip("vitattn.kernels.ops")
     monkeypatch.setattr(ops, "_TUNING_LOG", log)
     assert kb.payload([], 0.0, dry=True)["tuning"] == log
+
+
+def test_graph_rows_replay_the_vitattn_calls_and_skip_the_largest_case(monkeypatch):
+    from vitattn.bench import kernels as kb
+
+    graphs = [i for i in kb.implementations("cuda") if i.graph]
+    assert [i.name for i in graphs] == ["gaussian vitattn graph", "softmax vitattn graph"]
+    assert all(i.cuda_only for i in graphs)
+    assert not any(i.graph for i in kb.implementations("cuda", local=True))
+    monkeypatch.setattr(kb, "_triton_declines", lambda device: None)
+    plain = dataclasses.replace(graphs[0], cuda_only=None)
+    n4096, n16384 = 4 * 12 * 4096**2, 12 * 16384**2
+    assert kb._unavailable(plain, "cpu", "fwd+bwd", n4096) is None
+    assert "2^30" in str(kb._unavailable(plain, "cpu", "fwd+bwd", n16384))
+    assert kb._unavailable(graphs[0], "cpu", "fwd", n4096) == "needs CUDA: CUDA graphs"

@@ -168,6 +168,7 @@ class Impl:
     module: str | None = None  # a peer package that must be importable
     cuda_only: str | None = None  # why it needs CUDA, if it does
     no_cpu_backward: str | None = None
+    graph: bool = False  # timed as one CUDA graph replay of the whole call (no host work per call)
 
     @property
     def bias_grads(self) -> bool:
@@ -263,6 +264,8 @@ def _vitattn(normalizer: Normalizer, gaussian: bool) -> Callable[[Inputs], Calla
     return build
 
 
+_GRAPHS = "CUDA graphs"
+GRAPH_MAX_SCORES = 1 << 30  # the graph rows' largest case (n4096: 2^29.6 scores; n16384's 2^31.6 skips them)
 _NEEDS_CUDA_FLEX = "compiled FlexAttention needs CUDA here (its CPU path has no backward)"
 
 
@@ -287,6 +290,9 @@ def implementations(device: str, local: bool = False) -> list[Impl]:
         Impl("softmax vitattn", "softmax", _vitattn("softmax", False)),
         Impl("entmax15 entmax_pkg", "entmax15", _entmax_pkg, (40, 60), module="entmax"),
         Impl("entmax15+gaussian vitattn", "entmax15+gaussian", _vitattn("entmax15", True)),
+        # the same calls replayed from a CUDA graph: the kernels' own time, without the host's
+        Impl("gaussian vitattn graph", "gaussian", _vitattn("softmax", True), cuda_only=_GRAPHS, graph=True),
+        Impl("softmax vitattn graph", "softmax", _vitattn("softmax", False), cuda_only=_GRAPHS, graph=True),
     ]
     if local:
         keep = {reference_impl(device), "entmax15 adasplash", "entmax15 vitattn"}
@@ -312,12 +318,14 @@ def _triton_declines(device: str) -> str | None:
 
 def _unavailable(impl: Impl, device: str, mode: str, elements: int) -> str | None:
     """Why ``impl`` cannot run here (``None`` if it can)."""
-    if impl.name.endswith(("vitattn", "vitattn random")):
+    if impl.name.endswith(("vitattn", "vitattn random", "vitattn graph")):
         declined = _triton_declines(device)
         if declined is not None:
             return declined
     if impl.cuda_only and device != "cuda":
         return f"needs CUDA: {impl.cuda_only}"
+    if impl.graph and elements > GRAPH_MAX_SCORES:
+        return "CUDA-graph rows run up to 2^30 scores (B*H*N^2): above, the host's share of a call is small"
     if impl.no_cpu_backward and device != "cuda" and mode == "fwd+bwd":
         return f"needs CUDA: {impl.no_cpu_backward}"
     if impl.name.endswith("sdpa_cudnn") and not hasattr(torch.nn.attention.SDPBackend, "CUDNN_ATTENTION"):
@@ -342,6 +350,26 @@ def _sync(device: str) -> None:
 
 
 def _prepare(impl: Impl, x: Inputs, mode: str) -> Fn:
+    fn = _prepare_eager(impl, x, mode)
+    return _graphed(fn) if impl.graph else fn
+
+
+def _graphed(fn: Fn) -> Fn:
+    """``fn`` captured once into a CUDA graph (after warm-up calls on a side stream, which also autotune
+    every kernel outside the capture) and replayed: one call's GPU work without its host work."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _prepare_eager(impl: Impl, x: Inputs, mode: str) -> Fn:
     fwd = impl.build(x)
     if mode == "fwd":
 
