@@ -4,9 +4,9 @@ At small sequences (ViT-B/16's 197 tokens) and even at 4096 tokens with a batch 
 showed vitattn's calls bound by the work on the host: the Python between ``attention(...)`` and the
 kernel launches (docs/kernels.md, "Host time"). This suite measures that work on the CPU, no GPU
 needed: under ``TRITON_INTERPRET=1`` every kernel is replaced by a launcher that does nothing, so one
-call runs the dispatcher, the custom ops, the launch descriptions and the autograd plumbing, and nothing
-else. Not counted: Triton's own launcher and the CUDA calls of a real device (the interpreter's branch
-of ``ops._launch`` does not look up a tuned tile).
+call runs the dispatcher, the eager autograd wrapper (or the custom ops), the launch descriptions and
+autograd's plumbing, and nothing else. Not counted: Triton's own launcher and the CUDA calls of a
+real device (the interpreter's branch of ``ops._launch`` does not look up a tuned tile).
 
 The reference row is one ``F.scaled_dot_product_attention`` call on the same tiny CPU tensors (1 x 1 x
 16 x 16): about the cost of dispatching one fused op. Each row also notes the Python function calls per

@@ -167,7 +167,7 @@ class TritonBackend:
         grads = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k, v, add, den, alpha, ent)
         )
-        out, *_ = ops.attention_fwd(
+        out, *_ = ops.attention_call(
             q,
             k,
             v,

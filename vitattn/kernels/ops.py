@@ -2,9 +2,11 @@
 picker (this module imports triton).
 
 The one path from a call to a kernel: :meth:`~vitattn.kernels.backend.TritonBackend.run` casts q, k,
-v to the call's dtype and hands the ``AttentionCall``'s tensors and scalars to
-``torch.ops.vitattn.attention_fwd`` (:func:`attention_fwd`); inside the op a :class:`KernelLaunch`
-holds them, and :func:`_launch` picks a tile and launches under the inputs' CUDA device. The backward
+v to the call's dtype and hands the ``AttentionCall``'s tensors and scalars to :func:`attention_call`:
+the custom op ``torch.ops.vitattn.attention_fwd`` (:func:`attention_fwd`) under ``torch.compile``, a
+dispatch mode or tensor subclasses, else the op's body under :class:`_EagerAttention` (the same
+context and gradients, without the op's dispatch). In the body a :class:`KernelLaunch` holds them, and
+:func:`_launch` picks a tile and launches under the inputs' CUDA device. The backward
 (``register_autograd``) is the op ``torch.ops.vitattn.attention_bwd``. Both ops have fake
 implementations, so ``torch.compile(fullgraph=True)`` traces them as single graph nodes.
 
@@ -1283,8 +1285,7 @@ BWD_SCHEMA = (
 )
 
 
-@torch.library.custom_op("vitattn::attention_fwd", mutates_args=(), schema=FWD_SCHEMA)
-def attention_fwd(
+def _fwd_body(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -1303,7 +1304,7 @@ def attention_fwd(
     window: Sequence[int] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``normalize(q kᵀ · scale + gaussian + add, masked by keep) v``: ``(out, stat, og, live)``
-    (:func:`_forward`).
+    (:func:`_forward`); the body of the custom op :data:`attention_fwd` (eager calls run it directly).
 
     Operands as in :class:`KernelLaunch` (one dtype for q, k, v); differentiable in q, k, v, add, den,
     alpha and ent (through ``attention_bwd``) when ``store_og`` is set for entmax-1.5 / alpha-entmax.
@@ -1313,6 +1314,11 @@ def attention_fwd(
         q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, ent, win
     )
     return _forward(launch, store_og)
+
+
+attention_fwd = torch.library.custom_op("vitattn::attention_fwd", mutates_args=(), schema=FWD_SCHEMA)(
+    _fwd_body
+)
 
 
 @attention_fwd.register_fake
@@ -1330,8 +1336,7 @@ def _attention_fwd_fake(
     return out, stat, og, live
 
 
-@torch.library.custom_op("vitattn::attention_bwd", mutates_args=(), schema=BWD_SCHEMA)
-def attention_bwd(
+def _bwd_body(
     grad_out: torch.Tensor,
     o_or_og: torch.Tensor,
     stat: torch.Tensor,
@@ -1363,6 +1368,11 @@ def attention_bwd(
         q, k, v, add, keep, den, alpha, scale, num_prefix, grid_w, clamp, entmax, tf32, ent, win
     )
     return _backward(launch, grad_out, o_or_og, stat, live, add_grad, gauss_grad, ent_grad)
+
+
+attention_bwd = torch.library.custom_op("vitattn::attention_bwd", mutates_args=(), schema=BWD_SCHEMA)(
+    _bwd_body
+)
 
 
 @attention_bwd.register_fake
@@ -1432,6 +1442,13 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
 
 
 def _attention_backward(ctx: Any, grad_out: torch.Tensor | None, *_stat_og_live: Any) -> tuple[Any, ...]:
+    """``attention_fwd``'s autograd formula: the gradients of its 16 inputs through ``attention_bwd``."""
+    return _input_grads(ctx, grad_out, attention_bwd)
+
+
+def _input_grads(ctx: Any, grad_out: torch.Tensor | None, bwd: Callable[..., Any]) -> tuple[Any, ...]:
+    """The gradients of the 16 inputs of ``attention_fwd`` from the context :func:`_setup_context` filled,
+    the backward computed by ``bwd`` (the op ``attention_bwd``, or its body :func:`_bwd_body`)."""
     none = (None,) * 16
     if grad_out is None:
         return none
@@ -1441,7 +1458,7 @@ def _attention_backward(ctx: Any, grad_out: torch.Tensor | None, *_stat_og_live:
     gauss_grad = den is not None and (need[5] or need[6])
     ent_grad = ent is not None and need[7]
     grads = (add_grad, gauss_grad, ent_grad)
-    dq, dk, dv, dadd, dden, dalpha, dent = attention_bwd(
+    dq, dk, dv, dadd, dden, dalpha, dent = bwd(
         grad_out, o_or_og, stat, live, q, k, v, add, keep, den, alpha, ent, *ctx.scalars, *grads, ctx.window
     )
     return (
@@ -1458,3 +1475,48 @@ def _attention_backward(ctx: Any, grad_out: torch.Tensor | None, *_stat_og_live:
 
 
 attention_fwd.register_autograd(_attention_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The eager calls' autograd: the same forward (:func:`_fwd_body`), saved context
+    (:func:`_setup_context`) and gradients (:func:`_input_grads` through :func:`_bwd_body`) as the ops',
+    without the custom ops' dispatch (torch's wrapper of a custom op with autograd cost about 150 us of
+    host time per call; docs/kernels.md, "Host time per call")."""
+
+    @staticmethod
+    def forward(ctx: Any, *inputs: Any) -> tuple[torch.Tensor, ...]:
+        output = _fwd_body(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor | None, *_stat_og_live: Any) -> tuple[Any, ...]:
+        return _input_grads(ctx, grad_out, _bwd_body)
+
+
+def _plain_eager(tensors: Sequence[torch.Tensor | None]) -> bool:
+    """Whether a call may skip the custom ops: not traced by ``torch.compile``, no Python dispatch mode
+    active (``FakeTensorMode``, FLOP counters: they see the op) and only plain tensors."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def attention_call(*inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, stat, og, live)`` of :data:`attention_fwd` for its 16 arguments (:func:`_fwd_body`'s, all
+    given), differentiable as it is: through the custom op under ``torch.compile``, a dispatch mode or
+    tensor subclasses; else, eagerly, the op's body under :class:`_EagerAttention` when a gradient is
+    recorded, or the body alone."""
+    if len(inputs) != 16:
+        raise TypeError(f"attention_call takes attention_fwd's 16 arguments, got {len(inputs)}")
+    tensors = inputs[:8]  # q, k, v, add, keep, den, alpha, ent
+    if not _plain_eager(tensors):
+        return attention_fwd(*inputs)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return _EagerAttention.apply(*inputs)
+    return _fwd_body(*inputs)
