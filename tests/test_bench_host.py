@@ -19,7 +19,7 @@ from vitattn.kernels import ops  # noqa: E402
 interpreted = pytest.mark.triton_interpreter
 
 # Python calls per call (bf16, as on a GPU) measured 2026-12-04 (torch 2.14, triton 3.8) with about 10 %
-# of margin: softmax fwd 192 / fwd+bwd 374, Gaussian 274 / 521, entmax-1.5 190 / 419. Before the host
+# of margin: softmax fwd 187 / fwd+bwd 364, Gaussian 269 / 511, entmax-1.5 180 / 409. Before the host
 # code stopped calling ``triton.cdiv`` / ``triton.next_power_of_2`` (ConstexprFunctions since Triton 3.5,
 # four Python calls and about 2.5 us each) and reading torch's TF32 flags for bf16 launches, they were
 # 239 / 477, 345 / 696 and 239 / 524: every ceiling below fails there. (Skipping the custom ops' dispatch

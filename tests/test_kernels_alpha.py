@@ -160,7 +160,10 @@ def test_explain_on_cuda_picks_triton_for_a_tensor_of_alphas():
         alpha = torch.full((3,), 1.4, device="cuda", requires_grad=True)
         report = explain(q, q, q, normalizer=alpha)
         assert report.chosen == "triton", str(report)
-        path = "fused alpha-entmax kernels (no bias), forward + backward, custom op vitattn::attention_fwd"
+        path = (
+            "fused alpha-entmax kernels (no bias), forward + backward, "
+            "vitattn::attention_fwd (the custom op when compiled, its body in eager)"
+        )
         assert report.path == path
         report = explain(q, q, q, normalizer=torch.full((3,), 1.4))  # alphas on another device
         assert "normalizer (alpha) is on cpu but q is on cuda" in report["triton"]

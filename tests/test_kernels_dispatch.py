@@ -103,6 +103,12 @@ class _RecordingKernel:
 # ---- 1. device guard ---------------------------------------------------------------------------------
 
 
+def test_device_arch_of_cpu_tensors_is_the_default_without_asking_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert ops.device_arch([torch.zeros(1), None, 3]) == configs.DEFAULT_ARCH == 90
+    assert ops.device_arch([_fake(1)]) == 80  # a CUDA tensor: its device's capability
+
+
 def test_launch_device_is_the_first_cuda_tensors():
     cpu, on1, on0 = torch.empty(2), _fake(2), _fake(2, device="cuda:0")
     assert ops.launch_device([cpu, 3, 0.5, on1, on0]) == torch.device("cuda", 1)

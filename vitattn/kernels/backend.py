@@ -124,7 +124,8 @@ class TritonBackend:
         mask += "" if call.window is None else ", window"
         passes = "forward + backward" if call.needs_grad else "forward"
         name = "alpha-entmax" if isinstance(call.normalizer, torch.Tensor) else call.normalizer
-        return f"fused {name} kernels ({bias}{mask}), {passes}, custom op vitattn::attention_fwd"
+        op = "vitattn::attention_fwd (the custom op when compiled, its body in eager)"
+        return f"fused {name} kernels ({bias}{mask}), {passes}, {op}"
 
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(out, None)``: q, k, v cast to the launch dtype (differentiable), the call's mask and bias

@@ -325,6 +325,8 @@ def device_arch(tensors: Iterable[Any]) -> int:
     if _ASSUMED_ARCH:
         return _ASSUMED_ARCH[-1]
     dev = launch_device(tensors)
+    if dev is None:  # no CUDA tensor: not the current device's arch (and no CUDA query per launch)
+        return configs.DEFAULT_ARCH
     try:
         major, minor = torch.cuda.get_device_capability(dev)
     except (AssertionError, RuntimeError, ValueError):
