@@ -229,7 +229,8 @@ def pick_tile(
 ) -> configs.TileConfig:
     """The tile of ``candidates`` for the launch ``key``: the one :func:`forced_tile` names; else a pick
     known in this process or from autotune.json; else, inside CUDA-graph capture, the first (default)
-    tile, not remembered; else the fastest by ``bench`` (ms), remembered here and on disk."""
+    tile, not remembered; else the fastest by ``bench`` (ms; two passes, :func:`_time_tiles`), remembered
+    here and on disk."""
     forced = forced_tile(candidates)
     if forced is not None:
         _log_pick(key, forced, "forced")
