@@ -61,3 +61,9 @@ def test_python_calls_counts_the_calls_of_one_call():
         inner()
 
     assert host.python_calls(outer) == 2
+
+
+def test_stubbed_kernels_refuse_a_triton_imported_without_the_interpreter(monkeypatch):
+    monkeypatch.setattr(ops, "interpret_requested", lambda: False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1 vitattn bench host"), host.stubbed_kernels():
+        pass
