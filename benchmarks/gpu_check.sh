@@ -113,7 +113,7 @@ step env 15 env -- "${REPORT[@]}" env --json "$OUT/env.json" --peers "$PEERS" --
 
 # compile first, on every core: nothing after this compiles (the Triton cache is shared by the steps)
 CORES="$(nproc 2>/dev/null || echo 2)"
-step warm 110 warm -- "$PY" benchmarks/warm_kernels.py --jobs "$CORES" --out "$OUT/warm.json" "${DRYFLAG[@]}"
+step warm 95 warm -- "$PY" benchmarks/warm_kernels.py --jobs "$CORES" --out "$OUT/warm.json" "${DRYFLAG[@]}"
 
 if [ "$DRY" = 1 ]; then
   reason="dry run: tests/test_kernels_gpu.py needs CUDA (every test in it skips without a GPU)"
@@ -134,7 +134,7 @@ fi
 
 # n4096 and n16384 carry the goals; sparse and vit_b share one step (one JSON), the last, which also takes
 # whatever the earlier steps left of the budget (their limits are upper bounds, rarely used up)
-for spec in n4096:70:n4096 n16384:50:n16384 extra:40:sparse,vit_b; do
+for spec in n4096:70:n4096 n16384:65:n16384 extra:40:sparse,vit_b; do
   IFS=: read -r name limit cases <<<"$spec"
   left=$((BUDGET - ($(date +%s) - START) - RESERVE))
   [ "$name" = extra ] && [ "$left" -gt $((limit * SCALE)) ] && limit=$((left / SCALE))

@@ -191,17 +191,23 @@ def test_autotuned(normalizer):
 
 @pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
 def test_cuda_graph_replay_after_an_autotuned_call_is_bitwise_eager(normalizer):
-    """A Gaussian fwd+bwd captured in a CUDA graph replays to the eager call's results bitwise: the
-    eager call tunes every kernel, the capture then uses the same tiles (``ops.pick_tile`` benchmarks
-    nothing inside a capture); the host work (dispatch, lists, the live map's zeroing) is recorded."""
-    ours, _ref, mask, *_ = _run(normalizer, "gaussian", 197, 64, torch.bfloat16, seed=3)  # tunes
+    """A Gaussian fwd+bwd captured in a CUDA graph replays to the eager call's results bitwise: a first
+    call tunes every kernel, the capture then uses the same tiles (``ops.pick_tile`` benchmarks nothing
+    inside a capture); the host work (dispatch, lists, the live map's zeroing) is recorded.
+
+    The capture follows torch's rule for autograd in a graph: no autograd graph built before it may be
+    alive (``step`` returns its output detached). A kept output would keep its leaves' gradient
+    accumulators, made on the stream of that eager call, and the captured backward would then wait on
+    that stream, which invalidates the capture whatever the kernels do."""
+    _run(normalizer, "gaussian", 197, 64, torch.bfloat16, seed=3)  # tunes; its leaves and graph are dropped
+    ours, _ref, mask = _leaves(normalizer, "gaussian", 197, 64, torch.bfloat16, seed=3)
     kw = _kwargs(ours, normalizer, 197, mask)
     grad = torch.randn(2, 3, 197, 64, device=DEV, generator=torch.Generator(device=DEV).manual_seed(4))
     grad = grad.to(torch.bfloat16)
 
     def step() -> tuple[torch.Tensor, ...]:
         out = attention(ours["q"], ours["k"], ours["v"], backend="triton", **kw)
-        return (out, *torch.autograd.grad(out, list(ours.values()), grad))
+        return (out.detach(), *torch.autograd.grad(out, list(ours.values()), grad))
 
     eager = step()
     side = torch.cuda.Stream()
