@@ -16,7 +16,7 @@
 #                       forced in turn, a run-twice bitwise comparison, the reference in float64)
 #   memcheck.json       compute-sanitizer memcheck of benchmarks/memcheck_kernels.py (a few small cases
 #                       per kernel, PYTORCH_NO_CUDA_MEMORY_CACHING=1, one tile config per kernel)
-#   bench_n4096.json, bench_n16384.json, bench_extra.json (sparse and vit_b)
+#   bench_n4096.json, bench_n16384.json, bench_extra.json (sparse and vit_b; then vitattn's host time per call and a profile at vit_b)
 #                       benchmarks/bench_kernels.py (ratio tables printed; every row gated on its error
 #                       against the reference backend in the same run); the goal rows run first (the
 #                       reference, the Gaussian and entmax-1.5 rows of vitattn and of the peers they are
@@ -139,8 +139,11 @@ for spec in n4096:70:n4096 n16384:65:n16384 extra:40:sparse,vit_b; do
   left=$((BUDGET - ($(date +%s) - START) - RESERVE))
   [ "$name" = extra ] && [ "$left" -gt $((limit * SCALE)) ] && limit=$((left / SCALE))
   [ "$((limit * SCALE))" -gt "$left" ] && limit=$((left / SCALE))
+  host=()
+  [ "$name" = extra ] && host=(--host-case vit_b)  # vitattn's host time and profile at ViT-B/16's size
   step "bench_$name" "$limit" bench -- "$PY" benchmarks/bench_kernels.py --case ${cases//,/ } \
-    --seconds "$((limit * SCALE))" --started "$(date +%s)" --out "$OUT/bench_$name.json" "${DRYFLAG[@]}"
+    --seconds "$((limit * SCALE))" --started "$(date +%s)" --out "$OUT/bench_$name.json" "${host[@]}" \
+    "${DRYFLAG[@]}"
 done
 
 stamp "summary"

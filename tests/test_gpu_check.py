@@ -124,6 +124,21 @@ def test_dry_run_bench_json_has_every_family_and_the_reasons_for_what_it_skipped
 
 
 @pytest.mark.slow  # the whole device check run dry in a subprocess (~40 s)
+def test_dry_run_extra_step_measures_vitattns_host_time_at_vit_b(dry_run):
+    out, _ = dry_run
+    host = json.loads((out / "bench_extra.json").read_text())["host"]
+    assert {(r["case"], r["impl"], r["mode"]) for r in host["times"]} == {
+        ("vit_b", impl, mode)
+        for impl in ("softmax vitattn", "gaussian vitattn", "entmax15 vitattn")
+        for mode in ("fwd", "fwd+bwd")
+    }
+    assert all(0 < r["host_us"] <= r["call_us"] for r in host["times"])
+    prof = host["profile"]
+    assert (prof["case"], prof["impl"], prof["mode"]) == ("vit_b", "gaussian vitattn", "fwd+bwd")
+    assert len(prof["functions"]) == 25 and prof["functions"][0]["own_us"] >= prof["functions"][-1]["own_us"]
+
+
+@pytest.mark.slow  # the whole device check run dry in a subprocess (~40 s)
 def test_dry_run_memcheck_and_summary(dry_run):
     out, _ = dry_run
     mem = json.loads((out / "memcheck.json").read_text())
