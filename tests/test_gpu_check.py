@@ -157,9 +157,15 @@ def test_dry_run_memcheck_and_summary(dry_run):
             "entmax_vs_flash",
             "entmax_vs_adasplash",
         )
-    } | {"memory_linear", "sanitizer_clean"}
-    # no AdaSplash, no FlexAttention backward, no peak memory and no sanitizer on the CPU: unknown
-    for name in ("entmax_vs_adasplash_n4096", "gaussian_vs_flex_n4096", "memory_linear", "sanitizer_clean"):
+    } | {"gaussian_kernels_vs_flash_n4096", "memory_linear", "sanitizer_clean"}
+    # no AdaSplash, no FlexAttention backward, no CUDA graph, no peak memory and no sanitizer on the CPU
+    for name in (
+        "entmax_vs_adasplash_n4096",
+        "gaussian_vs_flex_n4096",
+        "gaussian_kernels_vs_flash_n4096",
+        "memory_linear",
+        "sanitizer_clean",
+    ):
         assert goals[name] == "unknown", name
     checks = {c["goal"]: c["status"] for c in summary["checks"]}
     assert checks == {"warm_compiles": "pass", "gpu_tests": "unknown", "memcheck_cases": "pass"}
@@ -244,7 +250,7 @@ def _bench(out: Path, name: str, case: str, rows: list[dict]) -> None:
     (out / f"bench_{name}.json").write_text(json.dumps(data))
 
 
-def _good_run(out: Path, ours_ms: float = 1.0 / 0.95 - 1e-3) -> None:
+def _good_run(out: Path, ours_ms: float = 1.0 / 0.95 - 1e-3, graph_ms: float = 0.9) -> None:
     _bench(
         out,
         "n4096",
@@ -252,6 +258,7 @@ def _good_run(out: Path, ours_ms: float = 1.0 / 0.95 - 1e-3) -> None:
         [
             _row("n4096", "softmax sdpa_flash", 1.0, 10.0),
             _row("n4096", "gaussian vitattn", ours_ms, 20.0),
+            _row("n4096", "gaussian vitattn graph", graph_ms),
             _row("n4096", "gaussian flex", 2.0),
             _row("n4096", "gaussian dense_sdpa", 1.1),
             _row("n4096", "entmax15 vitattn", 1.3, 30.0),
@@ -286,6 +293,8 @@ def test_goal_thresholds(tmp_path, ours_ms, passes):
     _good_run(tmp_path, ours_ms)
     goals = {g["goal"]: g["status"] for g in report.goals(tmp_path)}
     assert goals["gaussian_vs_flash_n4096"] == ("pass" if passes else "fail")
+    assert goals["gaussian_kernels_vs_flash_n4096"] == "pass"  # 0.9 ms against 1.0: 1.11x
+    assert "gaussian_kernels_vs_flash_n16384" not in goals  # no graph rows there
     # the Gaussian kernel against the same bias materialized (dense + SDPA) and FlexAttention, both reported
     assert goals["gaussian_vs_dense_sdpa_n4096"] == ("pass" if ours_ms < 1.1 else "fail")
     assert goals["gaussian_vs_flex_n4096"] == "pass"
@@ -295,6 +304,16 @@ def test_goal_thresholds(tmp_path, ours_ms, passes):
     assert goals["entmax_vs_flash_n16384"] == "fail"  # 6.1 > 1.3 * 4
     assert goals["memory_linear"] == "fail"  # entmax15 vitattn: 45.1 / 30 > 1.5 (gaussian: 29 / 20 passes)
     assert goals["sanitizer_clean"] == "pass"
+
+
+@pytest.mark.parametrize("graph_ms, status", [(1.0 / 0.95 - 1e-3, "pass"), (1.0 / 0.95 + 1e-3, "fail")])
+def test_kernel_goal_reads_the_graph_row(tmp_path, graph_ms, status):
+    report = _report()
+    _good_run(tmp_path, ours_ms=2.0, graph_ms=graph_ms)
+    goals = {g["goal"]: g for g in report.goals(tmp_path)}
+    assert goals["gaussian_vs_flash_n4096"]["status"] == "fail"
+    assert goals["gaussian_kernels_vs_flash_n4096"]["status"] == status
+    assert "vitattn graph" in goals["gaussian_kernels_vs_flash_n4096"]["detail"]
 
 
 def test_a_wrong_vitattn_row_fails_its_goals_and_a_wrong_or_unranked_peer_gives_no_verdict(tmp_path):
