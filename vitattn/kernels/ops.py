@@ -88,11 +88,11 @@ def kernels() -> dict[str, Any]:
 
 
 def launch_device(tensors: Iterable[Any]) -> torch.device | None:
-    """The device of the first CUDA tensor among ``tensors`` (``None`` if none is on CUDA)."""
+    """The device of the first CUDA tensor among ``tensors`` (``None`` if none is on CUDA). Scans a
+    launch's arguments (ints and floats among them) without building a ``torch.device`` per tensor."""
     for t in tensors:
-        dev = getattr(t, "device", None)
-        if isinstance(dev, torch.device) and dev.type == "cuda":
-            return dev
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            return t.device
     return None
 
 
@@ -402,37 +402,43 @@ def tma_strides(t: torch.Tensor) -> list[int] | None:
     return [*out, 1]
 
 
-def kv_tma(launch: KernelLaunch) -> bool:
-    """Whether the softmax forward loads its K / V tiles by TMA: sm_90 and newer (and in the
-    interpreter, which runs that path) for K and V that :func:`tma_strides` accepts; ``VITATTN_KV_TMA=0``
-    forces pointers."""
+def kv_tma(launch: KernelLaunch) -> tuple[list[int], list[int]] | None:
+    """K's and V's :func:`tma_strides` where the softmax forward loads their tiles by TMA: sm_90 and newer
+    (and in the interpreter, which runs that path) for K and V that it accepts; else ``None``.
+    ``VITATTN_KV_TMA=0`` forces pointers."""
     if os.environ.get(KV_TMA_ENV, "") == "0":
-        return False
+        return None
     if not interpret_requested() and device_arch([launch.q]) < 90:
-        return False
-    return tma_strides(launch.k) is not None and tma_strides(launch.v) is not None
+        return None
+    k_strides, v_strides = tma_strides(launch.k), tma_strides(launch.v)
+    if k_strides is None or v_strides is None:
+        return None
+    return k_strides, v_strides
 
 
-def kv_descriptors(launch: KernelLaunch) -> list[Any]:
+def kv_descriptors(launch: KernelLaunch, strides: tuple[list[int], list[int]]) -> list[Any]:
     """``[KT, VT, KG, VG]`` (:class:`PerTile` tensor descriptors, see the softmax forward): K and V as
     ``(B, H, Nk, D)`` in blocks of ``BLOCK_N`` keys and, with a Gaussian bias, their patch keys as
-    ``(B, H, gh, gw, D)`` in blocks of ``NR`` grid rows x ``TILE_W`` columns (:meth:`GridKeys.tile_w`)."""
+    ``(B, H, gh, gw, D)`` in blocks of ``NR`` grid rows x ``TILE_W`` columns (:meth:`GridKeys.tile_w`).
+    ``strides``: K's and V's, from :func:`kv_tma`."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    kv = (
+        (launch.k, block_dim(launch.q.shape[3]), strides[0]),
+        (launch.v, block_dim(launch.v.shape[3]), strides[1]),
+    )
     out: list[Any] = []
-    for t, bd in ((launch.k, block_dim(launch.q.shape[3])), (launch.v, block_dim(launch.v.shape[3]))):
-        strides = tma_strides(t)
-        assert strides is not None
+    for t, bd, ts in kv:
 
-        def flat_desc(bm: int, bn: int, t: torch.Tensor = t, s: list[int] = strides, bd: int = bd) -> Any:
+        def flat_desc(bm: int, bn: int, t: torch.Tensor = t, s: list[int] = ts, bd: int = bd) -> Any:
             return TensorDescriptor(t, list(t.shape), s, [1, 1, bn, bd])
 
         out.append(PerTile(flat_desc))
     keys = launch.grid_keys("fwd_softmax")
     if keys is not None:
         p, gw = launch.num_prefix, launch.grid_w
-        for t, bd in ((launch.k, block_dim(launch.q.shape[3])), (launch.v, block_dim(launch.v.shape[3]))):
-            s_b, s_h, s_n, _ = tma_strides(t)  # type: ignore[misc]
+        for t, bd, ts in kv:
+            s_b, s_h, s_n, _ = ts
             shape = [t.shape[0], t.shape[1], (t.shape[2] - p) // gw, gw, t.shape[3]]
 
             def grid_desc(
@@ -1018,8 +1024,9 @@ def _forward(
     elif name == "fwd_softmax":
         del meta["WINDOW"]
         meta.update(launch.grid_flags())
-        meta["KV_TMA"] = tma = kv_tma(launch)
-        descs = kv_descriptors(launch) if tma else []
+        tma = kv_tma(launch)
+        meta["KV_TMA"] = tma is not None
+        descs = kv_descriptors(launch, tma) if tma is not None else []
         head += descs + [dummy] * (4 - len(descs))
     args = [*head, *launch.strides(), *launch.scalars()]
     if name == "fwd_softmax":
