@@ -94,7 +94,8 @@ def call(path: str, mode: str, shape: tuple[int, int, int, int] = SHAPE) -> Call
     return lambda: torch.autograd.grad(forward(), leaves, grad)
 
 
-def _sdpa() -> Callable[[], object]:
+def reference_call() -> Callable[[], object]:
+    """The suites' reference: one SDPA call on tiny CPU tensors (:data:`REFERENCE`)."""
     q = torch.randn(1, 1, 16, 16)
     return lambda: F.scaled_dot_product_attention(q, q, q)
 
@@ -125,7 +126,7 @@ def host_suite(quick: bool = False) -> SuiteResult:
     notes = []
     with stubbed_kernels():
         for mode in MODES:
-            impls: dict[str, Callable[[], object]] = {REFERENCE: _sdpa()}
+            impls: dict[str, Callable[[], object]] = {REFERENCE: reference_call()}
             impls.update({f"vitattn {path}": call(path, mode) for path in PATHS})
             case = f"host {mode} {'x'.join(map(str, SHAPE))}"
             rows += timed_rounds(case, impls, rounds=5, min_run_time=0.2, quick=quick)
