@@ -22,6 +22,8 @@ if "triton" not in sys.modules:
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from vitattn.functional import GaussianBias, attention
 from vitattn.kernels import configs
@@ -214,3 +216,41 @@ def test_tile_lists_of_tiles_finer_than_a_cell():
     assert order[0, 0, :2].tolist() == [4, 5] and order[0, 1, :2].tolist() == [0, 1]
     order, count = ops.tile_lists(live, half, half, n_q, n_k, by_cols=False)
     assert order.shape == (1, 6, 4) and count.tolist() == [[2, 2, 0, 0, 2, 2]]
+
+
+@given(
+    rows=st.integers(1, 6),
+    cols=st.integers(1, 6),
+    block_rows=st.sampled_from([0.5, 1, 2, 4]),
+    block_cols=st.sampled_from([0.5, 1, 2, 4]),
+    cut_rows=st.integers(0, 15),
+    cut_cols=st.integers(0, 15),
+    by_cols=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_tile_lists_match_the_cells_each_tile_overlaps(
+    rows, cols, block_rows, block_cols, cut_rows, cut_cols, by_cols, seed
+):
+    """Against a direct reading of the rule: a tile of tokens ``[t * block, min((t + 1) * block, n))`` is
+    live when a cell of the map overlapping it is (any tile side: coarser than a cell, or finer)."""
+    grain = ops.live_grain()
+    bm, bn = int(block_rows * grain), int(block_cols * grain)
+    n_q, n_k = max(rows * grain - cut_rows, 1), max(cols * grain - cut_cols, 1)
+    live = (torch.rand(2, 1, rows, cols, generator=torch.Generator().manual_seed(seed)) < 0.3).to(torch.uint8)
+    order, count = ops.tile_lists(live, bm, bn, n_q, n_k, by_cols)
+
+    def covers(t: int, block: int, n: int) -> range:
+        return range(t * block // grain, (min((t + 1) * block, n) - 1) // grain + 1)
+
+    q_tiles, k_tiles = -(-n_q // bm), -(-n_k // bn)
+    for b in range(2):
+        want = [
+            [bool(live[b, 0][covers(i, bm, n_q)][:, covers(j, bn, n_k)].any()) for j in range(k_tiles)]
+            for i in range(q_tiles)
+        ]
+        if by_cols:
+            want = [list(col) for col in zip(*want, strict=True)]
+        for prog, marked in enumerate(want):
+            listed = [j for j, m in enumerate(marked) if m]
+            assert count[b, prog].item() == len(listed)
+            assert order[b, prog, : len(listed)].tolist() == listed

@@ -904,11 +904,17 @@ def _pool_cells(cells: torch.Tensor, dim: int, block: int, n: int) -> torch.Tens
     non-zero where marked."""
     grain = live_grain()
     cells = cells.movedim(dim, -1)
-    cells = cells.repeat_interleave(max(grain // block, 1), dim=-1)
+    if grain > block:  # each cell covers several tiles
+        cells = cells.repeat_interleave(grain // block, dim=-1)
     per = max(block // grain, 1)
-    tiles = -(-n // block)
-    cells = torch.nn.functional.pad(cells, (0, max(tiles * per - cells.shape[-1], 0)))[..., : tiles * per]
-    return cells.unflatten(-1, (tiles, per)).amax(-1).movedim(-1, dim)
+    want = -(-n // block) * per  # cells (or sub-cells) of the tiles, padded to whole tiles
+    if cells.shape[-1] < want:
+        cells = torch.nn.functional.pad(cells, (0, want - cells.shape[-1]))
+    elif cells.shape[-1] > want:
+        cells = cells[..., :want]
+    if per > 1:
+        cells = cells.unflatten(-1, (want // per, per)).amax(-1)
+    return cells.movedim(-1, dim)
 
 
 def grid_key_tiles(grid: GridKeys, n_k: int, block_m: int, block_n: int, by_chunks: bool) -> torch.Tensor:
