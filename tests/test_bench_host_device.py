@@ -48,3 +48,5 @@ def test_bad_counts_are_refused():
         host_device.host_times("vit_b", dry=True, calls=0)
     with pytest.raises(ValueError, match="calls and top must be >= 1"):
         host_device.host_profile("vit_b", dry=True, top=0)
+    with pytest.raises(ValueError, match=r"case_name must be one of .*'vit_b'.*got 'vit-b'"):
+        host_device.host_times("vit-b", dry=True)

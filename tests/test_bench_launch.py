@@ -83,3 +83,10 @@ def test_the_stand_in_refuses_the_interpreter(monkeypatch):
     monkeypatch.setattr(ops, "interpret_requested", lambda: True)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET unset"), launch.stand_in_launches():
         pass
+
+
+def test_an_unknown_path_is_refused():
+    from vitattn.bench import launch
+
+    with pytest.raises(ValueError, match="path must be one of .*got 'gauss'"):
+        launch.recorded_launches("gauss")

@@ -47,6 +47,13 @@ def _impls(device: str) -> dict[str, Impl]:
     return {name: found[name] for name in ROWS}
 
 
+def _case(name: str) -> Any:
+    """The kernels benchmark's case ``name``, or a ``ValueError`` naming the known ones."""
+    if name not in CASES:
+        raise ValueError(f"case_name must be one of {sorted(CASES)}, got {name!r}")
+    return CASES[name]
+
+
 def _launches(dry: bool) -> contextlib.AbstractContextManager[None]:
     """Real launches on the device; in a dry run, the ``host`` suite's stubbed kernels."""
     return stubbed_kernels() if dry else contextlib.nullcontext()
@@ -58,7 +65,7 @@ def host_times(case_name: str, *, dry: bool = False, calls: int = 50) -> list[di
     with ``dry``)."""
     if calls < 1:
         raise ValueError(f"calls must be >= 1, got {calls}")
-    case = CASES[case_name]
+    case = _case(case_name)
     device = "cpu" if dry else "cuda"
     shape = case.dry_shape if dry else case.shape
     x = make_inputs(shape, device, torch.float32 if dry else torch.bfloat16)
@@ -103,7 +110,7 @@ def host_profile(case_name: str, *, dry: bool = False, calls: int = 20, top: int
     call (the profiler's overhead included)."""
     if calls < 1 or top < 1:
         raise ValueError(f"calls and top must be >= 1, got calls={calls}, top={top}")
-    case = CASES[case_name]
+    case = _case(case_name)
     device = "cpu" if dry else "cuda"
     shape = case.dry_shape if dry else case.shape
     x = make_inputs(shape, device, torch.float32 if dry else torch.bfloat16)

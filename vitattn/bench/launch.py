@@ -107,6 +107,8 @@ def recorded_launches(path: str) -> list[Any]:
     bf16 (the Gaussian one with a class token and the :data:`~vitattn.bench.host.GRID` grid)."""
     from ..kernels import ops
 
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     b, h, n, d = SHAPE
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(SHAPE, generator=gen).to(DTYPE) for _ in range(3))

@@ -901,7 +901,7 @@ def _pool_cells(cells: torch.Tensor, dim: int, block: int, n: int) -> torch.Tens
     """``cells`` (dimension ``dim`` in cells of :func:`live_grain` tokens, ``n`` tokens) pooled into tiles
     of ``block`` tokens along ``dim``: a tile is marked when a cell it covers is, or (a tile finer than a
     cell: sm_90's 16-query dK/dV and 16-key dQ tiles) the cell it lies in: ``cdiv(n, block)`` along ``dim``,
-    non-zero where marked."""
+    non-zero where marked; a view of ``cells`` where the tiles are its cells."""
     grain = live_grain()
     cells = cells.movedim(dim, -1)
     if grain > block:  # each cell covers several tiles
