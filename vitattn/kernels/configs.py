@@ -121,11 +121,26 @@ _SOFTMAX_FWD_80 = (
     TileConfig(64, 32, 4, 3, max_head_dim_fp32=64),
     TileConfig(64, 32, 4, 2),
 )
+# sm_80 has 255 registers a thread and no wgmma to hold the scores: at head dim 128 the larger tiles spilled
+# inside their key loops (the full report: 1-85 local loads per iteration), so they serve head dim 64 there
+# and a 32 x 32 tile, clear of spills in every variant, serves 128 (docs/kernels.md, "sm_80 spills").
+# entmax-1.5: 128 x 32 spilled in its loop with a mask, 64 x 32 with a Gaussian bias or a window and a bias.
 _ENTMAX_FWD_80 = (
     TileConfig(128, 64, 8, 2, max_head_dim=64),
     TileConfig(64, 64, 4, 2, max_head_dim=64),
-    TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
-    TileConfig(64, 32, 4, 2),
+    TileConfig(128, 32, 8, 2, max_head_dim_fp32=64, max_head_dim_masked=64),
+    TileConfig(64, 32, 4, 2, max_head_dim_gauss=64, max_head_dim_window=64),
+    TileConfig(32, 32, 4, 2),
+)
+# alpha-entmax (three powers per score): at head dim 128 both 32-key tiles spilled in their loops with any
+# bias or with a window (which no launch trait tells apart from a plain call), at head dim 64 the 64-key
+# tiles with a window and a Gaussian bias
+_ALPHA_FWD_80 = (
+    TileConfig(128, 64, 8, 2, max_head_dim=64, max_head_dim_alpha=0),
+    TileConfig(64, 64, 4, 2, max_head_dim=64, max_head_dim_alpha=0),
+    TileConfig(128, 32, 8, 2, max_head_dim=64),
+    TileConfig(64, 32, 4, 2, max_head_dim=64),
+    TileConfig(32, 32, 4, 2),
 )
 _BWD_DKDV_80 = (
     TileConfig(32, 64, 4, 2, max_head_dim=64),
@@ -133,11 +148,14 @@ _BWD_DKDV_80 = (
     TileConfig(32, 32, 4, 2),
     TileConfig(64, 32, 4, 3, max_head_dim_fp32=64),
 )
+# dQ: the 64-key tiles spilled in their loops with alpha-entmax or a window, and a bias (head dim 64); at head
+# dim 128, 64 x 32 did there too and 128 x 32 with a mask (its gradient tile)
 _BWD_DQ_80 = (
-    TileConfig(64, 64, 4, 2, max_head_dim=64, max_head_dim_masked=0),
-    TileConfig(128, 64, 8, 2, max_head_dim=64, max_head_dim_masked=0),
-    TileConfig(64, 32, 4, 2),
-    TileConfig(128, 32, 8, 2, max_head_dim_fp32=64),
+    TileConfig(64, 64, 4, 2, max_head_dim=64, max_head_dim_masked=0, max_head_dim_alpha=0),
+    TileConfig(128, 64, 8, 2, max_head_dim=64, max_head_dim_masked=0, max_head_dim_alpha=0),
+    TileConfig(64, 32, 4, 2, max_head_dim_alpha=64),
+    TileConfig(128, 32, 8, 2, max_head_dim_fp32=64, max_head_dim_masked=64),
+    TileConfig(32, 32, 4, 2),
 )
 AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
     90: {
@@ -227,11 +245,11 @@ AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
             TileConfig(64, 16, 4, 3),
         ),
     },
-    # sm_80: the list kernels share the grid-aligned kernels' tiles, alpha-entmax entmax-1.5's
+    # sm_80: the list kernels share the grid-aligned kernels' tiles; alpha-entmax has its own forward tiles
     80: {
         "fwd_softmax": _SOFTMAX_FWD_80,
         "fwd_entmax15": _ENTMAX_FWD_80,
-        "fwd_entmax_alpha": _ENTMAX_FWD_80,
+        "fwd_entmax_alpha": _ALPHA_FWD_80,
         "bwd_dkdv": _BWD_DKDV_80,
         "bwd_dq": _BWD_DQ_80,
         "fwd_softmax_lists": _SOFTMAX_FWD_80,
