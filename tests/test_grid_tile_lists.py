@@ -3,7 +3,8 @@ window) from the forward's live map, against a brute-force reading of the same m
 and maps drawn by hypothesis. The key tiles are written out here from their description in
 ``docs/kernels.md`` (the prefix tokens' tiles, then the tiles of ``NR`` grid rows of each chunk of
 ``TILE_W`` grid columns; dQ chunk by chunk, dK/dV row by row), the map's key axis from ``ops.live_shape``'s
-(the prefix tokens, then the grid padded to ``GWP`` columns from the next cell). No kernel runs.
+(the prefix tokens, then the grid padded to ``GWP`` columns from the next cell). The list kernel that
+builds them in one launch runs in the interpreter (the child run when triton is compiled here).
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ def query_cells(tile: int, block_m: int, n_cells: int, grain: int) -> list[int]:
     return [c for c in range(first, first + max(block_m // grain, 1)) if c < n_cells]
 
 
+@pytest.mark.parametrize(
+    "builder",
+    [
+        pytest.param("grid_tile_lists", id="torch"),
+        pytest.param("live_grid_lists", id="kernel", marks=pytest.mark.triton_interpreter),
+    ],
+)
 @settings(max_examples=40, deadline=None)
 @given(
     prefix=st.sampled_from([0, 1, 2, 5, 33]),
@@ -57,7 +65,11 @@ def query_cells(tile: int, block_m: int, n_cells: int, grain: int) -> list[int]:
     density=st.sampled_from([0.0, 0.05, 0.3, 1.0]),
     seed=st.integers(0, 2**16),
 )
-def test_lists_hold_the_tiles_meeting_a_marked_cell(prefix, gw, rows, n_q, tile, by_keys, density, seed):
+def test_lists_hold_the_tiles_meeting_a_marked_cell(
+    builder, prefix, gw, rows, n_q, tile, by_keys, density, seed
+):
+    """The torch reference (``ops.grid_tile_lists``) and the list kernel (``ops.live_grid_lists``, one
+    launch, run by the interpreter) against the brute-force reading."""
     block_m, block_n = tile
     n_k = prefix + rows * gw
     grain = ops.live_grain()
@@ -66,7 +78,7 @@ def test_lists_hold_the_tiles_meeting_a_marked_cell(prefix, gw, rows, n_q, tile,
     live = (torch.rand(shape, generator=torch.Generator().manual_seed(seed)) < density).to(torch.uint8)
     kernel = "bwd_dkdv_entmax15" if by_keys else "bwd_dq"
     grid = ops.GridKeys(prefix, gw, kernel)
-    order, count = ops.grid_tile_lists(live, grid, n_q, n_k, block_m, block_n, by_keys)
+    order, count = getattr(ops, builder)(live, grid, n_q, n_k, block_m, block_n, by_keys)
 
     tile_w = configs.grid_tile_w(ops.grid_pad(gw), block_m, block_n, kernel)
     tiles = key_tiles(prefix, gw, rows, tile_w, block_n, by_rows=by_keys)

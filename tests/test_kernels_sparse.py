@@ -218,6 +218,14 @@ def test_tile_lists_of_tiles_finer_than_a_cell():
     assert order.shape == (1, 6, 4) and count.tolist() == [[2, 2, 0, 0, 2, 2]]
 
 
+# the lists' two builders: the torch reference, and the kernel of one launch (kernels/tile_lists.py)
+BUILDERS = [
+    pytest.param("tile_lists", id="torch"),
+    pytest.param("live_lists", id="kernel", marks=interpreted),
+]
+
+
+@pytest.mark.parametrize("builder", BUILDERS)
 @given(
     rows=st.integers(1, 6),
     cols=st.integers(1, 6),
@@ -229,15 +237,17 @@ def test_tile_lists_of_tiles_finer_than_a_cell():
     seed=st.integers(0, 2**16),
 )
 def test_tile_lists_match_the_cells_each_tile_overlaps(
-    rows, cols, block_rows, block_cols, cut_rows, cut_cols, by_cols, seed
+    builder, rows, cols, block_rows, block_cols, cut_rows, cut_cols, by_cols, seed
 ):
     """Against a direct reading of the rule: a tile of tokens ``[t * block, min((t + 1) * block, n))`` is
-    live when a cell of the map overlapping it is (any tile side: coarser than a cell, or finer)."""
+    live when a cell of the map overlapping it is (any tile side: coarser than a cell, or finer); the
+    torch reference (``ops.tile_lists``) and the list kernel (``ops.live_lists``, one launch) alike, on
+    two heads whose maps differ."""
     grain = ops.live_grain()
     bm, bn = int(block_rows * grain), int(block_cols * grain)
     n_q, n_k = max(rows * grain - cut_rows, 1), max(cols * grain - cut_cols, 1)
     live = (torch.rand(2, 1, rows, cols, generator=torch.Generator().manual_seed(seed)) < 0.3).to(torch.uint8)
-    order, count = ops.tile_lists(live, bm, bn, n_q, n_k, by_cols)
+    order, count = getattr(ops, builder)(live, bm, bn, n_q, n_k, by_cols)
 
     def covers(t: int, block: int, n: int) -> range:
         return range(t * block // grain, (min((t + 1) * block, n) - 1) // grain + 1)

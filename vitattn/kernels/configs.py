@@ -341,6 +341,8 @@ DQ_ROW_PAIR_BY_ARCH: dict[int, bool] = {80: False, 90: True}
 # The row-term kernels of the backward (delta, the Gaussian row terms) need no tuning.
 DELTA_ROWS = 64
 ROW_TERMS_ROWS = 128
+# entmax-1.5's tile-list kernel (kernels/tile_lists.py): its launch, which the static report compiles
+LIST_WARPS, LIST_STAGES = 4, 1
 
 # Under TRITON_INTERPRET=1 (CPU, numpy) small tiles keep the tests fast and every edge ragged.
 INTERPRET = TileConfig(32, 32, 4, 1)

@@ -46,6 +46,7 @@ _MODULES = (
     "entmax_alpha",
     "backward",
     "backward_lists",
+    "tile_lists",
 )
 _KERNEL_ATTRS = {
     "fwd_softmax": ("softmax", "_fwd_softmax_kernel"),
@@ -60,6 +61,8 @@ _KERNEL_ATTRS = {
     "bwd_rows": ("backward_lists", "_bwd_rows_kernel"),
     "bwd_dkdv_lists": ("backward_lists", "_bwd_dkdv_kernel"),
     "bwd_dq_lists": ("backward_lists", "_bwd_dq_kernel"),
+    # entmax-1.5's backward tile lists, from the forward's live-tile map (live_lists, live_grid_lists)
+    "tile_lists": ("tile_lists", "_tile_lists_kernel"),
 }
 _KERNELS: dict[bool, dict[str, Any]] = {}  # interpreter setting -> kernels, resolved once each
 
@@ -983,6 +986,128 @@ def grid_tile_lists(
     return windows.compact(sections.flatten(1, 2))
 
 
+# ---- the backward's tile lists in one launch (kernels/tile_lists.py) ---------------------------------------
+
+_LIST_TABLES: dict[tuple[Any, ...], torch.Tensor] = {}
+LIST_CHUNK = 64  # inner tiles the list kernel reads per step
+
+
+def _padded_table(cells: torch.Tensor) -> torch.Tensor:
+    """int32 ``cells`` (tiles, k) widened to a power of two with -1 (the kernel's ``tl.arange``)."""
+    width = next_pow2(max(cells.shape[1], 1))
+    pad = cells.new_full((cells.shape[0], width - cells.shape[1]), -1)
+    return torch.cat([cells, pad], dim=1).to(torch.int32).contiguous()
+
+
+def _token_tile_cells(block: int, n: int, cells: int, device: torch.device) -> torch.Tensor:
+    """int32 ``(cdiv(n, block), k)``: the live map's cells (``cells`` of them along the axis) that each
+    tile of ``block`` tokens covers, -1 past the map or the tile; a tile finer than a cell takes the cell it
+    lies in (the rule of :func:`_pool_cells`). Built by device ops (no host copy: a first call may come
+    during a CUDA-graph capture), cached per geometry and device."""
+    grain = live_grain()
+    key = ("tokens", block, n, cells, grain, device)
+    found = _LIST_TABLES.get(key)
+    if found is None:
+        tile = torch.arange(cdiv(n, block), device=device).view(-1, 1)
+        part = torch.arange(max(block // grain, 1), device=device).view(1, -1)
+        cell = (tile * block + part * grain) // grain
+        found = _LIST_TABLES[key] = _padded_table(torch.where(cell < cells, cell, -1))
+    return found
+
+
+def _grid_tile_cells(
+    grid: GridKeys, n_k: int, block_m: int, block_n: int, by_keys: bool, cells: int, device: torch.device
+) -> torch.Tensor:
+    """int32 ``(grid-aligned key tiles, k)``: the live map's key cells holding a key of each tile
+    (:func:`_grid_members`' columns, in the same order), -1 past them. Built on the host and copied once
+    per layout, tile and device, as :func:`_grid_members` is."""
+    grain = live_grain()
+    key = ("grid", grid, n_k, block_m, block_n, by_keys, cells, grain, device)
+    found = _LIST_TABLES.get(key)
+    if found is None:
+        member = _grid_members(grid, n_k, block_m, block_n, by_keys, cells, torch.device("cpu")).T > 0
+        count = member.sum(1, keepdim=True)
+        order = torch.argsort((~member).to(torch.uint8), dim=1, stable=True)[:, : max(int(count.max()), 1)]
+        used = torch.arange(order.shape[1]).view(1, -1) < count
+        found = _LIST_TABLES[key] = _padded_table(torch.where(used, order, -1)).to(device)
+    return found
+
+
+def _sections(first: int, count: int, chunks: int, device: torch.device) -> torch.Tensor:
+    """int32 ``(1 + chunks, 2)`` on ``device``: each section's first inner tile and count, the first
+    ``[0, first)``, then ``chunks`` of ``count`` tiles from ``first`` on. Device ops, cached."""
+    key = ("sections", first, count, chunks, device)
+    found = _LIST_TABLES.get(key)
+    if found is None:
+        c = torch.arange(chunks + 1, device=device)
+        start = torch.where(c == 0, 0, first + (c - 1) * count)
+        found = _LIST_TABLES[key] = torch.stack([start, torch.where(c == 0, first, count)], 1).to(torch.int32)
+    return found
+
+
+def _build_lists(
+    live: torch.Tensor,
+    outer: torch.Tensor,
+    inner: torch.Tensor,
+    sections: torch.Tensor,
+    outer_keys: bool,
+    n_list_cols: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(LIST, CNT)`` by one launch of the list kernel (:mod:`.tile_lists`): per ``(b, h)``, outer tile
+    and section, the live inner tiles of ``live`` (uint8 ``(B, H, query cells, key cells)``), int32 ``(B * H,
+    outer tiles * sections, n_list_cols)`` (entries past the count unspecified) and their count. On meta
+    tensors (the ahead-of-time builder's calls) the empty outputs only."""
+    bh = live.shape[0] * live.shape[1]
+    programs = outer.shape[0] * sections.shape[0]
+    order = torch.empty((bh, programs, n_list_cols), dtype=torch.int32, device=live.device)
+    count = torch.empty((bh, programs), dtype=torch.int32, device=live.device)
+    if live.device.type == "meta" or bh * programs == 0:
+        return order, count
+    flat = live.flatten(0, 1)
+    _run_or_warm(
+        kernels()["tile_lists"],
+        (programs, bh),
+        [flat, outer, inner, sections, order, count, *flat.stride(), sections.shape[0], n_list_cols],
+        [live],
+        OUTER_KEYS=outer_keys,
+        OUTER_CELLS=outer.shape[1],
+        INNER_CELLS=inner.shape[1],
+        BLOCK_T=min(LIST_CHUNK, next_pow2(max(n_list_cols, 1))),
+        num_warps=configs.LIST_WARPS,
+        num_stages=configs.LIST_STAGES,
+    )
+    return order, count
+
+
+def live_lists(
+    live: torch.Tensor, block_rows: int, block_cols: int, n_rows: int, n_cols: int, by_cols: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tile_lists`' lists (the live tiles of each program first, in order; their count) built by
+    one kernel launch instead of torch ops; entries past a list's count are unspecified."""
+    rows = _token_tile_cells(block_rows, n_rows, live.shape[2], live.device)
+    cols = _token_tile_cells(block_cols, n_cols, live.shape[3], live.device)
+    outer, inner = (cols, rows) if by_cols else (rows, cols)
+    whole = _sections(inner.shape[0], 0, 0, live.device)
+    return _build_lists(live, outer, inner, whole, by_cols, inner.shape[0])
+
+
+def live_grid_lists(
+    live: torch.Tensor, grid: GridKeys, n_q: int, n_k: int, block_m: int, block_n: int, by_keys: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`grid_tile_lists`' lists built by one kernel launch (entries past a list's count
+    unspecified): dK/dV's (``by_keys``) per key tile, dQ's per query tile ``CH + 1`` sections."""
+    rows = _token_tile_cells(block_m, n_q, live.shape[2], live.device)
+    keys = _grid_tile_cells(grid, n_k, block_m, block_n, by_keys, live.shape[3], live.device)
+    if by_keys:
+        whole = _sections(rows.shape[0], 0, 0, live.device)
+        return _build_lists(live, keys, rows, whole, True, rows.shape[0])
+    n_pre = cdiv(grid.num_prefix, block_n)
+    chunk = grid_pad(grid.grid_w) // grid.tile_w(block_m, block_n)
+    per_chunk = (keys.shape[0] - n_pre) // chunk
+    sections = _sections(n_pre, per_chunk, chunk, live.device)
+    return _build_lists(live, rows, keys, sections, False, max(n_pre, per_chunk, 1))
+
+
 def entmax_list_cols(launch: KernelLaunch, grid: GridKeys | None, block_m: int, block_n: int) -> int:
     """The width of a row of the entmax-1.5 forward's list scratch (per query tile, its live key tiles)
     at a ``block_m x block_n`` tile: one entry per key tile, or with grid-aligned key tiles (``grid``) the
@@ -1161,7 +1286,7 @@ def _list_tile_args(
         win = launch.window_args(tile.block_m, tile.block_n, by_keys, dummy)
         if live.numel() == 0:
             return [*win[:3], 0, *win[3:]]
-        order, count = tile_lists(live, tile.block_m, tile.block_n, n_q, n_k, by_keys)
+        order, count = live_lists(live, tile.block_m, tile.block_n, n_q, n_k, by_keys)
         return [order, count, order.shape[-1], 1, *win[3:]]
 
     return tile_args
@@ -1177,7 +1302,7 @@ def _grid_list_args(
     assert grid is not None
 
     def tile_args(tile: configs.TileConfig) -> list[Any]:
-        order, count = grid_tile_lists(live, grid, n_q, n_k, tile.block_m, tile.block_n, by_keys)
+        order, count = live_grid_lists(live, grid, n_q, n_k, tile.block_m, tile.block_n, by_keys)
         return [order, count, order.shape[-1]]
 
     return tile_args

@@ -67,12 +67,16 @@ SOURCES = (
     "entmax_alpha.py",
     "backward.py",
     "backward_lists.py",
+    "tile_lists.py",
     "configs.py",
 )
 # the backward's row kernels: no tiles, no loop, no tensor cores (factors: the grid-aligned kernels' Gaussian
-# factors; rows: the list kernels' Gaussian row terms)
-ROW_PASSES = ("delta", "factors", "rows")
-ROW_KERNELS = {"delta": "bwd_delta", "factors": "bwd_factors", "rows": "bwd_rows"}
+# factors; rows: the list kernels' Gaussian row terms; lists: entmax-1.5's tile lists from its live map)
+ROW_PASSES = ("delta", "factors", "rows", "lists")
+ROW_KERNELS = {"delta": "bwd_delta", "factors": "bwd_factors", "rows": "bwd_rows", "lists": "tile_lists"}
+# the list kernel's build: dQ's lists of 128-query tiles (4 cells of the live map) over grid-aligned key
+# tiles of up to 8 cells, 64 inner tiles a step (ops.live_grid_lists)
+LISTS_BUILD = {"OUTER_KEYS": False, "OUTER_CELLS": 4, "INNER_CELLS": 8, "BLOCK_T": 64}
 
 # The calls whose launches are compiled (their arguments, hence the JIT's specialization: integers
 # divisible by 16 and 16-byte aligned pointers marked, unit strides constant): whole tiles are a
@@ -269,6 +273,8 @@ def build_source(build: Build) -> Any:
     """The source of one build: its kernel's captured launch (:func:`launches`) at the build's tile."""
     from .. import ops
 
+    if build.pass_ == "lists":
+        return _lists_source(build)
     if build.pass_ in ROW_PASSES:
         # rows: the list kernels' Gaussian row terms (a window's backward; without one the Gaussian
         # backwards run the grid-aligned kernels, with the factors)
@@ -283,6 +289,23 @@ def build_source(build: Build) -> Any:
     bm, bn = build.config.block_m, build.config.block_n
     kwargs = dict(rec.meta, BLOCK_M=bm, BLOCK_N=bn, **rec.tile_flags(bm, bn))
     return jit_source(rec.fn, rec.args_at(bm, bn), kwargs, build.arch)
+
+
+def _lists_source(build: Build) -> Any:
+    """The list kernel's source (:data:`LISTS_BUILD`) for the arguments of a launch: meta tensors shaped
+    like the even call's live map and tables."""
+    import torch
+
+    from .. import ops
+
+    def meta(*shape: int, dt: Any = torch.int32) -> torch.Tensor:
+        return torch.empty(*shape, device="meta", dtype=dt)
+
+    live = meta(CALL_BATCH * CALL_HEADS, 64, 64, dt=torch.uint8)
+    outer, inner = meta(32, LISTS_BUILD["OUTER_CELLS"]), meta(64, LISTS_BUILD["INNER_CELLS"])
+    sections, order, count = meta(5, 2), meta(CALL_BATCH * CALL_HEADS, 160, 16), meta(CALL_BATCH * CALL_HEADS, 160)
+    args = [live, outer, inner, sections, order, count, *live.stride(), 5, 16]
+    return jit_source(ops.kernels()[ROW_KERNELS["lists"]], args, dict(LISTS_BUILD), build.arch)
 
 
 def compile_one(build: Build) -> Result:
@@ -409,6 +432,8 @@ def plan(
         rows_cfg = configs.TileConfig(configs.ROW_TERMS_ROWS, 16, 4, 1)
         builds.append(Build(arch, "-", "-", "factors", rows_cfg, head_dim, dtype))
         builds.append(Build(arch, "-", "-", "rows", rows_cfg, head_dim, dtype))
+        lists_cfg = configs.TileConfig(64, 16, configs.LIST_WARPS, configs.LIST_STAGES)
+        builds.append(Build(arch, "-", "-", "lists", lists_cfg, head_dim, dtype))
     return builds
 
 
