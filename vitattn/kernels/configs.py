@@ -117,19 +117,23 @@ _ENTMAX_FWD_90 = (
 _SOFTMAX_FWD_80 = (
     # with a mask tile at head dim 128 ptxas gave it 128 registers and a 1.3 KiB stack (2.9 KB of spills)
     TileConfig(128, 64, 8, 2, max_head_dim_fp32=64, max_head_dim_masked=64),
-    TileConfig(64, 64, 4, 2, max_head_dim_fp32=64),
+    # with a mask and bound masks it spilled in its loop (70-76 local loads per iteration at head dim 128)
+    TileConfig(64, 64, 4, 2, max_head_dim_fp32=64, max_head_dim_masked_ragged=0),
     TileConfig(64, 32, 4, 3, max_head_dim_fp32=64),
     TileConfig(64, 32, 4, 2),
+    # with bound masks at head dim 128 every larger tile spilled (outside its loop); this one did not
+    TileConfig(32, 32, 4, 2),
 )
 # sm_80 has 255 registers a thread and no wgmma to hold the scores: at head dim 128 the larger tiles spilled
 # inside their key loops (the full report: 1-85 local loads per iteration), so they serve head dim 64 there
 # and a 32 x 32 tile, clear of spills in every variant, serves 128 (docs/kernels.md, "sm_80 spills").
-# entmax-1.5: 128 x 32 spilled in its loop with a mask, 64 x 32 with a Gaussian bias or a window and a bias.
+# entmax-1.5: 128 x 32 spilled in its loop with a mask or with bound masks (a Gaussian bias), 64 x 32 with a
+# Gaussian bias, a window and a bias, or a mask and bound masks.
 _ENTMAX_FWD_80 = (
     TileConfig(128, 64, 8, 2, max_head_dim=64),
     TileConfig(64, 64, 4, 2, max_head_dim=64),
-    TileConfig(128, 32, 8, 2, max_head_dim_fp32=64, max_head_dim_masked=64),
-    TileConfig(64, 32, 4, 2, max_head_dim_gauss=64, max_head_dim_window=64),
+    TileConfig(128, 32, 8, 2, max_head_dim_fp32=64, max_head_dim_masked=64, max_head_dim_ragged=64),
+    TileConfig(64, 32, 4, 2, max_head_dim_gauss=64, max_head_dim_window=64, max_head_dim_masked_ragged=64),
     TileConfig(32, 32, 4, 2),
 )
 # alpha-entmax (three powers per score): at head dim 128 both 32-key tiles spilled in their loops with any
@@ -142,20 +146,34 @@ _ALPHA_FWD_80 = (
     TileConfig(64, 32, 4, 2, max_head_dim=64),
     TileConfig(32, 32, 4, 2),
 )
+# dK/dV with bound masks: 32 x 64 spilled in its loop with a mask (head dim 64), the 64 x 32 tiles at head
+# dim 128 with a mask, or a window and a bias
 _BWD_DKDV_80 = (
-    TileConfig(32, 64, 4, 2, max_head_dim=64),
-    TileConfig(64, 32, 4, 2),
+    TileConfig(32, 64, 4, 2, max_head_dim=64, max_head_dim_masked_ragged=0),
+    TileConfig(64, 32, 4, 2, max_head_dim_ragged=64),
     TileConfig(32, 32, 4, 2),
-    TileConfig(64, 32, 4, 3, max_head_dim_fp32=64),
+    TileConfig(64, 32, 4, 3, max_head_dim_fp32=64, max_head_dim_ragged=64),
 )
 # dQ: the 64-key tiles spilled in their loops with alpha-entmax or a window, and a bias (head dim 64); at head
-# dim 128, 64 x 32 did there too and 128 x 32 with a mask (its gradient tile)
+# dim 128, 64 x 32 did there too and 128 x 32 with a mask (its gradient tile); with bound masks both 32-key
+# tiles at head dim 128 (a mask, a Gaussian bias), and with a mask 128 x 32 and 64 x 32 at head dim 64
 _BWD_DQ_80 = (
     TileConfig(64, 64, 4, 2, max_head_dim=64, max_head_dim_masked=0, max_head_dim_alpha=0),
     TileConfig(128, 64, 8, 2, max_head_dim=64, max_head_dim_masked=0, max_head_dim_alpha=0),
-    TileConfig(64, 32, 4, 2, max_head_dim_alpha=64),
-    TileConfig(128, 32, 8, 2, max_head_dim_fp32=64, max_head_dim_masked=64),
+    TileConfig(64, 32, 4, 2, max_head_dim_alpha=64, max_head_dim_ragged=64, max_head_dim_masked_ragged=0),
+    TileConfig(
+        128,
+        32,
+        8,
+        2,
+        max_head_dim_fp32=64,
+        max_head_dim_masked=64,
+        max_head_dim_ragged=64,
+        max_head_dim_masked_ragged=0,
+    ),
     TileConfig(32, 32, 4, 2),
+    # with bound masks at head dim 128 the 32-query tiles spilled (outside their loops): 16 queries did not
+    TileConfig(16, 32, 4, 2),
 )
 AUTOTUNE_BY_ARCH: dict[int, dict[str, tuple[TileConfig, ...]]] = {
     90: {

@@ -568,7 +568,8 @@ def loop_spill_failures(rows: list[dict[str, Any]], arch: int = SPILL_ARCH, comp
         for group, need in sorted(dims.items(), key=str):
             for dim in sorted(need):
                 if not any(have >= dim for have in clean.get(group, [])):
-                    variant = "/".join(map(str, group[:3])) + (" window" if group[5] else "")
+                    variant = "/".join(map(str, group[:3])) + ("" if group[4] else " ragged")
+                    variant += " window" if group[5] else ""
                     bad.append(f"sm_{arch} {variant} at head dim {dim}: every pickable build spills")
     return bad
 
