@@ -16,6 +16,7 @@ import importlib
 import math
 import os
 import sys
+import types
 
 if "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -223,6 +224,20 @@ BUILDERS = [
     pytest.param("tile_lists", id="torch"),
     pytest.param("live_lists", id="kernel", marks=interpreted),
 ]
+
+
+def test_list_tables_built_during_a_graph_capture_are_not_cached(monkeypatch):
+    """Ops captured into a CUDA graph run only at its replays, so a table built then (its values not yet
+    written) must not serve later calls: ``ops._kept`` caches it only outside a capture."""
+    key = ("k",)
+    monkeypatch.setattr(ops, "_capturing", lambda: True)
+    cache: dict = {}
+    table = torch.zeros(2, 4, dtype=torch.int32, device="meta")
+    assert ops._kept(cache, key, table) is table and cache == {key: table}  # never CUDA: kept
+    cuda_table = types.SimpleNamespace(device=torch.device("cuda", 0))  # stands in for a CUDA tensor
+    assert ops._kept(cache, ("c",), cuda_table) is cuda_table and ("c",) not in cache
+    monkeypatch.setattr(ops, "_capturing", lambda: False)
+    assert ops._kept(cache, ("c",), cuda_table) is cuda_table and cache[("c",)] is cuda_table
 
 
 @pytest.mark.parametrize("builder", BUILDERS)

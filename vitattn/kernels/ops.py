@@ -920,22 +920,25 @@ def _pool_cells(cells: torch.Tensor, dim: int, block: int, n: int) -> torch.Tens
     return cells.movedim(-1, dim)
 
 
-def grid_key_tiles(grid: GridKeys, n_k: int, block_m: int, block_n: int, by_chunks: bool) -> torch.Tensor:
+def grid_key_tiles(
+    grid: GridKeys, n_k: int, block_m: int, block_n: int, by_chunks: bool, device: torch.device | None = None
+) -> torch.Tensor:
     """The keys of each grid-aligned key tile of ``grid.kernel`` at a ``block_m x block_n`` tile (``_common``,
-    "grid-aligned key tiles"): int64 ``(tiles, block_n)``, -1 in slots past the prefix keys, the grid
-    width or the grid rows. The prefix keys' tiles first, then the tiles of ``NR`` grid rows of each chunk of
-    ``TILE_W`` columns: chunk-major (``by_chunks``: dQ's order) or, as dK/dV's programs, row-major."""
+    "grid-aligned key tiles"): int64 ``(tiles, block_n)`` on ``device`` (the CPU by default), -1 in slots
+    past the prefix keys, the grid width or the grid rows. The prefix keys' tiles first, then the tiles of
+    ``NR`` grid rows of each chunk of ``TILE_W`` columns: chunk-major (``by_chunks``: dQ's order) or, as
+    dK/dV's programs, row-major."""
     tile_w = grid.tile_w(block_m, block_n)
     p, w = grid.num_prefix, grid.grid_w
     rows = (n_k - p) // w
     nr = block_n // tile_w
-    pre = torch.arange(-(-p // block_n) * block_n).view(-1, block_n)
+    pre = torch.arange(-(-p // block_n) * block_n, device=device).view(-1, block_n)
     pre = torch.where(pre < p, pre, -1)
     chunk, row_tile = grid_pad(w) // tile_w, -(-rows // nr)
-    ch = torch.arange(chunk).view(chunk, 1, 1, 1)
-    rt = torch.arange(row_tile).view(1, row_tile, 1, 1)
-    r = rt * nr + torch.arange(nr).view(1, 1, nr, 1)
-    c = ch * tile_w + torch.arange(tile_w).view(1, 1, 1, tile_w)
+    ch = torch.arange(chunk, device=device).view(chunk, 1, 1, 1)
+    rt = torch.arange(row_tile, device=device).view(1, row_tile, 1, 1)
+    r = rt * nr + torch.arange(nr, device=device).view(1, 1, nr, 1)
+    c = ch * tile_w + torch.arange(tile_w, device=device).view(1, 1, 1, tile_w)
     keys = torch.where((r < rows) & (c < w), p + r * w + c, -1)  # (chunk, row tile, nr, tile_w)
     if not by_chunks:
         keys = keys.transpose(0, 1)
@@ -949,16 +952,17 @@ def _grid_members(
     grid: GridKeys, n_k: int, block_m: int, block_n: int, by_keys: bool, cells: int, device: torch.device
 ) -> torch.Tensor:
     """float32 ``(cells, tiles)`` on ``device``: 1 where a cell of the live map holds a key of a
-    grid-aligned key tile (:func:`grid_key_tiles`, dQ's order unless ``by_keys``); cached (no host copy
-    after the first call of a layout and tile)."""
+    grid-aligned key tile (:func:`grid_key_tiles`, dQ's order unless ``by_keys``); built by device ops (no
+    host copy: a first call may come during a CUDA-graph capture), cached per layout and tile
+    (:func:`_kept`)."""
     key = (grid, n_k, block_m, block_n, by_keys, cells, device)
     found = _GRID_MEMBERS.get(key)
     if found is None:
         grain = live_grain()
-        keys = grid_key_tiles(grid, n_k, block_m, block_n, by_chunks=not by_keys)
+        keys = grid_key_tiles(grid, n_k, block_m, block_n, by_chunks=not by_keys, device=device)
         index = torch.where(keys < 0, cells * grain, live_key_index(keys, grid.num_prefix, grid.grid_w))
-        member = torch.zeros(keys.shape[0], cells + 1).scatter_(1, index // grain, 1.0)
-        found = _GRID_MEMBERS[key] = member[:, :cells].T.contiguous().to(device)
+        member = torch.zeros(keys.shape[0], cells + 1, device=device).scatter_(1, index // grain, 1.0)
+        found = _kept(_GRID_MEMBERS, key, member[:, :cells].T.contiguous())
     return found
 
 
@@ -992,6 +996,17 @@ _LIST_TABLES: dict[tuple[Any, ...], torch.Tensor] = {}
 LIST_CHUNK = 64  # inner tiles the list kernel reads per step
 
 
+def _kept(
+    cache: dict[tuple[Any, ...], torch.Tensor], key: tuple[Any, ...], table: torch.Tensor
+) -> torch.Tensor:
+    """``table``, stored in ``cache`` under ``key`` unless a CUDA graph is being captured: ops captured
+    are recorded, not run, so a table built then holds its values only inside the graph's replays (a
+    CPU or meta table never is: the question is not asked of CUDA there)."""
+    if table.device.type != "cuda" or not _capturing():
+        cache[key] = table
+    return table
+
+
 def _padded_table(cells: torch.Tensor) -> torch.Tensor:
     """int32 ``cells`` (tiles, k) widened to a power of two with -1 (the kernel's ``tl.arange``)."""
     width = next_pow2(max(cells.shape[1], 1))
@@ -1003,7 +1018,7 @@ def _token_tile_cells(block: int, n: int, cells: int, device: torch.device) -> t
     """int32 ``(cdiv(n, block), k)``: the live map's cells (``cells`` of them along the axis) that each
     tile of ``block`` tokens covers, -1 past the map or the tile; a tile finer than a cell takes the cell it
     lies in (the rule of :func:`_pool_cells`). Built by device ops (no host copy: a first call may come
-    during a CUDA-graph capture), cached per geometry and device."""
+    during a CUDA-graph capture), cached per geometry and device (:func:`_kept`)."""
     grain = live_grain()
     key = ("tokens", block, n, cells, grain, device)
     found = _LIST_TABLES.get(key)
@@ -1011,7 +1026,7 @@ def _token_tile_cells(block: int, n: int, cells: int, device: torch.device) -> t
         tile = torch.arange(cdiv(n, block), device=device).view(-1, 1)
         part = torch.arange(max(block // grain, 1), device=device).view(1, -1)
         cell = (tile * block + part * grain) // grain
-        found = _LIST_TABLES[key] = _padded_table(torch.where(cell < cells, cell, -1))
+        found = _kept(_LIST_TABLES, key, _padded_table(torch.where(cell < cells, cell, -1)))
     return found
 
 
@@ -1019,17 +1034,21 @@ def _grid_tile_cells(
     grid: GridKeys, n_k: int, block_m: int, block_n: int, by_keys: bool, cells: int, device: torch.device
 ) -> torch.Tensor:
     """int32 ``(grid-aligned key tiles, k)``: the live map's key cells holding a key of each tile
-    (:func:`_grid_members`' columns, in the same order), -1 past them. Built on the host and copied once
-    per layout, tile and device, as :func:`_grid_members` is."""
+    (:func:`_grid_members`' columns, in the same order), -1 past them. ``k`` is a bound read from the
+    geometry, not from the tensors (no device sync): a prefix tile covers at most ``max(block_n / grain,
+    1)`` cells, a tile of ``NR`` grid rows at most ``max(TILE_W / grain, 1)`` per row (its columns and each
+    grid row start on a cell). Device ops, cached."""
     grain = live_grain()
     key = ("grid", grid, n_k, block_m, block_n, by_keys, cells, grain, device)
     found = _LIST_TABLES.get(key)
     if found is None:
-        member = _grid_members(grid, n_k, block_m, block_n, by_keys, cells, torch.device("cpu")).T > 0
+        tile_w = grid.tile_w(block_m, block_n)
+        width = min(max(block_n // grain, 1, block_n // tile_w * max(tile_w // grain, 1)), cells)
+        member = _grid_members(grid, n_k, block_m, block_n, by_keys, cells, device).T > 0
         count = member.sum(1, keepdim=True)
-        order = torch.argsort((~member).to(torch.uint8), dim=1, stable=True)[:, : max(int(count.max()), 1)]
-        used = torch.arange(order.shape[1]).view(1, -1) < count
-        found = _LIST_TABLES[key] = _padded_table(torch.where(used, order, -1)).to(device)
+        order = torch.argsort((~member).to(torch.uint8), dim=1, stable=True)[:, :width]
+        used = torch.arange(order.shape[1], device=device).view(1, -1) < count
+        found = _kept(_LIST_TABLES, key, _padded_table(torch.where(used, order, -1)))
     return found
 
 
@@ -1041,7 +1060,9 @@ def _sections(first: int, count: int, chunks: int, device: torch.device) -> torc
     if found is None:
         c = torch.arange(chunks + 1, device=device)
         start = torch.where(c == 0, 0, first + (c - 1) * count)
-        found = _LIST_TABLES[key] = torch.stack([start, torch.where(c == 0, first, count)], 1).to(torch.int32)
+        found = _kept(
+            _LIST_TABLES, key, torch.stack([start, torch.where(c == 0, first, count)], 1).to(torch.int32)
+        )
     return found
 
 
