@@ -1045,9 +1045,9 @@ def _grid_tile_cells(
         tile_w = grid.tile_w(block_m, block_n)
         width = min(max(block_n // grain, 1, block_n // tile_w * max(tile_w // grain, 1)), cells)
         member = _grid_members(grid, n_k, block_m, block_n, by_keys, cells, device).T > 0
-        count = member.sum(1, keepdim=True)
-        order = torch.argsort((~member).to(torch.uint8), dim=1, stable=True)[:, :width]
-        used = torch.arange(order.shape[1], device=device).view(1, -1) < count
+        order, count = windows.compact(member[None])  # per tile its cells first, in order; their count
+        order = order[0, :, :width]
+        used = torch.arange(order.shape[1], device=device).view(1, -1) < count[0, :, None]
         found = _kept(_LIST_TABLES, key, _padded_table(torch.where(used, order, -1)))
     return found
 
